@@ -1,0 +1,3 @@
+from domus.cli import main
+
+raise SystemExit(main())

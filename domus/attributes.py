@@ -1,0 +1,109 @@
+"""DHT attributes: their defaults and their validation.
+
+The supervisor is the authority (it knows the services); the client calls
+``check_request`` first so that an obviously wrong attribute fails before
+anything is sent.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from domus.errors import InvalidAttribute
+from domus.keys import DEFAULT_HASH, HASH_FUNCTIONS
+from domus.storage import MEDIA, PLANNED_PLATFORMS, PLATFORMS
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+ROUTING_GRAPHS = ("chord", "bruijn")
+LOOKUP_STRATEGIES = ("D",)
+PLANNED_STRATEGIES = ("D,C,R", "C,R", "R")
+MIN_BUCKETS = 1
+MAX_BUCKETS = 1 << 24
+BUCKETS_PER_SERVICE = 64
+
+DEFAULTS: dict[str, Any] = {
+    "hash": DEFAULT_HASH,
+    "storage": "ram",
+    "platform": "python-dict",
+    "routing": "chord",
+    "lookup": "D",
+}
+KNOWN = {"name", "buckets", "hash", "storage", "platform", "routing", "lookup",
+         "routing_services", "storage_services"}
+
+
+def default_bucket_count(service_count: int) -> int:
+    """64 buckets per service, rounded up to a power of two: enough for the
+    balancer to move load in small steps."""
+    wanted = max(1, service_count) * BUCKETS_PER_SERVICE
+    return 1 << (wanted - 1).bit_length()
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise InvalidAttribute(
+            f"DHT name {name!r} is not valid: use 1 to 128 letters, digits, '_', '.' "
+            f"or '-', starting with a letter or digit")
+    return name
+
+
+def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
+    """Validate what a client asks for; return the attributes with defaults
+    filled in (bucket count and service sets may stay None: the supervisor
+    decides them)."""
+    check_name(name)
+    unknown = set(attributes) - KNOWN
+    if unknown:
+        raise InvalidAttribute(f"unknown DHT attribute(s) {sorted(unknown)}; "
+                               f"known ones are {sorted(KNOWN - {'name'})}")
+    merged = {**DEFAULTS, **{k: v for k, v in attributes.items() if v is not None}}
+    if merged["hash"] not in HASH_FUNCTIONS:
+        raise InvalidAttribute(f"hash function {merged['hash']!r} is unknown; choose one of "
+                               f"{sorted(HASH_FUNCTIONS)}")
+    medium, platform = merged["storage"], merged["platform"]
+    if medium not in MEDIA:
+        raise InvalidAttribute(f"storage medium {medium!r} is unknown; choose 'ram' or 'disk'")
+    if platform not in PLATFORMS:
+        if platform in PLANNED_PLATFORMS:
+            raise InvalidAttribute(f"storage platform {platform!r} is not available in this "
+                                   f"version; use one of {sorted(PLATFORMS)}")
+        raise InvalidAttribute(f"storage platform {platform!r} is unknown; choose one of "
+                               f"{sorted(PLATFORMS)}")
+    media, _factory = PLATFORMS[platform]
+    if medium not in media:
+        raise InvalidAttribute(f"platform {platform!r} cannot store on {medium!r}; it supports "
+                               f"{sorted(media)}")
+    if merged["routing"] not in ROUTING_GRAPHS:
+        raise InvalidAttribute(f"routing graph {merged['routing']!r} is unknown; choose one of "
+                               f"{list(ROUTING_GRAPHS)}")
+    lookup = str(merged["lookup"]).replace(" ", "").upper()
+    if lookup not in LOOKUP_STRATEGIES:
+        if lookup in PLANNED_STRATEGIES:
+            raise InvalidAttribute(f"lookup strategy {lookup!r} is not available in this "
+                                   f"version; use 'D'")
+        raise InvalidAttribute(f"lookup strategy {merged['lookup']!r} is unknown; "
+                               f"choose one of {list(LOOKUP_STRATEGIES)}")
+    merged["lookup"] = lookup
+    buckets = merged.get("buckets")
+    if buckets is not None:
+        if isinstance(buckets, bool) or not isinstance(buckets, int):
+            raise InvalidAttribute(f"bucket count must be an int, not {type(buckets).__name__}")
+        if not MIN_BUCKETS <= buckets <= MAX_BUCKETS or buckets & (buckets - 1):
+            raise InvalidAttribute(f"bucket count {buckets} must be a power of two between "
+                                   f"{MIN_BUCKETS} and {MAX_BUCKETS}")
+    for role in ("routing_services", "storage_services"):
+        services = merged.get(role)
+        if services is None:
+            continue
+        if isinstance(services, str):
+            services = [part for part in services.split(",") if part]
+        if not isinstance(services, (list, tuple)) or not all(isinstance(s, str) for s in services):
+            raise InvalidAttribute(f"{role} must be a list of service names")
+        if not services:
+            raise InvalidAttribute(f"{role} must name at least one service (or be left out "
+                                   f"to use all)")
+        if len(set(services)) != len(services):
+            raise InvalidAttribute(f"{role} names a service twice: {list(services)}")
+        merged[role] = list(services)
+    return merged

@@ -1,0 +1,351 @@
+"""The ``domus`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from domus import address as addresses
+from domus.errors import DomusError
+
+SERVICE_ADMIN = ("list", "remove")
+
+
+def _run_reactor(service: Any) -> int:
+    from twisted.internet import reactor
+    from twisted.logger import (
+        FilteringLogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        globalLogBeginner,
+        textFileLogObserver,
+    )
+
+    level = LogLevel.levelWithName(os.environ.get("DOMUS_LOG_LEVEL", "info").lower())
+    observer = FilteringLogObserver(textFileLogObserver(sys.stderr),
+                                    [LogLevelFilterPredicate(defaultLogLevel=level)])
+    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
+    failures: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            service.startService()
+        except Exception as exc:  # e.g. port in use: say so and exit non-zero
+            failures.append(exc)
+            print(f"domus: cannot start: {exc}", file=sys.stderr)
+            reactor.stop()
+
+    reactor.callWhenRunning(start)
+    reactor.addSystemEventTrigger("before", "shutdown",
+                                  lambda: None if failures else service.stopService())
+    reactor.run()
+    return 1 if failures else 0
+
+
+def cmd_supervisor(args: argparse.Namespace) -> int:
+    from domus.supervisor.server import SupervisorService
+
+    return _run_reactor(SupervisorService(listen=args.listen, data_dir=args.data_dir))
+
+
+def cmd_service(args: argparse.Namespace) -> int:
+    from domus.service.server import DomusService
+
+    overrides = {key: value for key, value in
+                 (("cores", args.cores), ("ram", args.ram), ("disk", args.disk))
+                 if value is not None}
+    return _run_reactor(DomusService(supervisor=addresses.supervisor_address(args.supervisor),
+                                     listen=args.listen, data_dir=args.data_dir, name=args.name,
+                                     heartbeat=args.heartbeat, resources=overrides))
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from domus.deploy import LocalDeployment
+
+    deployment = LocalDeployment(args.services, port=args.port, data_dir=args.data_dir,
+                                 host=args.host)
+    stopping = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        deployment.start()
+        print(f"Domus is up: supervisor at {deployment.supervisor_address}, "
+              f"{args.services} services "
+              f"({', '.join(deployment.service_address(i) for i in range(args.services))}); "
+              f"logs in {os.path.join(deployment.data_dir, 'logs')}", flush=True)
+        print(f"export DOMUS_SUPERVISOR={deployment.supervisor_address}; "
+              f"press Ctrl-C to stop", flush=True)
+        while True:
+            for name, process in [("supervisor", deployment.supervisor),
+                                  *deployment.services.items()]:
+                if process is not None and process.poll() is not None:
+                    print(f"domus up: {name} exited with code {process.returncode}; "
+                          f"see {deployment.log_path(name)}", file=sys.stderr, flush=True)
+                    if name == "supervisor":
+                        raise KeyboardInterrupt
+                    deployment.services.pop(name)
+                    break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    except DomusError as exc:
+        print(f"domus up: {exc}", file=sys.stderr)
+        deployment.stop()
+        return 1
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    deployment.stop()
+    print("Domus stopped.", flush=True)
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    from domus.client import connect
+
+    return connect(args.supervisor, timeout=args.timeout)
+
+
+def _megabytes(value: float) -> str:
+    return f"{value / 2**20:.0f}"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    supervisor = status["supervisor"]
+    lines = [f"supervisor {supervisor['address']}  version {supervisor['version']}  "
+             f"up {supervisor['uptime']:.0f}s  data {supervisor['data_dir']}", ""]
+    rows = [("SERVICE", "ADDRESS", "STATE", "ROLES", "BUCKETS (routing/storage per DHT)",
+             "REQ/S", "CPU%", "RSS MiB")]
+    for service in status["services"]:
+        load = service.get("load") or {}
+        buckets = " ".join(f"{dht}:{counts.get('routing', 0)}/{counts.get('storage', 0)}"
+                           for dht, counts in sorted(service["buckets"].items())) or "-"
+        up = service["state"] == "up"
+        rows.append((service["name"], service["address"], service["state"],
+                     ",".join(service["roles"]) or "-", buckets,
+                     f"{load.get('requests_per_s', 0):.0f}" if up else "-",
+                     f"{load.get('cpu', 0):.0f}" if up else "-",
+                     _megabytes(load.get("rss", 0)) if up else "-"))
+    lines += _table(rows)
+    lines.append("")
+    dht_rows = [("DHT", "ID", "BUCKETS", "HASH", "STORAGE", "ROUTING", "LOOKUP",
+                 "ROUTING SERVICES", "STORAGE SERVICES")]
+    for dht in status["dhts"]:
+        dht_rows.append((dht["name"], str(dht["id"]), str(dht["buckets"]), dht["hash"],
+                         f"{dht['storage']}/{dht['platform']}", dht["routing"], dht["lookup"],
+                         ",".join(dht["routing_services"]), ",".join(dht["storage_services"])))
+    lines += _table(dht_rows) if status["dhts"] else ["no DHTs"]
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+            for row in rows]
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _cluster(args) as cluster:
+        status = cluster.status()
+    print(json.dumps(status, indent=2, sort_keys=True) if args.json else format_status(status))
+    return 0
+
+
+def cmd_service_admin(args: argparse.Namespace) -> int:
+    with _cluster(args) as cluster:
+        if args.action == "list":
+            services = cluster.services()
+            if args.json:
+                print(json.dumps(services, indent=2, sort_keys=True))
+            else:
+                rows = [("SERVICE", "ADDRESS", "STATE", "ROLES")]
+                rows += [(s["name"], s["address"], s["state"], ",".join(s["roles"]) or "-")
+                         for s in services]
+                print("\n".join(_table(rows)))
+        elif args.action == "remove":
+            cluster.supervisor.call("remove_service", name=args.name)
+            print(f"removed service {args.name}")
+    return 0
+
+
+def cmd_dht(args: argparse.Namespace) -> int:
+    with _cluster(args) as cluster:
+        if args.action == "create":
+            dht = cluster.create_dht(
+                args.name, buckets=args.buckets, hash=args.hash, storage=args.storage,
+                platform=args.platform, routing=args.routing, lookup=args.lookup,
+                routing_services=_names(args.routing_services),
+                storage_services=_names(args.storage_services))
+            print(f"created DHT {dht.name!r} (id {dht.id}, {dht.bucket_count} buckets)")
+        elif args.action == "list":
+            dhts = cluster.list_dhts()
+            if args.json:
+                print(json.dumps(dhts, indent=2, sort_keys=True))
+            elif not dhts:
+                print("no DHTs")
+            else:
+                rows = [("DHT", "ID", "BUCKETS", "STORAGE", "ROUTING", "LOOKUP")]
+                rows += [(d["name"], str(d["id"]), str(d["buckets"]),
+                          f"{d['storage']}/{d['platform']}", d["routing"], d["lookup"])
+                         for d in dhts]
+                print("\n".join(_table(rows)))
+        elif args.action == "info":
+            print(json.dumps(cluster.dht_info(args.name), indent=2, sort_keys=True))
+        elif args.action == "destroy":
+            cluster.destroy_dht(args.name)
+            print(f"destroyed DHT {args.name!r}")
+    return 0
+
+
+def _names(text: str | None) -> list[str] | None:
+    return [part.strip() for part in text.split(",") if part.strip()] if text else None
+
+
+def _key(args: argparse.Namespace) -> Any:
+    if args.int_key:
+        try:
+            return int(args.key)
+        except ValueError:
+            raise SystemExit(f"domus: --int-key given but {args.key!r} is not an integer") \
+                from None
+    return args.key
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    with _cluster(args) as cluster:
+        dht = cluster.open_dht(args.dht)
+        key = _key(args)
+        if args.command == "put":
+            value = json.loads(args.value) if args.json_value else args.value
+            created = dht.put(key, value)
+            print("created" if created else "replaced")
+        elif args.command == "get":
+            missing = object()
+            value = dht.get(key, missing)
+            if value is missing:
+                print(f"domus: key {key!r} is not in DHT {args.dht!r}", file=sys.stderr)
+                return 1
+            print(json.dumps(value, default=_bytes_for_json)
+                  if not isinstance(value, str) else value)
+        elif args.command == "del":
+            if not dht.delete(key):
+                print(f"domus: key {key!r} is not in DHT {args.dht!r}", file=sys.stderr)
+                return 1
+            print("deleted")
+    return 0
+
+
+def _bytes_for_json(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    raise TypeError(type(value).__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="domus", description="Distributed hash tables for "
+                                     "cluster jobs.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def talks(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sub.add_argument("--supervisor", default=None, metavar="HOST:PORT",
+                         help="the supervisor (default: $DOMUS_SUPERVISOR, then 127.0.0.1:7700)")
+        sub.add_argument("--timeout", type=float, default=5.0,
+                         help="seconds to wait for any answer (default 5)")
+        return sub
+
+    up = commands.add_parser("up", help="run a supervisor and N services here, in the foreground")
+    up.add_argument("--services", type=int, default=3)
+    up.add_argument("--port", type=int, default=7700,
+                    help="supervisor port; services take the next N ports")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--data-dir", default="domus-data")
+    up.set_defaults(func=cmd_up)
+
+    sup = commands.add_parser("supervisor", help="run the supervisor")
+    sup.add_argument("--listen", default="127.0.0.1:7700", metavar="HOST:PORT")
+    sup.add_argument("--data-dir", required=True)
+    sup.set_defaults(func=cmd_supervisor)
+
+    svc = commands.add_parser("service", help="run a service (or: service list|remove)")
+    svc.add_argument("--supervisor", default=None, metavar="HOST:PORT")
+    svc.add_argument("--listen", required=True, metavar="HOST:PORT")
+    svc.add_argument("--data-dir", required=True)
+    svc.add_argument("--name", default=None, help="default: the listen address")
+    svc.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    svc.add_argument("--cores", type=float, default=None, help="declare cores (weight)")
+    svc.add_argument("--ram", type=int, default=None, help="declare RAM bytes (weight)")
+    svc.add_argument("--disk", type=int, default=None, help="declare disk bytes (weight)")
+    svc.set_defaults(func=cmd_service)
+
+    status = talks(commands.add_parser("status", help="services, roles, buckets and load"))
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+
+    dht = commands.add_parser("dht", help="create, list, inspect and destroy DHTs")
+    actions = dht.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = talks(actions.add_parser("create"))
+    create.add_argument("name")
+    create.add_argument("--buckets", type=int)
+    create.add_argument("--hash")
+    create.add_argument("--storage", help="medium: ram or disk")
+    create.add_argument("--platform")
+    create.add_argument("--routing", help="routing graph: chord or bruijn")
+    create.add_argument("--lookup", help="lookup strategy")
+    create.add_argument("--routing-services", help="comma-separated service names")
+    create.add_argument("--storage-services", help="comma-separated service names")
+    listing = talks(actions.add_parser("list"))
+    listing.add_argument("--json", action="store_true")
+    talks(actions.add_parser("info")).add_argument("name")
+    talks(actions.add_parser("destroy")).add_argument("name")
+    dht.set_defaults(func=cmd_dht)
+
+    for name, helptext in (("put", "store a value"), ("get", "print a value"),
+                           ("del", "delete a key")):
+        sub = talks(commands.add_parser(name, help=helptext))
+        sub.add_argument("dht")
+        sub.add_argument("key")
+        if name == "put":
+            sub.add_argument("value")
+            sub.add_argument("--json-value", action="store_true",
+                             help="parse VALUE as JSON (default: a string)")
+        sub.add_argument("--int-key", action="store_true", help="the key is an integer")
+        sub.set_defaults(func=cmd_data)
+    return parser
+
+
+def _service_admin_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="domus service")
+    actions = parser.add_subparsers(dest="action", required=True)
+    for action in SERVICE_ADMIN:
+        sub = actions.add_parser(action)
+        sub.add_argument("--supervisor", default=None, metavar="HOST:PORT")
+        sub.add_argument("--timeout", type=float, default=5.0)
+        sub.add_argument("--json", action="store_true")
+        if action == "remove":
+            sub.add_argument("name")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if len(argv) >= 2 and argv[0] == "service" and argv[1] in SERVICE_ADMIN:
+            return cmd_service_admin(_service_admin_parser().parse_args(argv[1:]))
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except DomusError as exc:
+        print(f"domus: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,479 @@
+"""The synchronous client: what a cluster job imports.
+
+    import domus
+    with domus.connect() as cluster:
+        dht = cluster.create_dht("words")
+        dht["apple"] = 3
+
+A ``Dht`` is a ``MutableMapping``.  Keys are int, str or bytes; values are
+anything msgpack encodes (tuples come back as lists).  Each operation is one
+request to the service that stores the key's bucket, found by the DHT's
+lookup strategy; the supervisor is asked only when a DHT is opened or its
+layout changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import (
+    ItemsView,
+    Iterable,
+    Iterator,
+    KeysView,
+    Mapping,
+    MutableMapping,
+    ValuesView,
+)
+from typing import Any
+
+import msgpack
+
+from domus import address as addresses
+from domus import assignment
+from domus import protocol as wire
+from domus.errors import (
+    DomusError,
+    RemoteError,
+    StorageError,
+    UnknownDht,
+    ValueTooLarge,
+    ValueTypeError,
+    WrongService,
+)
+from domus.keys import HASH_FUNCTIONS, bucket_shift, decode_key, encode_key
+from domus.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
+
+DEFAULT_TIMEOUT = 5.0
+_Member = tuple[int, int, bytes]
+_MISSING = object()
+_PUT = wire.OP_PUT
+_GET = wire.OP_GET
+_DELETE = wire.OP_DELETE
+_CONTAINS = wire.OP_CONTAINS
+_OK = wire.ST_OK
+_NOT_FOUND = wire.ST_NOT_FOUND
+_HEADER_PACK = wire.REQUEST_HEADER.pack
+_KEYED_PACK = wire.KEYED.pack
+_MAGIC = wire.REQUEST_MAGIC
+_VERSION = wire.VERSION
+
+
+def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Cluster:
+    """Connect to a deployment's supervisor: ``address`` (HOST:PORT), else
+    $DOMUS_SUPERVISOR, else 127.0.0.1:7700.  ``timeout`` bounds every call:
+    nothing waits longer before raising a clear error."""
+    cluster = Cluster(addresses.supervisor_address(address), timeout)
+    cluster.ping()
+    return cluster
+
+
+def _pack_value(value: Any) -> bytes:
+    try:
+        return msgpack.packb(value, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueTypeError(
+            f"cannot store a value of type {type(value).__name__}: {exc}. Values must be "
+            f"bytes, str, int, float, bool, None, or lists/dicts of those") from None
+
+
+def _unpack_value(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class Cluster:
+    """A connection to one Domus deployment."""
+
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.ids = RequestIds()
+        self.supervisor = SupervisorLink(address, timeout, self.ids)
+        self._channels: dict[tuple[str, str], ServiceChannel] = {}
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.supervisor.close()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    def ping(self) -> dict[str, Any]:
+        return self.supervisor.call("ping")
+
+    def channel(self, name: str, address: str) -> ServiceChannel:
+        """The (shared) channel to a service, by name and address."""
+        key = (name, address)
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = self._channels[key] = ServiceChannel(name, address, deadline=self.timeout)
+        return channel
+
+    # -- DHTs
+    def create_dht(self, name: str, *, buckets: int | None = None, hash: str | None = None,
+                   storage: str | None = None, platform: str | None = None,
+                   routing: str | None = None, lookup: str | None = None,
+                   routing_services: Iterable[str] | None = None,
+                   storage_services: Iterable[str] | None = None) -> Dht:
+        """Create a DHT and open it.  Attributes left out take their
+        defaults (see docs/api.md); service sets default to every live
+        service."""
+        from domus.attributes import check_request
+
+        attributes = {"buckets": buckets, "hash": hash, "storage": storage,
+                      "platform": platform, "routing": routing, "lookup": lookup,
+                      "routing_services": list(routing_services) if routing_services else None,
+                      "storage_services": list(storage_services) if storage_services else None}
+        attributes = {key: value for key, value in attributes.items() if value is not None}
+        check_request(name, attributes)
+        descriptor = self.supervisor.call("create_dht", name=name, attributes=attributes,
+                                          timeout=max(self.timeout, 15.0))
+        return Dht(self, descriptor)
+
+    def open_dht(self, name: str, *, lookup: str | None = None,
+                 cache: float | None = None) -> Dht:
+        """Open an existing DHT.  ``lookup`` and ``cache`` choose this
+        client's lookup strategy (only "D" in this version)."""
+        descriptor = self.supervisor.call("open_dht", name=name)
+        if lookup is not None and lookup.replace(" ", "").upper() != "D":
+            from domus.errors import InvalidAttribute
+
+            raise InvalidAttribute(f"lookup strategy {lookup!r} is not available in this "
+                                   f"version; use 'D'")
+        return Dht(self, descriptor)
+
+    def list_dhts(self) -> list[dict[str, Any]]:
+        return self.supervisor.call("list_dhts")
+
+    def dht_info(self, name: str) -> dict[str, Any]:
+        return self.supervisor.call("dht_info", name=name)
+
+    def destroy_dht(self, name: str) -> None:
+        self.supervisor.call("destroy_dht", name=name)
+
+    def services(self) -> list[dict[str, Any]]:
+        """Every registered service: name, address, state ("up",
+        "unresponsive", "down"), roles, buckets per DHT, resources, load."""
+        return self.supervisor.call("services")
+
+    def status(self) -> dict[str, Any]:
+        return self.supervisor.call("status")
+
+
+class Dht(MutableMapping):
+    """One DHT, used like a dict."""
+
+    def __init__(self, cluster: Cluster, descriptor: dict[str, Any]) -> None:
+        self.cluster = cluster
+        self._stats = {"lookups": 0, "hits": 0, "misses": 0, "refreshes": 0}
+        self._load(descriptor)
+
+    def _load(self, descriptor: dict[str, Any]) -> None:
+        self.descriptor = descriptor
+        self.name: str = descriptor["name"]
+        self.id: int = descriptor["id"]
+        self.bucket_count: int = descriptor["buckets"]
+        self._hash = HASH_FUNCTIONS[descriptor["hash"]]
+        self._shift = bucket_shift(self.bucket_count)
+        storage = descriptor["storage_services"]
+        channels = [self.cluster.channel(entry["name"], entry["address"]) for entry in storage]
+        self._storage_channels = channels
+        owners = assignment.placement([entry["count"] for entry in storage])
+        # The direct lookup: bucket -> channel, rebuilt from the counts alone.
+        self._owners: list[ServiceChannel] = [channels[index] for index in owners]
+
+    def refresh(self) -> None:
+        """Fetch the DHT's layout from the supervisor again."""
+        self._stats["refreshes"] += 1
+        try:
+            descriptor = self.cluster.supervisor.call("open_dht", name=self.name)
+        except UnknownDht:
+            raise UnknownDht(f"DHT {self.name!r} no longer exists (destroyed?); "
+                             f"create or open it again") from None
+        self._load(descriptor)
+
+    def __repr__(self) -> str:
+        return (f"<domus.Dht {self.name!r} id={self.id} buckets={self.bucket_count} "
+                f"services={len(self._storage_channels)}>")
+
+    # ------------------------------------------------------------ single keys
+    def _request(self, op: int, key: Any, value: bytes = b"") -> tuple[bytes, bytes]:
+        """One keyed request; returns (reply, encoded key).  Retries once
+        after refreshing the layout if the service says the bucket moved."""
+        encoded = encode_key(key)
+        bucket = self._hash(encoded) >> self._shift
+        self._stats["lookups"] += 1
+        for attempt in (1, 2):
+            channel = self._owners[bucket]
+            message = (_HEADER_PACK(_MAGIC, _VERSION, op, 0, self.cluster.ids.next(),
+                                    self.cluster.ids.client_id)
+                       + _KEYED_PACK(self.id, bucket, len(encoded)) + encoded + value)
+            reply = channel.request(message, self.name, bucket)
+            status = reply[2]
+            if status <= _NOT_FOUND:
+                self._stats["hits"] += 1
+                return reply, encoded
+            if status == wire.ST_NOT_OWNER and attempt == 1:
+                self._stats["misses"] += 1
+                self.refresh()
+                continue
+            raise self._error(reply, channel, bucket)
+        raise AssertionError("unreachable")
+
+    def _error(self, reply: bytes, channel: ServiceChannel, bucket: int | None) -> DomusError:
+        status = reply[2]
+        text = reply[wire.REPLY_HEADER_SIZE:].decode("utf-8", "replace")
+        where = f"service {channel.name} ({channel.address})"
+        if status == wire.ST_UNKNOWN_DHT:
+            return UnknownDht(f"DHT {self.name!r} is not on {where} any more (destroyed?): {text}")
+        if status == wire.ST_NOT_OWNER:
+            return WrongService(f"{where}: {text}", status)
+        if status == wire.ST_STORAGE_ERROR:
+            return StorageError(f"{where}, bucket {bucket}: {text}", status)
+        if status == wire.ST_TOO_LARGE:
+            return ValueTooLarge(f"{where} refused the request: {text}")
+        name = wire.STATUS_NAMES.get(status, f"status 0x{status:02x}")
+        return RemoteError(f"{where} answered {name}: {text}", status)
+
+    def put(self, key: Any, value: Any) -> bool:
+        """Store ``value`` under ``key``; True if the key was new."""
+        packed = _pack_value(value)
+        if len(packed) > wire.MAX_VALUE_BYTES:
+            raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
+                                f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
+        reply, _ = self._request(_PUT, key, packed)
+        return reply[-1:] == b"\x01"
+
+    __setitem__ = put  # type: ignore[assignment]
+
+    def __getitem__(self, key: Any) -> Any:
+        reply, _ = self._request(_GET, key)
+        if reply[2] == _NOT_FOUND:
+            raise KeyError(key)
+        return _unpack_value(reply[wire.REPLY_HEADER_SIZE:])
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        reply, _ = self._request(_GET, key)
+        if reply[2] == _NOT_FOUND:
+            return default
+        return _unpack_value(reply[wire.REPLY_HEADER_SIZE:])
+
+    def delete(self, key: Any) -> bool:
+        """Remove ``key``; True if it was there."""
+        reply, _ = self._request(_DELETE, key)
+        return reply[2] == _OK
+
+    def __delitem__(self, key: Any) -> None:
+        if not self.delete(key):
+            raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        reply, _ = self._request(_CONTAINS, key)
+        return reply[2] == _OK
+
+    # ------------------------------------------------------------ batches
+    def _group(self, encoded_keys: Iterable[bytes]) -> dict[ServiceChannel, list[_Member]]:
+        """Keys grouped by the service storing them: (position, bucket, key)."""
+        groups: dict[ServiceChannel, list[_Member]] = {}
+        hash_function, shift, owners = self._hash, self._shift, self._owners
+        for position, encoded in enumerate(encoded_keys):
+            bucket = hash_function(encoded) >> shift
+            groups.setdefault(owners[bucket], []).append((position, bucket, encoded))
+        return groups
+
+    def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
+        """Store many records, one message per service where they fit in a
+        datagram (more where they do not), pipelined.  Returns how many keys
+        were new.  Either every key and value is valid and all are sent, or
+        none is."""
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        encoded = [(encode_key(key), _pack_value(value)) for key, value in pairs]
+        for _key_bytes, value_bytes in encoded:
+            if len(value_bytes) > wire.MAX_VALUE_BYTES:
+                raise ValueTooLarge(f"a value of {len(value_bytes)} bytes is over the "
+                                    f"{wire.MAX_VALUE_BYTES}-byte limit; nothing was stored")
+        created = 0
+        for attempt in (1, 2):
+            groups = self._group(key for key, _value in encoded)
+            requests: list[tuple[ServiceChannel, bytes]] = []
+            ids = self.cluster.ids
+            for channel, members in groups.items():
+                batch: list[tuple[int, bytes, bytes]] = []
+                size = wire.BATCH_OVERHEAD
+                for position, bucket, key_bytes in members:
+                    value_bytes = encoded[position][1]
+                    entry = wire.put_entry_size(key_bytes, value_bytes)
+                    if batch and (size + entry > wire.DEFAULT_MAX_DATAGRAM
+                                  or len(batch) == wire.MAX_BATCH):
+                        requests.append((channel, wire.encode_put_many(
+                            ids.next(), ids.client_id, self.id, batch)))
+                        batch, size = [], wire.BATCH_OVERHEAD
+                    batch.append((bucket, key_bytes, value_bytes))
+                    size += entry
+                if batch:
+                    requests.append((channel, wire.encode_put_many(
+                        ids.next(), ids.client_id, self.id, batch)))
+            replies = exchange(requests, self.name)
+            self._stats["lookups"] += len(encoded)
+            self._stats["hits"] += len(encoded)
+            wrong = [index for index, reply in enumerate(replies) if reply[2] == wire.ST_NOT_OWNER]
+            for index, reply in enumerate(replies):
+                if reply[2] == _OK:
+                    created += wire.U16X2.unpack_from(reply, wire.REPLY_HEADER_SIZE)[1]
+                elif reply[2] != wire.ST_NOT_OWNER or attempt == 2:
+                    raise self._error(reply, requests[index][0], None)
+            if not wrong:
+                return created
+            # Some service no longer holds some buckets: refresh and send again
+            # (re-putting the records that did land is harmless).
+            self._stats["misses"] += 1
+            self.refresh()
+        return created
+
+    def get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
+        """Values of the keys that are present (absent keys are left out)."""
+        wanted = list(keys)
+        encoded = [encode_key(key) for key in wanted]
+        found: dict[Any, Any] = {}
+        pending = list(range(len(encoded)))
+        misses = 0
+        while pending:
+            groups = self._group(encoded[position] for position in pending)
+            requests: list[tuple[ServiceChannel, bytes]] = []
+            batches: list[list[int]] = []
+            ids = self.cluster.ids
+            for channel, members in groups.items():
+                batch: list[int] = []
+                entries: list[tuple[int, bytes]] = []
+                size = wire.BATCH_OVERHEAD
+                for local, bucket, key_bytes in members:
+                    entry = wire.get_entry_size(key_bytes)
+                    if entries and (size + entry > wire.DEFAULT_MAX_DATAGRAM
+                                    or len(entries) == wire.MAX_BATCH):
+                        requests.append((channel, wire.encode_get_many(
+                            ids.next(), ids.client_id, self.id, entries)))
+                        batches.append(batch)
+                        batch, entries, size = [], [], wire.BATCH_OVERHEAD
+                    batch.append(pending[local])
+                    entries.append((bucket, key_bytes))
+                    size += entry
+                if entries:
+                    requests.append((channel, wire.encode_get_many(
+                        ids.next(), ids.client_id, self.id, entries)))
+                    batches.append(batch)
+            replies = exchange(requests, self.name)
+            self._stats["lookups"] += len(pending)
+            self._stats["hits"] += len(pending)
+            still: list[int] = []
+            moved = False
+            for (channel, _message), batch, reply in zip(requests, batches, replies):
+                if reply[2] == wire.ST_NOT_OWNER:
+                    moved = True
+                    still.extend(batch)
+                    continue
+                if reply[2] != _OK:
+                    raise self._error(reply, channel, None)
+                values = wire.decode_get_many_reply(reply)
+                for position, value in zip(batch, values):
+                    if value is not None:
+                        found[wanted[position]] = _unpack_value(value)
+                still.extend(batch[len(values):])  # what did not fit the reply
+            if moved:
+                misses += 1
+                if misses > 1:
+                    raise WrongService(f"DHT {self.name!r}: services disagree with the "
+                                       f"supervisor about bucket owners; retry shortly")
+                self._stats["misses"] += 1
+                self.refresh()
+            pending = still
+        return found
+
+    # ------------------------------------------------------------ whole DHT
+    def __len__(self) -> int:
+        return sum(self.records_by_service().values())
+
+    def records_by_service(self) -> dict[str, int]:
+        """How many records each storage service holds of this DHT."""
+        ids = self.cluster.ids
+        requests = [(channel, wire.encode_length(ids.next(), ids.client_id, self.id))
+                    for channel in self._storage_channels]
+        counts = {}
+        for (channel, _message), reply in zip(requests, exchange(requests, self.name)):
+            if reply[2] != _OK:
+                raise self._error(reply, channel, None)
+            counts[channel.name] = wire.U64.unpack_from(reply, wire.REPLY_HEADER_SIZE)[0]
+        return counts
+
+    def _scan(self) -> Iterator[tuple[bytes, bytes]]:
+        """Every record, bucket by bucket, as raw (key, value) bytes."""
+        ids = self.cluster.ids
+        for bucket in range(self.bucket_count):
+            channel = self._owners[bucket]
+            scan_id, offset = 0, 0
+            while True:
+                reply = channel.request(wire.encode_scan(ids.next(), ids.client_id, self.id,
+                                                         bucket, scan_id, offset),
+                                        self.name, bucket)
+                if reply[2] != _OK:
+                    raise self._error(reply, channel, bucket)
+                scan_id, offset, entries = wire.decode_scan_reply(reply)
+                yield from entries
+                if offset == wire.SCAN_END:
+                    break
+
+    def __iter__(self) -> Iterator[Any]:
+        for key, _value in self._scan():
+            yield decode_key(key)
+
+    def keys(self) -> KeysView:
+        return KeysView(self)
+
+    def items(self) -> ItemsView:
+        return _ScanItems(self)
+
+    def values(self) -> ValuesView:
+        return _ScanValues(self)
+
+    def clear(self) -> None:
+        keys = list(self)
+        for key in keys:
+            self.delete(key)
+
+    def stats(self) -> dict[str, Any]:
+        """This client's lookup counters for the DHT, and its transport's
+        retries and timeouts."""
+        lookups = self._stats["lookups"]
+        return {
+            "dht": self.name,
+            "strategy": "D",
+            "lookups": {"D": {"lookups": lookups, "hits": self._stats["hits"],
+                              "misses": self._stats["misses"], "fallbacks": 0}},
+            "hops": {"mean": 1.0 if lookups else 0.0, "max": 1 if lookups else 0},
+            "refreshes": self._stats["refreshes"],
+            "retries": sum(channel.retries for channel in self._storage_channels),
+            "timeouts": sum(channel.timeouts for channel in self._storage_channels),
+        }
+
+
+class _ScanItems(ItemsView):
+    """items() in one scan, not one get per key."""
+
+    _mapping: Dht
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        for key, value in self._mapping._scan():
+            yield decode_key(key), _unpack_value(value)
+
+
+class _ScanValues(ValuesView):
+    _mapping: Dht
+
+    def __iter__(self) -> Iterator[Any]:
+        for _key, value in self._mapping._scan():
+            yield _unpack_value(value)
+
+
+__all__ = ["connect", "Cluster", "Dht"]

@@ -1,0 +1,211 @@
+"""The TCP side of the protocol, on Twisted: length-prefixed messages, both
+directions on one connection.
+
+``MessageProtocol`` is used by the supervisor (clients and services connect
+to it), by the service (its TCP port serves data requests too large for a
+datagram, and its link to the supervisor carries calls both ways) and by the
+Twisted client.  Either end may send requests on a connection; replies are
+told from requests by their magic byte and matched by request id.
+
+A request with op CONTROL carries a msgpack map ``{"op": name, ...}``; the
+``control_handler`` answers it with a msgpack-able value (or a Deferred of
+one), or raises ``ControlError``.  Any other op is passed, as raw bytes, to
+the ``data_handler`` (the service's request handler), whose reply bytes are
+sent back as they are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet import defer
+from twisted.logger import Logger
+from twisted.protocols.basic import Int32StringReceiver
+
+from domus import protocol as wire
+from domus.errors import ProtocolError
+
+log = Logger(namespace="domus.control")
+
+ControlHandler = Callable[[dict[str, Any], "MessageProtocol"], Any]
+DataHandler = Callable[[bytes, int], "bytes | None"]
+
+
+class ControlError(Exception):
+    """Raised by a control handler: sent to the caller as an error reply with
+    ``kind`` naming a class in domus.errors and ``message`` for the user."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class RemoteControlError(Exception):
+    """The far end answered a control call with an error."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class MessageProtocol(Int32StringReceiver):
+    MAX_LENGTH = wire.MAX_FRAME_BYTES
+
+    control_handler: ControlHandler | None = None
+    data_handler: DataHandler | None = None
+    call_timeout = 10.0
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[defer.Deferred, Any]] = {}
+        self._request_ids = itertools.count(1)
+        self.client_id = int.from_bytes(os.urandom(8), "big")
+        self.peer_name = ""
+        self.lost = defer.Deferred()  # fires when the connection goes away
+
+    # -- incoming
+    def stringReceived(self, frame: bytes) -> None:
+        if not frame:
+            log.warn("empty frame from {peer}", peer=self._peer())
+            return
+        if frame[0] == wire.REPLY_MAGIC:
+            self._reply_received(frame)
+            return
+        try:
+            op, request_id, _client = wire.decode_request_header(frame)
+        except ProtocolError as exc:
+            log.warn("dropping bad frame from {peer}: {error}", peer=self._peer(), error=exc)
+            self.factory_counters("malformed")
+            if len(frame) >= wire.REQUEST_HEADER_SIZE and frame[0] == wire.REQUEST_MAGIC:
+                request_id = wire.U32.unpack_from(frame, 4)[0]
+                self.sendString(wire.error_reply(wire.ST_BAD_VERSION, request_id, str(exc)))
+            return
+        if op == wire.OP_CONTROL:
+            self._control_received(frame, request_id)
+        elif self.data_handler is not None:
+            answer = self.data_handler(frame, wire.MAX_FRAME_BYTES)
+            if answer is not None:
+                self.sendString(answer)
+        else:
+            self.sendString(wire.error_reply(
+                wire.ST_UNKNOWN_OP, request_id,
+                f"op 0x{op:02x} is not served on this connection"))
+
+    def _control_received(self, frame: bytes, request_id: int) -> None:
+        try:
+            body = wire.decode_control(frame)
+        except ProtocolError as exc:
+            self.sendString(wire.reply(wire.ST_CONTROL_ERROR, request_id,
+                                       wire.pack({"error": "ProtocolError", "message": str(exc)})))
+            return
+        if self.control_handler is None:
+            self._send_control_error(request_id, "DomusError", "no control operations here")
+            return
+        result = defer.maybeDeferred(self.control_handler, body, self)
+        result.addCallbacks(lambda value: self._send_control_result(request_id, value),
+                            lambda failure: self._control_failed(request_id, body, failure))
+
+    def _send_control_result(self, request_id: int, value: Any) -> None:
+        if self.transport is not None and self.connected:
+            self.sendString(wire.reply(wire.ST_OK, request_id, wire.pack(value)))
+
+    def _control_failed(self, request_id: int, body: dict, failure: Any) -> None:
+        if failure.check(ControlError):
+            kind, message = failure.value.kind, failure.value.message
+        else:
+            log.failure("control op {op!r} failed", failure, op=body.get("op"))
+            kind, message = "DomusError", f"internal error in {body.get('op')!r}: {failure.value}"
+        if self.transport is not None and self.connected:
+            self._send_control_error(request_id, kind, message)
+
+    def _send_control_error(self, request_id: int, kind: str, message: str) -> None:
+        self.sendString(wire.reply(wire.ST_CONTROL_ERROR, request_id,
+                                   wire.pack({"error": kind, "message": message})))
+
+    def _reply_received(self, frame: bytes) -> None:
+        try:
+            status, request_id = wire.decode_reply_header(frame)
+        except ProtocolError as exc:
+            log.warn("dropping bad reply from {peer}: {error}", peer=self._peer(), error=exc)
+            return
+        pending = self._pending.pop(request_id, None)
+        if pending is None:
+            return  # timed out already
+        deferred, timer = pending
+        timer.cancel()
+        deferred.callback((status, frame))
+
+    # -- outgoing
+    def request(self, message: bytes, request_id: int,
+                timeout: float | None = None) -> defer.Deferred:
+        """Send a whole request message; the Deferred fires with
+        (status, reply frame) or fails with TimeoutError/ConnectionError."""
+        from twisted.internet import reactor
+
+        deferred: defer.Deferred = defer.Deferred()
+        timer = reactor.callLater(timeout or self.call_timeout, self._timed_out, request_id)
+        self._pending[request_id] = (deferred, timer)
+        self.sendString(message)
+        return deferred
+
+    def next_request_id(self) -> int:
+        return next(self._request_ids) & 0xFFFFFFFF
+
+    def call(self, op: str, timeout: float | None = None, **params: Any) -> defer.Deferred:
+        """Call control op ``op`` on the far end; fires with its result or
+        fails with RemoteControlError."""
+        request_id = self.next_request_id()
+        message = wire.encode_control(request_id, self.client_id, {"op": op, **params})
+        return self.request(message, request_id, timeout).addCallback(_control_result)
+
+    def _timed_out(self, request_id: int) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending[0].errback(TimeoutError(f"no reply from {self._peer()} in time"))
+
+    def connectionLost(self, reason: Any = None) -> None:
+        pending, self._pending = self._pending, {}
+        for deferred, timer in pending.values():
+            timer.cancel()
+            deferred.errback(ConnectionError(f"connection to {self._peer()} lost"))
+        if not self.lost.called:
+            self.lost.callback(None)
+
+    def lengthLimitExceeded(self, length: int) -> None:
+        log.warn("{peer} sent a {length}-byte frame, over the {limit}-byte limit; "
+                 "closing the connection", peer=self._peer(), length=length,
+                 limit=self.MAX_LENGTH)
+        self.factory_counters("oversized")
+        self.transport.loseConnection()
+
+    def factory_counters(self, name: str) -> None:
+        counters = getattr(self.factory, "counters", None)
+        if counters is not None:
+            counters[name] = counters.get(name, 0) + 1
+
+    def _peer(self) -> str:
+        if self.peer_name:
+            return self.peer_name
+        if self.transport is None:
+            return "?"
+        peer = self.transport.getPeer()
+        return f"{getattr(peer, 'host', '?')}:{getattr(peer, 'port', '?')}"
+
+
+def _control_result(answer: tuple[int, bytes]) -> Any:
+    status, frame = answer
+    body = frame[wire.REPLY_HEADER_SIZE:]
+    if status == wire.ST_OK:
+        return wire.unpack(body) if body else None
+    if status == wire.ST_CONTROL_ERROR:
+        error = wire.unpack(body)
+        raise RemoteControlError(error.get("error", "DomusError"), error.get("message", ""))
+    raise RemoteControlError("DomusError", f"unexpected reply status 0x{status:02x}: "
+                             f"{body.decode('utf-8', 'replace')}")
+
+
+__all__ = ["MessageProtocol", "ControlError", "RemoteControlError"]

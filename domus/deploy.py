@@ -1,0 +1,190 @@
+"""A local deployment: a supervisor and N services as separate processes on
+one host.  Used by ``domus up``, the demo, the benchmarks and the tests.
+
+Children get SIGTERM when this process dies (PR_SET_PDEATHSIG), so even a
+``kill -9`` of the parent leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import IO, Any
+
+from domus.errors import DomusError, SupervisorUnreachable
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    os.setpgrp()  # Ctrl-C in the terminal reaches `domus up`, which stops us in order
+
+
+def port_is_free(host: str, port: int) -> bool:
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        probe = socket.socket(socket.AF_INET, kind)
+        try:
+            if kind == socket.SOCK_STREAM:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+        except OSError:
+            return False
+        finally:
+            probe.close()
+    return True
+
+
+def free_port_block(count: int, host: str = "127.0.0.1", start: int = 20000,
+                    stop: int = 60000) -> int:
+    """A base port P with P .. P+count-1 free for TCP and UDP."""
+    base = start + (os.getpid() * 37) % (stop - start - count)
+    for _ in range(2000):
+        if all(port_is_free(host, base + offset) for offset in range(count)):
+            return base
+        base = start + (base - start + count + 13) % (stop - start - count)
+    raise DomusError(f"no block of {count} free ports on {host}")
+
+
+class LocalDeployment:
+    def __init__(self, services: int = 3, *, port: int = 7700, data_dir: str,
+                 host: str = "127.0.0.1", heartbeat: float = 1.0,
+                 log_to: IO[str] | None = None, service_args: list[str] | None = None) -> None:
+        if services < 0:
+            raise ValueError("the number of services must be >= 0")
+        self.host = host
+        self.port = port
+        self.data_dir = os.path.abspath(data_dir)
+        self.service_count = services
+        self.heartbeat = heartbeat
+        self.log_to = log_to
+        self.service_args = service_args or []
+        self.supervisor_address = f"{host}:{port}"
+        self.supervisor: subprocess.Popen | None = None
+        self.services: dict[str, subprocess.Popen] = {}
+        self._logs: list[IO[Any]] = []
+        os.makedirs(os.path.join(self.data_dir, "logs"), exist_ok=True)
+
+    # -- names and addresses
+    def service_name(self, index: int) -> str:
+        return f"s{index + 1}"
+
+    def service_address(self, index: int) -> str:
+        return f"{self.host}:{self.port + 1 + index}"
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.data_dir, "logs", f"{name}.log")
+
+    # -- processes
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        if self.log_to is not None:
+            output: Any = self.log_to
+        else:
+            output = open(self.log_path(name), "a", encoding="utf-8")  # noqa: SIM115
+            self._logs.append(output)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        return subprocess.Popen([sys.executable, "-m", "domus", *argv], stdout=output,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent, env=env)
+
+    def start_supervisor(self) -> None:
+        self.supervisor = self._spawn("supervisor", [
+            "supervisor", "--listen", self.supervisor_address,
+            "--data-dir", os.path.join(self.data_dir, "supervisor")])
+        self.wait_for_supervisor()
+
+    def start_service(self, index: int) -> None:
+        name = self.service_name(index)
+        self.services[name] = self._spawn(name, [
+            "service", "--name", name, "--supervisor", self.supervisor_address,
+            "--listen", self.service_address(index),
+            "--data-dir", os.path.join(self.data_dir, name),
+            "--heartbeat", str(self.heartbeat), *self.service_args])
+
+    def start(self, timeout: float = 30.0) -> LocalDeployment:
+        self.start_supervisor()
+        for index in range(self.service_count):
+            self.start_service(index)
+        self.wait_until_up([self.service_name(i) for i in range(self.service_count)], timeout)
+        return self
+
+    def wait_for_supervisor(self, timeout: float = 20.0) -> None:
+        from domus.client import Cluster
+
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive("supervisor", self.supervisor)
+            try:
+                with Cluster(self.supervisor_address, timeout=1.0) as cluster:
+                    cluster.ping()
+                return
+            except SupervisorUnreachable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def wait_until_up(self, names: list[str], timeout: float = 30.0) -> None:
+        from domus.client import Cluster
+
+        deadline = time.monotonic() + timeout
+        with Cluster(self.supervisor_address, timeout=2.0) as cluster:
+            while True:
+                for name in names:
+                    self._check_alive(name, self.services.get(name))
+                states = {entry["name"]: entry["state"] for entry in cluster.services()}
+                if all(states.get(name) == "up" for name in names):
+                    return
+                if time.monotonic() > deadline:
+                    raise DomusError(f"services not up after {timeout}s: "
+                                     f"{ {n: states.get(n, 'unregistered') for n in names} }")
+                time.sleep(0.05)
+
+    def _check_alive(self, name: str, process: subprocess.Popen | None) -> None:
+        if process is not None and process.poll() is not None:
+            raise DomusError(f"{name} exited with code {process.returncode} during start-up; "
+                             f"see {self.log_path(name)}")
+
+    def kill_service(self, name: str, sig: int = signal.SIGKILL) -> None:
+        process = self.services[name]
+        process.send_signal(sig)
+        process.wait(10)
+
+    def stop_supervisor(self, sig: int = signal.SIGTERM) -> None:
+        if self.supervisor is not None:
+            self.supervisor.send_signal(sig)
+            self.supervisor.wait(10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        processes = [p for p in [*self.services.values(), self.supervisor] if p is not None]
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for process in processes:
+            try:
+                process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def __enter__(self) -> LocalDeployment:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

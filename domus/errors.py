@@ -1,0 +1,103 @@
+"""Every error Domus raises on purpose.
+
+Each message says what went wrong and what to do about it.  The classes also
+derive from the matching built-in exception (``TypeError``, ``ValueError``,
+``ConnectionError``, ``LookupError``) so that generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class DomusError(Exception):
+    """Base class of every Domus error."""
+
+
+class ProtocolError(DomusError, ValueError):
+    """A message that does not follow docs/protocol.md (malformed, truncated,
+    wrong magic or version).  The codec raises nothing else on bad bytes."""
+
+
+class SupervisorUnreachable(DomusError, ConnectionError):
+    """The supervisor did not answer in time, or refused the connection."""
+
+
+class SupervisorError(DomusError):
+    """The supervisor answered, but could not do what was asked."""
+
+
+class UnknownDht(SupervisorError, LookupError):
+    """No DHT of that name (or id) exists in the deployment."""
+
+
+class DhtExists(SupervisorError):
+    """A DHT of that name already exists."""
+
+
+class InvalidAttribute(SupervisorError, ValueError):
+    """A DHT attribute has a value Domus cannot use."""
+
+
+class UnknownService(SupervisorError, LookupError):
+    """No service of that name is registered."""
+
+
+class NoServices(SupervisorError):
+    """The operation needs at least one live service and there is none."""
+
+
+class ServiceUnavailable(DomusError, ConnectionError):
+    """A service did not answer: it is dead, overloaded or unreachable.
+
+    ``service``, ``address``, ``dht`` and ``bucket`` name what was affected;
+    buckets stored elsewhere keep working.
+    """
+
+    def __init__(self, message: str, *, service: str = "", address: str = "",
+                 dht: str = "", bucket: int | None = None) -> None:
+        super().__init__(message)
+        self.service = service
+        self.address = address
+        self.dht = dht
+        self.bucket = bucket
+
+
+class RemoteError(DomusError):
+    """A service answered a data request with an error status."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class WrongService(RemoteError):
+    """The service does not hold the bucket it was asked about."""
+
+
+class StorageError(RemoteError):
+    """The service's repository failed (disk full, database error)."""
+
+
+class KeyTypeError(DomusError, TypeError):
+    """Keys must be int, str or bytes."""
+
+
+class ValueTypeError(DomusError, TypeError):
+    """Values must be something msgpack encodes (bytes, str, int, float,
+    bool, None, lists and dicts of those)."""
+
+
+class KeyTooLarge(DomusError, ValueError):
+    """The encoded key is over the protocol's key limit."""
+
+
+class ValueTooLarge(DomusError, ValueError):
+    """The encoded value is over the protocol's value limit."""
+
+
+# Names the supervisor may send back in an error reply, mapped to the class
+# the client raises.  Anything else becomes a plain SupervisorError.
+SUPERVISOR_ERRORS: dict[str, type[SupervisorError]] = {
+    cls.__name__: cls
+    for cls in (SupervisorError, UnknownDht, DhtExists, InvalidAttribute,
+                UnknownService, NoServices)
+}

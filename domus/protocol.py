@@ -1,0 +1,386 @@
+"""The Domus wire format, version 1 (docs/protocol.md is its specification).
+
+Every message is a fixed header and a body.  All integers are big-endian.
+
+Request header, 16 bytes::
+
+    u8 magic 0xD0 | u8 version | u8 op | u8 flags | u32 request id | u64 client id
+
+Reply header, 8 bytes::
+
+    u8 magic 0xD1 | u8 version | u8 status | u8 flags | u32 request id
+
+Over UDP one datagram carries one message; over TCP each message is preceded
+by its length as a u32.  This module encodes and decodes; it opens no socket.
+Decoders raise ``ProtocolError`` and nothing else on bad bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgpack
+
+from domus.errors import ProtocolError
+
+VERSION = 1
+REQUEST_MAGIC = 0xD0
+REPLY_MAGIC = 0xD1
+
+# Operations.
+OP_PUT = 0x01
+OP_GET = 0x02
+OP_DELETE = 0x03
+OP_CONTAINS = 0x04
+OP_PUT_MANY = 0x05
+OP_GET_MANY = 0x06
+OP_LENGTH = 0x07
+OP_SCAN = 0x08
+OP_PING = 0x09
+OP_STATS = 0x0A
+OP_CONTROL = 0x20
+
+OP_NAMES = {
+    OP_PUT: "put", OP_GET: "get", OP_DELETE: "delete", OP_CONTAINS: "contains",
+    OP_PUT_MANY: "put_many", OP_GET_MANY: "get_many", OP_LENGTH: "length",
+    OP_SCAN: "scan", OP_PING: "ping", OP_STATS: "stats", OP_CONTROL: "control",
+}
+# Operations that change stored data: a service answers a retry of one of
+# these from its reply cache instead of applying it again.
+CHANGING_OPS = frozenset({OP_PUT, OP_DELETE, OP_PUT_MANY})
+
+# Reply statuses.
+ST_OK = 0x00
+ST_NOT_FOUND = 0x01
+ST_MALFORMED = 0x10
+ST_BAD_VERSION = 0x11
+ST_UNKNOWN_OP = 0x12
+ST_UNKNOWN_DHT = 0x13
+ST_NOT_OWNER = 0x14
+ST_TOO_LARGE = 0x15
+ST_INACTIVE = 0x16
+ST_STORAGE_ERROR = 0x17
+ST_REPLY_TOO_LARGE = 0x18
+ST_INTERNAL = 0x1F
+ST_CONTROL_ERROR = 0x20
+
+STATUS_NAMES = {
+    ST_OK: "ok", ST_NOT_FOUND: "not found", ST_MALFORMED: "malformed request",
+    ST_BAD_VERSION: "unsupported protocol version", ST_UNKNOWN_OP: "unknown operation",
+    ST_UNKNOWN_DHT: "unknown DHT", ST_NOT_OWNER: "bucket not held here",
+    ST_TOO_LARGE: "key or value too large", ST_INACTIVE: "DHT inactive",
+    ST_STORAGE_ERROR: "storage error", ST_REPLY_TOO_LARGE: "reply too large for UDP",
+    ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
+}
+
+# Limits.  Keys are limited by domus.keys.MAX_KEY_BYTES as well.
+MAX_KEY_BYTES = 8192
+MAX_VALUE_BYTES = 16 * 1024 * 1024
+MAX_FRAME_BYTES = MAX_VALUE_BYTES + 64 * 1024   # one TCP message
+MAX_UDP_PAYLOAD = 65507                          # what IPv4 UDP can carry
+DEFAULT_MAX_DATAGRAM = 60000                     # what clients put in one
+MAX_BATCH = 0xFFFF                               # entries in one *_MANY
+SCAN_END = 0xFFFFFFFF
+MISSING = 0xFFFFFFFF
+
+REQUEST_HEADER = struct.Struct(">BBBBIQ")
+REPLY_HEADER = struct.Struct(">BBBBI")
+KEYED = struct.Struct(">IIH")        # dht id, bucket, key length
+BATCH = struct.Struct(">IH")         # dht id, entry count
+PUT_ENTRY = struct.Struct(">IHI")    # bucket, key length, value length
+GET_ENTRY = struct.Struct(">IH")     # bucket, key length
+DHT_ONLY = struct.Struct(">I")
+SCAN = struct.Struct(">IIII")        # dht id, bucket, scan id, offset
+SCAN_REPLY = struct.Struct(">IIH")   # scan id, next offset, entry count
+SCAN_ENTRY = struct.Struct(">HI")    # key length, value length
+U8 = struct.Struct(">B")
+U16 = struct.Struct(">H")
+U16X2 = struct.Struct(">HH")
+U32 = struct.Struct(">I")
+U64 = struct.Struct(">Q")
+
+REQUEST_HEADER_SIZE = REQUEST_HEADER.size
+REPLY_HEADER_SIZE = REPLY_HEADER.size
+KEYED_END = REQUEST_HEADER_SIZE + KEYED.size
+
+
+# ---------------------------------------------------------------- requests
+
+def request_header(op: int, request_id: int, client_id: int) -> bytes:
+    return REQUEST_HEADER.pack(REQUEST_MAGIC, VERSION, op, 0, request_id, client_id)
+
+
+def encode_keyed(op: int, request_id: int, client_id: int, dht_id: int,
+                 bucket: int, key: bytes, value: bytes = b"") -> bytes:
+    """PUT (with a value), GET, DELETE or CONTAINS."""
+    return (REQUEST_HEADER.pack(REQUEST_MAGIC, VERSION, op, 0, request_id, client_id)
+            + KEYED.pack(dht_id, bucket, len(key)) + key + value)
+
+
+def encode_put_many(request_id: int, client_id: int, dht_id: int,
+                    entries: Sequence[tuple[int, bytes, bytes]]) -> bytes:
+    parts = [request_header(OP_PUT_MANY, request_id, client_id),
+             BATCH.pack(dht_id, len(entries))]
+    for bucket, key, value in entries:
+        parts.append(PUT_ENTRY.pack(bucket, len(key), len(value)))
+        parts.append(key)
+        parts.append(value)
+    return b"".join(parts)
+
+
+def encode_get_many(request_id: int, client_id: int, dht_id: int,
+                    entries: Sequence[tuple[int, bytes]]) -> bytes:
+    parts = [request_header(OP_GET_MANY, request_id, client_id),
+             BATCH.pack(dht_id, len(entries))]
+    for bucket, key in entries:
+        parts.append(GET_ENTRY.pack(bucket, len(key)))
+        parts.append(key)
+    return b"".join(parts)
+
+
+def encode_length(request_id: int, client_id: int, dht_id: int) -> bytes:
+    return request_header(OP_LENGTH, request_id, client_id) + DHT_ONLY.pack(dht_id)
+
+
+def encode_scan(request_id: int, client_id: int, dht_id: int, bucket: int,
+                scan_id: int, offset: int) -> bytes:
+    return (request_header(OP_SCAN, request_id, client_id)
+            + SCAN.pack(dht_id, bucket, scan_id, offset))
+
+
+def encode_control(request_id: int, client_id: int, body: dict[str, Any]) -> bytes:
+    return request_header(OP_CONTROL, request_id, client_id) + pack(body)
+
+
+def put_entry_size(key: bytes, value: bytes) -> int:
+    return PUT_ENTRY.size + len(key) + len(value)
+
+
+def get_entry_size(key: bytes) -> int:
+    return GET_ENTRY.size + len(key)
+
+
+BATCH_OVERHEAD = REQUEST_HEADER_SIZE + BATCH.size
+
+
+def decode_request_header(data: bytes) -> tuple[int, int, int]:
+    """Return (op, request id, client id) of a request, checking magic and
+    version."""
+    if len(data) < REQUEST_HEADER_SIZE:
+        raise ProtocolError(f"request of {len(data)} bytes is shorter than its "
+                            f"{REQUEST_HEADER_SIZE}-byte header")
+    magic, version, op, _flags, request_id, client_id = REQUEST_HEADER.unpack_from(data)
+    if magic != REQUEST_MAGIC:
+        raise ProtocolError(f"bad request magic 0x{magic:02x}")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported "
+                            f"(this side speaks {VERSION})")
+    return op, request_id, client_id
+
+
+def decode_keyed(data: bytes) -> tuple[int, int, bytes, bytes]:
+    """Body of PUT/GET/DELETE/CONTAINS: (dht id, bucket, key, rest)."""
+    if len(data) < KEYED_END:
+        raise ProtocolError("keyed request truncated before its key length")
+    dht_id, bucket, key_length = KEYED.unpack_from(data, REQUEST_HEADER_SIZE)
+    key_end = KEYED_END + key_length
+    if key_end > len(data):
+        raise ProtocolError(f"key of {key_length} bytes runs past the end of "
+                            f"a {len(data)}-byte request")
+    if key_length == 0:
+        raise ProtocolError("empty key")
+    return dht_id, bucket, data[KEYED_END:key_end], data[key_end:]
+
+
+def decode_put_many(data: bytes) -> tuple[int, list[tuple[int, bytes, bytes]]]:
+    """Body of PUT_MANY: (dht id, [(bucket, key, value), ...])."""
+    size = len(data)
+    if size < BATCH_OVERHEAD:
+        raise ProtocolError("put_many truncated before its entry count")
+    dht_id, count = BATCH.unpack_from(data, REQUEST_HEADER_SIZE)
+    offset = BATCH_OVERHEAD
+    entries = []
+    unpack_entry = PUT_ENTRY.unpack_from
+    for _ in range(count):
+        if offset + PUT_ENTRY.size > size:
+            raise ProtocolError(f"put_many truncated: {len(entries)} of {count} entries")
+        bucket, key_length, value_length = unpack_entry(data, offset)
+        offset += PUT_ENTRY.size
+        key_end = offset + key_length
+        value_end = key_end + value_length
+        if value_end > size:
+            raise ProtocolError(f"put_many entry {len(entries)} runs past the end")
+        if key_length == 0:
+            raise ProtocolError(f"put_many entry {len(entries)} has an empty key")
+        entries.append((bucket, data[offset:key_end], data[key_end:value_end]))
+        offset = value_end
+    if offset != size:
+        raise ProtocolError(f"put_many has {size - offset} stray bytes after its entries")
+    return dht_id, entries
+
+
+def decode_get_many(data: bytes) -> tuple[int, list[tuple[int, bytes]]]:
+    """Body of GET_MANY: (dht id, [(bucket, key), ...])."""
+    size = len(data)
+    if size < BATCH_OVERHEAD:
+        raise ProtocolError("get_many truncated before its entry count")
+    dht_id, count = BATCH.unpack_from(data, REQUEST_HEADER_SIZE)
+    offset = BATCH_OVERHEAD
+    entries = []
+    for _ in range(count):
+        if offset + GET_ENTRY.size > size:
+            raise ProtocolError(f"get_many truncated: {len(entries)} of {count} entries")
+        bucket, key_length = GET_ENTRY.unpack_from(data, offset)
+        offset += GET_ENTRY.size
+        key_end = offset + key_length
+        if key_end > size:
+            raise ProtocolError(f"get_many entry {len(entries)} runs past the end")
+        if key_length == 0:
+            raise ProtocolError(f"get_many entry {len(entries)} has an empty key")
+        entries.append((bucket, data[offset:key_end]))
+        offset = key_end
+    if offset != size:
+        raise ProtocolError(f"get_many has {size - offset} stray bytes after its entries")
+    return dht_id, entries
+
+
+def decode_length(data: bytes) -> int:
+    if len(data) != REQUEST_HEADER_SIZE + DHT_ONLY.size:
+        raise ProtocolError("length request must carry exactly a DHT id")
+    return DHT_ONLY.unpack_from(data, REQUEST_HEADER_SIZE)[0]
+
+
+def decode_scan(data: bytes) -> tuple[int, int, int, int]:
+    """Body of SCAN: (dht id, bucket, scan id, offset)."""
+    if len(data) != REQUEST_HEADER_SIZE + SCAN.size:
+        raise ProtocolError("scan request must carry dht id, bucket, scan id, offset")
+    return SCAN.unpack_from(data, REQUEST_HEADER_SIZE)
+
+
+def decode_control(data: bytes) -> dict[str, Any]:
+    body = unpack(data[REQUEST_HEADER_SIZE:])
+    if not isinstance(body, dict) or not isinstance(body.get("op"), str):
+        raise ProtocolError("control request body must be a map with a string 'op'")
+    return body
+
+
+# ---------------------------------------------------------------- replies
+
+def reply(status: int, request_id: int, body: bytes = b"") -> bytes:
+    return REPLY_HEADER.pack(REPLY_MAGIC, VERSION, status, 0, request_id) + body
+
+
+def reply_prefix(status: int) -> bytes:
+    """The first 4 bytes of a reply with this status; the request id (the
+    request's bytes 4..8, echoed as they are) follows."""
+    return bytes((REPLY_MAGIC, VERSION, status, 0))
+
+
+def error_reply(status: int, request_id: int, message: str) -> bytes:
+    return reply(status, request_id, message.encode("utf-8", "replace")[:1024])
+
+
+def decode_reply_header(data: bytes) -> tuple[int, int]:
+    """Return (status, request id) of a reply."""
+    if len(data) < REPLY_HEADER_SIZE:
+        raise ProtocolError(f"reply of {len(data)} bytes is shorter than its header")
+    magic, version, status, _flags, request_id = REPLY_HEADER.unpack_from(data)
+    if magic != REPLY_MAGIC:
+        raise ProtocolError(f"bad reply magic 0x{magic:02x}")
+    if version != VERSION:
+        raise ProtocolError(f"reply in protocol version {version}, expected {VERSION}")
+    return status, request_id
+
+
+def encode_get_many_reply(request_id: int, values: Iterable[bytes | None]) -> bytes:
+    parts = [reply(ST_OK, request_id), b""]
+    answered = 0
+    for value in values:
+        if value is None:
+            parts.append(U32.pack(MISSING))
+        else:
+            parts.append(U32.pack(len(value)))
+            parts.append(value)
+        answered += 1
+    parts[1] = U16.pack(answered)
+    return b"".join(parts)
+
+
+def decode_get_many_reply(data: bytes) -> list[bytes | None]:
+    """Values in request order (None: absent).  A reply may answer fewer
+    entries than were asked for; the caller asks again for the rest."""
+    size = len(data)
+    offset = REPLY_HEADER_SIZE
+    if size < offset + U16.size:
+        raise ProtocolError("get_many reply truncated before its count")
+    (count,) = U16.unpack_from(data, offset)
+    offset += U16.size
+    values: list[bytes | None] = []
+    for _ in range(count):
+        if offset + U32.size > size:
+            raise ProtocolError("get_many reply truncated")
+        (length,) = U32.unpack_from(data, offset)
+        offset += U32.size
+        if length == MISSING:
+            values.append(None)
+            continue
+        end = offset + length
+        if end > size:
+            raise ProtocolError("get_many reply value runs past the end")
+        values.append(data[offset:end])
+        offset = end
+    if offset != size:
+        raise ProtocolError("get_many reply has stray bytes")
+    return values
+
+
+def encode_scan_reply(request_id: int, scan_id: int, next_offset: int,
+                      entries: Sequence[tuple[bytes, bytes]]) -> bytes:
+    parts = [reply(ST_OK, request_id), SCAN_REPLY.pack(scan_id, next_offset, len(entries))]
+    for key, value in entries:
+        parts.append(SCAN_ENTRY.pack(len(key), len(value)))
+        parts.append(key)
+        parts.append(value)
+    return b"".join(parts)
+
+
+def decode_scan_reply(data: bytes) -> tuple[int, int, list[tuple[bytes, bytes]]]:
+    """(scan id, next offset or SCAN_END, [(key, value), ...])."""
+    size = len(data)
+    offset = REPLY_HEADER_SIZE
+    if size < offset + SCAN_REPLY.size:
+        raise ProtocolError("scan reply truncated")
+    scan_id, next_offset, count = SCAN_REPLY.unpack_from(data, offset)
+    offset += SCAN_REPLY.size
+    entries = []
+    for _ in range(count):
+        if offset + SCAN_ENTRY.size > size:
+            raise ProtocolError("scan reply truncated")
+        key_length, value_length = SCAN_ENTRY.unpack_from(data, offset)
+        offset += SCAN_ENTRY.size
+        key_end = offset + key_length
+        value_end = key_end + value_length
+        if value_end > size:
+            raise ProtocolError("scan reply entry runs past the end")
+        entries.append((data[offset:key_end], data[key_end:value_end]))
+        offset = value_end
+    if offset != size:
+        raise ProtocolError("scan reply has stray bytes")
+    return scan_id, next_offset, entries
+
+
+# ---------------------------------------------------------------- msgpack
+
+def pack(obj: Any) -> bytes:
+    """msgpack for control bodies and (client side) values."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    """msgpack decoding that raises ProtocolError on bad bytes."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"bad msgpack body: {exc}") from None

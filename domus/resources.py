@@ -1,0 +1,65 @@
+"""Resources of a node (BS subsystem): what it has, and how busy it is.
+
+Base resources are measured once at start (psutil) and can be overridden,
+for nodes shared with other work.  Load is sampled on a timer and smoothed
+as an exponential moving average.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import psutil
+
+
+def base_resources(data_dir: str, cores: float | None = None, ram: int | None = None,
+                   disk: int | None = None) -> dict[str, Any]:
+    """cores, ram (bytes) and disk (free bytes under ``data_dir``)."""
+    return {
+        "hostname": socket.gethostname(),
+        "cores": cores if cores is not None else (psutil.cpu_count(logical=True) or 1),
+        "ram": ram if ram is not None else psutil.virtual_memory().total,
+        "disk": disk if disk is not None else psutil.disk_usage(data_dir).free,
+    }
+
+
+def weight(resources: dict[str, Any], role: str, medium: str = "ram") -> float:
+    """A service's weight for a role: cores for routing; RAM for storage in
+    RAM, free disk for storage on disk."""
+    if role == "routing":
+        return float(resources.get("cores") or 1)
+    if medium == "disk":
+        return float(resources.get("disk") or 1)
+    return float(resources.get("ram") or 1)
+
+
+class LoadSampler:
+    """Smoothed CPU, memory and request rate of this process and node."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.process = psutil.Process(os.getpid())
+        self.process.cpu_percent(None)
+        psutil.cpu_percent(None)
+        self._last_requests: int | None = None
+        self._last_time: float | None = None
+        self.load: dict[str, float] = {"cpu": 0.0, "node_cpu": 0.0, "rss": 0.0,
+                                       "requests_per_s": 0.0}
+
+    def sample(self, requests: int, now: float) -> dict[str, float]:
+        rate = 0.0
+        if self._last_time is not None and now > self._last_time:
+            rate = (requests - (self._last_requests or 0)) / (now - self._last_time)
+        self._last_requests, self._last_time = requests, now
+        fresh = {
+            "cpu": self.process.cpu_percent(None),
+            "node_cpu": psutil.cpu_percent(None),
+            "rss": float(self.process.memory_info().rss),
+            "requests_per_s": rate,
+        }
+        for name, value in fresh.items():
+            self.load[name] = self.alpha * value + (1 - self.alpha) * self.load[name]
+        self.load["rss"] = fresh["rss"]
+        return dict(self.load)

@@ -1,0 +1,1 @@
+"""The Domus service: AS and SS subsystems behind one UDP/TCP port."""

@@ -1,0 +1,338 @@
+"""The service's request handler: a function of (state, request bytes) that
+returns the reply bytes.  No sockets, no reactor: transports call
+``handle`` with each datagram or TCP frame, and tests call it directly.
+
+Guarantees:
+- ``handle`` never raises.  Anything it cannot parse gets a MALFORMED (or
+  BAD_VERSION / UNKNOWN_OP) reply when the request id can be read, and is
+  dropped otherwise; either way it is counted and nothing is stored.
+- A request is checked whole before it changes anything: a put_many with one
+  bad entry changes no record.
+- A record is only ever stored in a bucket this service stores.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from twisted.logger import Logger
+
+from domus import protocol as wire
+from domus.errors import ProtocolError
+from domus.service.hosted import HostedDht
+from domus.service.replycache import ReplyCache
+from domus.storage import Repository
+
+log = Logger(namespace="domus.service")
+
+_OK = wire.reply_prefix(wire.ST_OK)
+_NOT_FOUND = wire.reply_prefix(wire.ST_NOT_FOUND)
+_CREATED = b"\x01"
+_REPLACED = b"\x00"
+_KEYED_END = wire.KEYED_END
+_KEYED_UNPACK = wire.KEYED.unpack_from
+_CHANGING = wire.CHANGING_OPS
+
+SCAN_TTL = 120.0
+MAX_SCANS = 4096
+
+
+class RequestFailed(Exception):
+    """A request that is well formed but cannot be served; becomes an error
+    reply with ``status``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class RequestHandler:
+    def __init__(self, service_name: str, reply_cache: ReplyCache | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.service_name = service_name
+        self.dhts: dict[int, HostedDht] = {}
+        self.reply_cache = reply_cache or ReplyCache(clock=clock)
+        self._clock = clock
+        self.requests = 0
+        self.by_op = [0] * 256
+        self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
+                                         "internal_errors": 0}
+        self._scans: OrderedDict[int, tuple[float, list[bytes]]] = OrderedDict()
+        self._scan_ids = itertools.count(1)
+        self._ops: dict[int, Callable[[bytes, bytes, int], bytes]] = {
+            wire.OP_PUT: self._put,
+            wire.OP_GET: self._get,
+            wire.OP_DELETE: self._delete,
+            wire.OP_CONTAINS: self._contains,
+            wire.OP_PUT_MANY: self._put_many,
+            wire.OP_GET_MANY: self._get_many,
+            wire.OP_LENGTH: self._length,
+            wire.OP_SCAN: self._scan,
+            wire.OP_PING: self._ping,
+            wire.OP_STATS: self._stats,
+        }
+
+    # ------------------------------------------------------------ dispatch
+    def handle(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD) -> bytes | None:
+        """Answer one request.  ``reply_limit`` is the largest reply the
+        transport can carry (a datagram, or a TCP frame)."""
+        self.requests += 1
+        if len(data) < wire.REQUEST_HEADER_SIZE or data[0] != wire.REQUEST_MAGIC:
+            self.counters["malformed"] += 1
+            return None  # not even a request id to answer to
+        request_id = data[4:8]
+        if data[1] != wire.VERSION:
+            self.counters["malformed"] += 1
+            return self._error(wire.ST_BAD_VERSION, request_id,
+                               f"protocol version {data[1]} is not supported; "
+                               f"this service speaks version {wire.VERSION}")
+        op = data[2]
+        self.by_op[op] += 1
+        changing = op in _CHANGING
+        if changing:
+            token = data[4:16]
+            cached = self.reply_cache.get(token)
+            if cached is not None:
+                self.counters["replayed"] += 1
+                return cached
+        operation = self._ops.get(op)
+        if operation is None:
+            self.counters["malformed"] += 1
+            return self._error(wire.ST_UNKNOWN_OP, request_id,
+                               f"unknown operation 0x{op:02x}")
+        try:
+            answer = operation(data, request_id, reply_limit)
+        except ProtocolError as exc:
+            self.counters["malformed"] += 1
+            answer = self._error(wire.ST_MALFORMED, request_id,
+                                 f"malformed {wire.OP_NAMES.get(op, 'request')}: {exc}")
+        except RequestFailed as exc:
+            self.counters["errors"] += 1
+            answer = self._error(exc.status, request_id, exc.message)
+        except Exception as exc:  # a bug: report it, keep serving
+            self.counters["internal_errors"] += 1
+            log.failure("service {service}: internal error in {op}", service=self.service_name,
+                        op=wire.OP_NAMES.get(op, op))
+            answer = self._error(wire.ST_INTERNAL, request_id, f"internal error: {exc!r}")
+        if changing:
+            self.reply_cache.put(token, answer)
+        return answer
+
+    @staticmethod
+    def _error(status: int, request_id: bytes, message: str) -> bytes:
+        return (bytes((wire.REPLY_MAGIC, wire.VERSION, status, 0)) + request_id
+                + message.encode("utf-8", "replace")[:1024])
+
+    # ------------------------------------------------------------ lookup
+    def _hosted(self, dht_id: int) -> HostedDht:
+        hosted = self.dhts.get(dht_id)
+        if hosted is None:
+            raise RequestFailed(wire.ST_UNKNOWN_DHT,
+                                f"service {self.service_name} holds no DHT with id {dht_id} "
+                                f"(destroyed, or never created); reopen it by name")
+        if not hosted.active:
+            raise RequestFailed(wire.ST_INACTIVE, f"DHT {hosted.name!r} is inactive; "
+                                f"activate it first")
+        return hosted
+
+    def _repo(self, dht_id: int, bucket: int) -> Repository:
+        hosted = self.dhts.get(dht_id)
+        if hosted is not None and hosted.active:
+            repo = hosted.repos.get(bucket)
+            if repo is not None:
+                return repo
+        hosted = self._hosted(dht_id)
+        raise RequestFailed(wire.ST_NOT_OWNER,
+                            f"service {self.service_name} does not store bucket {bucket} "
+                            f"of DHT {hosted.name!r}")
+
+    # ------------------------------------------------------------ single-key ops
+    def _keyed(self, data: bytes) -> tuple[Repository, bytes, bytes]:
+        if len(data) < _KEYED_END:
+            raise ProtocolError("keyed request truncated before its key length")
+        dht_id, bucket, key_length = _KEYED_UNPACK(data, 16)
+        key_end = _KEYED_END + key_length
+        if key_end > len(data) or key_length == 0:
+            raise ProtocolError(f"key length {key_length} does not fit a "
+                                f"{len(data)}-byte request")
+        if key_length > wire.MAX_KEY_BYTES:
+            raise RequestFailed(wire.ST_TOO_LARGE, f"key of {key_length} bytes is over "
+                                f"the {wire.MAX_KEY_BYTES}-byte limit")
+        return self._repo(dht_id, bucket), data[_KEYED_END:key_end], data[key_end:]
+
+    def _put(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        repo, key, value = self._keyed(data)
+        if len(value) > wire.MAX_VALUE_BYTES:
+            raise RequestFailed(wire.ST_TOO_LARGE, f"value of {len(value)} bytes is over "
+                                f"the {wire.MAX_VALUE_BYTES}-byte limit")
+        return _OK + request_id + (_CREATED if repo.put(key, value) else _REPLACED)
+
+    def _get(self, data: bytes, request_id: bytes, limit: int) -> bytes:
+        repo, key, rest = self._keyed(data)
+        if rest:
+            raise ProtocolError("get carries bytes after its key")
+        value = repo.get(key)
+        if value is None:
+            return _NOT_FOUND + request_id
+        if len(value) + wire.REPLY_HEADER_SIZE > limit:
+            raise RequestFailed(wire.ST_REPLY_TOO_LARGE,
+                                f"value of {len(value)} bytes does not fit a datagram; "
+                                f"ask over TCP")
+        return _OK + request_id + value
+
+    def _delete(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        repo, key, rest = self._keyed(data)
+        if rest:
+            raise ProtocolError("delete carries bytes after its key")
+        return (_OK if repo.delete(key) else _NOT_FOUND) + request_id
+
+    def _contains(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        repo, key, rest = self._keyed(data)
+        if rest:
+            raise ProtocolError("contains carries bytes after its key")
+        return (_OK if repo.contains(key) else _NOT_FOUND) + request_id
+
+    # ------------------------------------------------------------ batches
+    def _put_many(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        dht_id, entries = wire.decode_put_many(data)
+        # Check every entry before changing anything.
+        targets = []
+        for bucket, key, value in entries:
+            if len(key) > wire.MAX_KEY_BYTES or len(value) > wire.MAX_VALUE_BYTES:
+                raise RequestFailed(wire.ST_TOO_LARGE, "an entry of put_many is over the "
+                                    "key or value limit")
+            targets.append(self._repo(dht_id, bucket))
+        created = 0
+        for repo, (_bucket, key, value) in zip(targets, entries):
+            created += repo.put(key, value)
+        return _OK + request_id + wire.U16X2.pack(len(entries), created)
+
+    def _get_many(self, data: bytes, request_id: bytes, limit: int) -> bytes:
+        dht_id, entries = wire.decode_get_many(data)
+        repos = [self._repo(dht_id, bucket) for bucket, _key in entries]
+        values = []
+        size = wire.REPLY_HEADER_SIZE + wire.U16.size
+        for repo, (_bucket, key) in zip(repos, entries):
+            value = repo.get(key)
+            size += wire.U32.size + (len(value) if value is not None else 0)
+            if size > limit:
+                break  # answer what fits; the client asks again for the rest
+            values.append(value)
+        if entries and not values:
+            raise RequestFailed(wire.ST_REPLY_TOO_LARGE,
+                                "the first value asked for does not fit a datagram; "
+                                "ask over TCP")
+        return wire.encode_get_many_reply(wire.U32.unpack(request_id)[0], values)
+
+    def _length(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        hosted = self._hosted(wire.decode_length(data))
+        return _OK + request_id + wire.U64.pack(hosted.records())
+
+    # ------------------------------------------------------------ scans
+    def _scan(self, data: bytes, request_id: bytes, limit: int) -> bytes:
+        """One page of a bucket's records.  The first page (scan id 0) takes a
+        snapshot of the bucket's keys; later pages walk that snapshot, so a
+        scan sees every key present for its whole duration exactly once,
+        skips keys deleted meanwhile, and may miss keys added meanwhile."""
+        dht_id, bucket, scan_id, offset = wire.decode_scan(data)
+        repo = self._repo(dht_id, bucket)
+        now = self._clock()
+        self._expire_scans(now)
+        if scan_id == 0:
+            scan_id = next(self._scan_ids) & 0xFFFFFFFF or next(self._scan_ids)
+            keys = repo.key_snapshot()
+            self._scans[scan_id] = (now + SCAN_TTL, keys)
+            if len(self._scans) > MAX_SCANS:
+                self._scans.popitem(last=False)
+        else:
+            session = self._scans.get(scan_id)
+            if session is None:
+                raise RequestFailed(wire.ST_MALFORMED, f"scan {scan_id} expired or unknown; "
+                                    f"start the iteration again")
+            keys = session[1]
+            self._scans[scan_id] = (now + SCAN_TTL, keys)
+            self._scans.move_to_end(scan_id)
+        entries = []
+        size = wire.REPLY_HEADER_SIZE + wire.SCAN_REPLY.size
+        position = offset
+        while position < len(keys):
+            key = keys[position]
+            value = repo.get(key)
+            if value is not None:
+                entry_size = wire.SCAN_ENTRY.size + len(key) + len(value)
+                if size + entry_size > limit:
+                    if not entries:
+                        raise RequestFailed(wire.ST_REPLY_TOO_LARGE,
+                                            "a record does not fit a datagram; scan over TCP")
+                    break
+                size += entry_size
+                entries.append((key, value))
+            position += 1
+        if position >= len(keys):
+            self._scans.pop(scan_id, None)
+            position = wire.SCAN_END
+        return wire.encode_scan_reply(wire.U32.unpack(request_id)[0], scan_id, position, entries)
+
+    def _expire_scans(self, now: float) -> None:
+        while self._scans:
+            scan_id, (expires, _keys) = next(iter(self._scans.items()))
+            if expires > now:
+                break
+            del self._scans[scan_id]
+
+    # ------------------------------------------------------------ service info
+    def _ping(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        return _OK + request_id + wire.pack({"name": self.service_name,
+                                             "protocol": wire.VERSION})
+
+    def _stats(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        return _OK + request_id + wire.pack(self.stats())
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "name": self.service_name,
+            "requests": self.requests,
+            "by_op": {wire.OP_NAMES[op]: self.by_op[op] for op in wire.OP_NAMES
+                      if self.by_op[op]},
+            **self.counters,
+            "reply_cache": len(self.reply_cache),
+            "reply_cache_evicted_early": self.reply_cache.evicted_early,
+            "dhts": {hosted.name: {"records": hosted.records(),
+                                   "storage_buckets": len(hosted.repos),
+                                   "routing_buckets": len(hosted.storage_refs)}
+                     for hosted in self.dhts.values()},
+        }
+
+    # ------------------------------------------------------------ assignment
+    def assign(self, descriptor: dict[str, Any]) -> None:
+        """Host (or re-host) a DHT as the supervisor describes it."""
+        hosted = self.dhts.get(descriptor["id"])
+        if hosted is None:
+            self.dhts[descriptor["id"]] = HostedDht(descriptor, self.service_name)
+            log.info("service {service}: now hosting DHT {dht!r} (id {id})",
+                     service=self.service_name, dht=descriptor["name"], id=descriptor["id"])
+        else:
+            hosted.apply(descriptor)
+
+    def drop(self, dht_id: int) -> bool:
+        hosted = self.dhts.pop(dht_id, None)
+        if hosted is None:
+            return False
+        log.info("service {service}: dropping DHT {dht!r} ({records} records)",
+                 service=self.service_name, dht=hosted.name, records=hosted.records())
+        hosted.close()
+        return True
+
+    def sync(self, descriptors: list[dict[str, Any]]) -> None:
+        """Make the hosted DHTs exactly those the supervisor lists."""
+        wanted = {descriptor["id"] for descriptor in descriptors}
+        for dht_id in list(self.dhts):
+            if dht_id not in wanted:
+                self.drop(dht_id)
+        for descriptor in descriptors:
+            self.assign(descriptor)

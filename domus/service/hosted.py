@@ -1,0 +1,65 @@
+"""What a service holds of one DHT: the AS part (routing buckets and their
+storage references) and the SS part (one repository per stored bucket)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.logger import Logger
+
+from domus import assignment
+from domus.storage import PLATFORMS, Repository
+
+log = Logger(namespace="domus.service")
+
+
+class HostedDht:
+    def __init__(self, descriptor: dict[str, Any], service_name: str) -> None:
+        self.id: int = descriptor["id"]
+        self.name: str = descriptor["name"]
+        self.service_name = service_name
+        self.repos: dict[int, Repository] = {}
+        # AS: routing bucket -> name of the service storing it.
+        self.storage_refs: dict[int, str] = {}
+        self.descriptor: dict[str, Any] = {}
+        self.apply(descriptor)
+
+    def apply(self, descriptor: dict[str, Any]) -> None:
+        """Take a (new) descriptor from the supervisor: create repositories
+        for buckets now stored here, drop the ones no longer stored here."""
+        self.descriptor = descriptor
+        self.active = descriptor.get("state", "active") == "active"
+        _media, factory = PLATFORMS[descriptor["platform"]]
+        stored = set(_buckets_for(descriptor["storage_services"], self.service_name))
+        for bucket in sorted(stored - self.repos.keys()):
+            self.repos[bucket] = factory()
+        for bucket in sorted(self.repos.keys() - stored):
+            dropped = self.repos.pop(bucket)
+            log.warn("service {service}: DHT {dht!r} bucket {bucket} is no longer "
+                     "stored here; dropping its {records} records",
+                     service=self.service_name, dht=self.name, bucket=bucket,
+                     records=len(dropped))
+            dropped.close()
+        storage_counts = [entry["count"] for entry in descriptor["storage_services"]]
+        storage_names = [entry["name"] for entry in descriptor["storage_services"]]
+        owners = assignment.placement(storage_counts)
+        self.storage_refs = {
+            bucket: storage_names[owners[bucket]]
+            for bucket in _buckets_for(descriptor["routing_services"], self.service_name)
+        }
+
+    def records(self) -> int:
+        return sum(len(repo) for repo in self.repos.values())
+
+    def close(self) -> None:
+        for repo in self.repos.values():
+            repo.close()
+        self.repos.clear()
+
+
+def _buckets_for(entries: list[dict[str, Any]], service_name: str) -> range:
+    counts = [entry["count"] for entry in entries]
+    for index, entry in enumerate(entries):
+        if entry["name"] == service_name:
+            return assignment.buckets_of(counts, index)
+    return range(0)

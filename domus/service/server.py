@@ -1,0 +1,235 @@
+"""A Domus service process: UDP and TCP listeners on one port, a link to the
+supervisor, heartbeats and timers, all on one Twisted reactor thread.
+
+The request handler (domus.service.handler) does the work; this module only
+moves bytes and keeps the service registered.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet import defer, protocol, task
+from twisted.logger import Logger
+
+from domus import __version__
+from domus import address as addresses
+from domus import protocol as wire
+from domus.control import ControlError, MessageProtocol
+from domus.resources import LoadSampler, base_resources
+from domus.service.handler import RequestHandler
+
+log = Logger(namespace="domus.service")
+
+SOCKET_BUFFER = 8 * 1024 * 1024
+HEARTBEAT_INTERVAL = 1.0
+RECONNECT_MAX_DELAY = 2.0
+
+
+def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
+    """Ask for big socket buffers (forcing past rmem_max when root), so that
+    bursts of datagrams are queued rather than dropped."""
+    for force, plain in ((getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF),
+                         (getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF)):
+        try:
+            if force is None:
+                raise PermissionError
+            sock.setsockopt(socket.SOL_SOCKET, force, size)
+        except OSError:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, plain, size)
+            except OSError:
+                pass
+
+
+class DatagramServer(protocol.DatagramProtocol):
+    def __init__(self, handler: RequestHandler) -> None:
+        self.handler = handler
+        self.send_errors = 0
+
+    def startProtocol(self) -> None:
+        enlarge_buffers(self.transport.socket)
+        # Twisted's write() re-validates the address on every call; the
+        # address comes straight from recvfrom, so send on the socket.
+        self._sendto = self.transport.socket.sendto
+        self._handle = self.handler.handle
+
+    def datagramReceived(self, data: bytes, peer: tuple[str, int]) -> None:
+        answer = self._handle(data, wire.MAX_UDP_PAYLOAD)
+        if answer is not None:
+            try:
+                self._sendto(answer, peer)
+            except OSError:
+                self.send_errors += 1  # the client retries
+
+
+class DomusService(Service):
+    def __init__(self, *, supervisor: str, listen: str, data_dir: str, name: str | None = None,
+                 heartbeat: float = HEARTBEAT_INTERVAL,
+                 resources: dict[str, Any] | None = None) -> None:
+        self.supervisor_address = addresses.parse(supervisor)
+        self.listen_host, self.listen_port = addresses.parse(listen)
+        self.address = f"{self.listen_host}:{self.listen_port}"
+        self.service_name = name or self.address
+        self.data_dir = data_dir
+        os.makedirs(data_dir, exist_ok=True)
+        self.heartbeat_interval = heartbeat
+        self.resources = base_resources(data_dir, **(resources or {}))
+        self.handler = RequestHandler(self.service_name)
+        self.sampler = LoadSampler()
+        self.started = time.time()
+        self.link: MessageProtocol | None = None
+        self.registered = False
+        self._ports: list[Any] = []
+        self._timers: list[task.LoopingCall] = []
+        self._link_factory: Any = None
+        self._stopping = False
+
+    # -------------------------------------------------------------- lifecycle
+    def startService(self) -> None:
+        from twisted.internet import reactor
+
+        super().startService()
+        udp = DatagramServer(self.handler)
+        self._ports.append(reactor.listenUDP(self.listen_port, udp, interface=self.listen_host,
+                                             maxPacketSize=65536))
+        data_factory = protocol.Factory.forProtocol(MessageProtocol)
+        data_factory.counters = self.handler.counters
+        original = data_factory.buildProtocol
+
+        def build(addr: Any) -> MessageProtocol:
+            proto = original(addr)
+            proto.data_handler = self.handler.handle
+            proto.control_handler = self._client_control
+            return proto
+
+        data_factory.buildProtocol = build
+        self._ports.append(reactor.listenTCP(self.listen_port, data_factory,
+                                             interface=self.listen_host))
+        log.info("service {name} serving on {address} (UDP and TCP), data dir {dir}",
+                 name=self.service_name, address=self.address, dir=self.data_dir)
+        expire = task.LoopingCall(self.handler.reply_cache.expire)
+        expire.start(1.0, now=False)
+        heartbeat = task.LoopingCall(self._heartbeat)
+        heartbeat.start(self.heartbeat_interval, now=False)
+        self._timers += [expire, heartbeat]
+        self._connect_supervisor()
+
+    def stopService(self) -> defer.Deferred:
+        self._stopping = True
+        for timer in self._timers:
+            if timer.running:
+                timer.stop()
+        if self._link_factory is not None:
+            self._link_factory.stopTrying()
+        if self.link is not None and self.link.transport is not None:
+            self.link.transport.loseConnection()
+        stops = [defer.maybeDeferred(port.stopListening) for port in self._ports]
+        log.info("service {name} stopping", name=self.service_name)
+        super().stopService()
+        return defer.DeferredList(stops)
+
+    # -------------------------------------------------------------- supervisor link
+    def _connect_supervisor(self) -> None:
+        from twisted.internet import reactor
+
+        factory = _SupervisorLinkFactory(self)
+        host, port = self.supervisor_address
+        self._link_factory = factory
+        reactor.connectTCP(host, port, factory, timeout=5)
+
+    def link_made(self, link: MessageProtocol) -> None:
+        self.link = link
+        link.peer_name = "supervisor"
+        link.control_handler = self._supervisor_control
+        held = {str(dht_id): sorted(hosted.repos) for dht_id, hosted in self.handler.dhts.items()}
+        registering = link.call("register", name=self.service_name, address=self.address,
+                                resources=self.resources, version=__version__, held=held,
+                                pid=os.getpid())
+        registering.addCallbacks(self._registered, self._register_failed, errbackArgs=(link,))
+
+    def _registered(self, answer: dict[str, Any]) -> None:
+        self.handler.sync(answer.get("dhts", []))
+        self.registered = True
+        log.info("service {name} registered with the supervisor; hosting {count} DHTs",
+                 name=self.service_name, count=len(self.handler.dhts))
+
+    def _register_failed(self, failure: Any, link: MessageProtocol) -> None:
+        log.error("service {name}: the supervisor refused registration: {error}",
+                  name=self.service_name, error=failure.getErrorMessage())
+        if link.transport is not None:
+            link.transport.loseConnection()
+
+    def link_lost(self) -> None:
+        self.link = None
+        self.registered = False
+        if not self._stopping:
+            log.warn("service {name}: lost the supervisor; reconnecting (data keeps being "
+                     "served meanwhile)", name=self.service_name)
+
+    def _heartbeat(self) -> None:
+        load = self.sampler.sample(self.handler.requests, time.monotonic())
+        if self.link is None or not self.registered:
+            return
+        stats = self.handler.stats()
+        beat = self.link.call("heartbeat", name=self.service_name, load=load,
+                              stats={"requests": stats["requests"], "malformed": stats["malformed"],
+                                     "errors": stats["errors"], "replayed": stats["replayed"],
+                                     "dhts": stats["dhts"]},
+                              timeout=max(5.0, 3 * self.heartbeat_interval))
+        beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: {error}",
+                                                 name=self.service_name,
+                                                 error=failure.getErrorMessage()))
+
+    def _supervisor_control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
+        op = body["op"]
+        if op == "assign":
+            self.handler.assign(body["dht"])
+            return {"ok": True}
+        if op == "drop":
+            return {"dropped": self.handler.drop(body["id"])}
+        if op == "sync":
+            self.handler.sync(body["dhts"])
+            return {"ok": True}
+        if op == "shutdown":
+            from twisted.internet import reactor
+
+            reactor.callLater(0.05, reactor.stop)
+            return {"ok": True}
+        if op == "stats":
+            return self.handler.stats()
+        raise ControlError("DomusError", f"unknown control op {op!r} for a service")
+
+    def _client_control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
+        if body["op"] == "stats":
+            return self.handler.stats()
+        raise ControlError("DomusError", f"service {self.service_name} takes control op "
+                           f"{body['op']!r} only from the supervisor")
+
+
+class _SupervisorLinkFactory(protocol.ReconnectingClientFactory):
+    maxDelay = RECONNECT_MAX_DELAY
+    initialDelay = 0.2
+    factor = 1.6
+
+    def __init__(self, service: DomusService) -> None:
+        self.service = service
+
+    def buildProtocol(self, addr: Any) -> MessageProtocol:
+        self.resetDelay()
+        link = MessageProtocol()
+        link.factory = self
+        link.connectionMade = lambda: self.service.link_made(link)  # type: ignore[method-assign]
+        link.lost.addCallback(lambda _: self.service.link_lost())
+        return link
+
+    def clientConnectionFailed(self, connector: Any, reason: Any) -> None:
+        if not self.service._stopping:
+            log.warn("service {name}: supervisor at {host}:{port} unreachable ({reason}); "
+                     "retrying", name=self.service.service_name, host=connector.host,
+                     port=connector.port, reason=reason.getErrorMessage())
+        super().clientConnectionFailed(connector, reason)

@@ -1,0 +1,357 @@
+"""Blocking transports for the synchronous client.
+
+``SupervisorLink``: one TCP connection to the supervisor for control calls.
+``ServiceChannel``: a connected UDP socket to one service (and a TCP
+connection opened when a message does not fit a datagram).
+
+Retry rule (the reply cache relies on it): a UDP request is sent again after
+``first_timeout``, then after twice that, and so on, until ``deadline``
+seconds have passed since the first send; ``deadline`` is capped at half the
+service's reply-cache lifetime, so no retry can reach a service after the
+reply of its first try was forgotten.  A connected UDP socket also learns at
+once (ECONNREFUSED) when nothing listens on the service's port.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import select
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from domus import address as addresses
+from domus import protocol as wire
+from domus.errors import (
+    SUPERVISOR_ERRORS,
+    ProtocolError,
+    ServiceUnavailable,
+    SupervisorError,
+    SupervisorUnreachable,
+)
+from domus.service.replycache import DEFAULT_TTL
+
+_FRAME = struct.Struct(">I")
+FIRST_TIMEOUT = 0.25
+MAX_DEADLINE = DEFAULT_TTL / 2
+REFUSED_LIMIT = 3
+WINDOW = 4              # datagrams in flight per service in a pipelined batch
+RECV_BUFFER = 4 * 1024 * 1024
+
+
+class RequestIds:
+    """Request ids and the client id, fresh in a forked child."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self.client_id = int.from_bytes(os.urandom(8), "big")
+        self._counter = itertools.count(int.from_bytes(os.urandom(2), "big"))
+
+    def next(self) -> int:
+        return next(self._counter) & 0xFFFFFFFF
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = sock.recv(min(size, 1 << 20))
+        if not chunk:
+            raise ConnectionError("connection closed mid-message")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def _send_frame(sock: socket.socket, message: bytes) -> None:
+    sock.sendall(_FRAME.pack(len(message)) + message)
+
+
+def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES) -> bytes:
+    (size,) = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
+    if size > limit:
+        raise ProtocolError(f"peer sent a {size}-byte frame, over the {limit}-byte limit")
+    return _recv_exactly(sock, size)
+
+
+class SupervisorLink:
+    """Blocking control calls to the supervisor, reconnecting as needed."""
+
+    def __init__(self, address: str, timeout: float, ids: RequestIds) -> None:
+        self.address = address
+        self.host, self.port = addresses.parse(address)
+        self.timeout = timeout
+        self.ids = ids
+        self._sock: socket.socket | None = None
+        self._pid = os.getpid()
+
+    def _connect(self) -> socket.socket:
+        if self._sock is not None and self._pid == os.getpid():
+            return self._sock
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError as exc:
+            raise SupervisorUnreachable(
+                f"cannot reach the Domus supervisor at {self.address}: {exc.strerror or exc}; "
+                f"is it running (`domus up` or `domus supervisor`)? Pass its HOST:PORT or set "
+                f"DOMUS_SUPERVISOR") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock, self._pid = sock, os.getpid()
+        return sock
+
+    def call(self, op: str, timeout: float | None = None, **params: Any) -> Any:
+        """Run control op ``op``; its result, or the matching domus.errors
+        exception."""
+        for attempt in (1, 2):
+            sock = self._connect()
+            request_id = self.ids.next()
+            message = wire.encode_control(request_id, self.ids.client_id, {"op": op, **params})
+            try:
+                sock.settimeout(timeout or self.timeout)
+                _send_frame(sock, message)
+                while True:
+                    frame = _recv_frame(sock)
+                    status, reply_id = wire.decode_reply_header(frame)
+                    if reply_id == request_id:
+                        break
+            except TimeoutError:
+                self.close()
+                raise SupervisorUnreachable(
+                    f"the Domus supervisor at {self.address} did not answer {op!r} within "
+                    f"{timeout or self.timeout:.1f}s; check that it is running and not "
+                    f"overloaded") from None
+            except (ConnectionError, OSError):
+                self.close()
+                if attempt == 2:
+                    raise SupervisorUnreachable(
+                        f"lost the connection to the Domus supervisor at {self.address} "
+                        f"during {op!r}; is it running?") from None
+                continue  # one reconnect: the supervisor may have restarted
+            return _control_result(op, status, frame)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+
+def _control_result(op: str, status: int, frame: bytes) -> Any:
+    body = frame[wire.REPLY_HEADER_SIZE:]
+    if status == wire.ST_OK:
+        return wire.unpack(body) if body else None
+    if status == wire.ST_CONTROL_ERROR:
+        error = wire.unpack(body)
+        cls = SUPERVISOR_ERRORS.get(error.get("error"), SupervisorError)
+        raise cls(error.get("message") or f"{op!r} failed")
+    raise SupervisorError(f"{op!r} failed with status 0x{status:02x}: "
+                          f"{body.decode('utf-8', 'replace')}")
+
+
+class ServiceChannel:
+    """Requests to one service.  Not thread-safe: one per thread/process."""
+
+    def __init__(self, name: str, address: str, *, deadline: float,
+                 first_timeout: float = FIRST_TIMEOUT) -> None:
+        self.name = name
+        self.address = address
+        self.host, self.port = addresses.parse(address)
+        self.deadline = min(deadline, MAX_DEADLINE)
+        self.first_timeout = min(first_timeout, self.deadline)
+        self.retries = 0
+        self.timeouts = 0
+        self._tcp: socket.socket | None = None
+        self._open()
+        os.register_at_fork(after_in_child=self._open)
+
+    def _open(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
+        except OSError:
+            pass
+        self.sock.connect((self.host, self.port))
+        self.sock.settimeout(self.first_timeout)
+        self._tcp = None
+
+    def close(self) -> None:
+        self.sock.close()
+        if self._tcp is not None:
+            self._tcp.close()
+            self._tcp = None
+
+    def unavailable(self, what: str, dht: str = "",
+                    bucket: int | None = None) -> ServiceUnavailable:
+        where = f" for bucket {bucket} of DHT {dht!r}" if dht else ""
+        return ServiceUnavailable(
+            f"service {self.name} at {self.address} {what}{where}; buckets on other services "
+            f"keep working. Check `domus status`, restart the service, or retry later",
+            service=self.name, address=self.address, dht=dht, bucket=bucket)
+
+    def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
+        """Send one request, return its reply (retrying over UDP, or over TCP
+        when it is too big for a datagram)."""
+        if len(message) > wire.DEFAULT_MAX_DATAGRAM:
+            return self.request_tcp(message, dht, bucket)
+        sock = self.sock
+        request_id = message[4:8]
+        started = time.monotonic()
+        timeout = self.first_timeout
+        refused = 0
+        while True:
+            try:
+                sock.send(message)
+                while True:
+                    data = sock.recv(65536)
+                    if data[4:8] == request_id and len(data) >= wire.REPLY_HEADER_SIZE:
+                        if data[2] == wire.ST_REPLY_TOO_LARGE:
+                            return self.request_tcp(message, dht, bucket)
+                        if timeout != self.first_timeout:
+                            sock.settimeout(self.first_timeout)
+                        return data
+                    # else: the late reply of an earlier request; skip it
+            except TimeoutError:
+                self.timeouts += 1
+                refused = 0
+            except ConnectionRefusedError:
+                refused += 1
+                if refused >= REFUSED_LIMIT:
+                    sock.settimeout(self.first_timeout)
+                    raise self.unavailable("refused the request (nothing listens on its "
+                                           "port: the service is down)", dht, bucket) from None
+                time.sleep(0.02 * refused)
+            elapsed = time.monotonic() - started
+            if elapsed >= self.deadline:
+                sock.settimeout(self.first_timeout)
+                raise self.unavailable(f"did not answer within {self.deadline:.1f}s "
+                                       f"({self.retries} retries so far)", dht, bucket)
+            self.retries += 1
+            timeout = min(timeout * 2, max(self.deadline - elapsed, 0.001))
+            sock.settimeout(timeout)
+
+    def request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
+        request_id = message[4:8]
+        for attempt in (1, 2):
+            try:
+                if self._tcp is None:
+                    self._tcp = socket.create_connection((self.host, self.port),
+                                                         timeout=self.deadline)
+                    self._tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _send_frame(self._tcp, message)
+                while True:
+                    frame = _recv_frame(self._tcp)
+                    if frame[4:8] == request_id:
+                        return frame
+            except (OSError, ConnectionError) as exc:
+                if self._tcp is not None:
+                    self._tcp.close()
+                    self._tcp = None
+                if attempt == 2 or isinstance(exc, TimeoutError):
+                    raise self.unavailable(f"failed over TCP ({exc})", dht, bucket) from None
+        raise AssertionError("unreachable")
+
+
+def exchange(requests: Sequence[tuple[ServiceChannel, bytes]], dht: str = "") -> list[bytes]:
+    """Send many requests, to one or several services, with up to WINDOW
+    datagrams in flight per service; return the replies in request order.
+    Lost datagrams are retried under the same rule as single requests."""
+    replies: list[bytes | None] = [None] * len(requests)
+    queues: dict[ServiceChannel, list[int]] = {}
+    for index, (channel, message) in enumerate(requests):
+        if len(message) > wire.DEFAULT_MAX_DATAGRAM:
+            replies[index] = channel.request_tcp(message, dht)
+        else:
+            queues.setdefault(channel, []).append(index)
+    if not queues:
+        return replies  # type: ignore[return-value]
+    for channel in queues:
+        channel.sock.setblocking(False)
+    try:
+        _pipeline(requests, replies, queues, dht)
+    finally:
+        for channel in queues:
+            channel.sock.settimeout(channel.first_timeout)
+    return replies  # type: ignore[return-value]
+
+
+def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[bytes | None],
+              queues: dict[ServiceChannel, list[int]], dht: str) -> None:
+    poller = select.poll()
+    by_fd = {}
+    for channel in queues:
+        poller.register(channel.sock.fileno(), select.POLLIN)
+        by_fd[channel.sock.fileno()] = channel
+    # per channel: request id -> (index, time sent, timeout, time first sent)
+    in_flight: dict[ServiceChannel, dict[bytes, tuple[int, float, float, float]]] = {
+        channel: {} for channel in queues}
+    refused: dict[ServiceChannel, int] = {channel: 0 for channel in queues}
+    remaining = len(requests) - sum(reply is not None for reply in replies)
+
+    def fill(channel: ServiceChannel) -> None:
+        queue, flying = queues[channel], in_flight[channel]
+        while queue and len(flying) < WINDOW:
+            index = queue.pop(0)
+            message = requests[index][1]
+            now = time.monotonic()
+            flying[message[4:8]] = (index, now, channel.first_timeout, now)
+            _send(channel, message, refused)
+
+    for channel in queues:
+        fill(channel)
+    while remaining:
+        now = time.monotonic()
+        wake = min((sent + timeout for flying in in_flight.values()
+                    for _i, sent, timeout, _f in flying.values()), default=now)
+        events = poller.poll(max(0.0, wake - now) * 1000)
+        for fd, _event in events:
+            channel = by_fd[fd]
+            while True:
+                try:
+                    data = channel.sock.recv(65536)
+                except BlockingIOError:
+                    break
+                except ConnectionRefusedError:
+                    refused[channel] += 1
+                    if refused[channel] >= REFUSED_LIMIT:
+                        raise channel.unavailable("refused the request (the service is down)",
+                                                  dht) from None
+                    break
+                entry = in_flight[channel].pop(data[4:8], None)
+                if entry is None:
+                    continue
+                index = entry[0]
+                if data[2] == wire.ST_REPLY_TOO_LARGE:
+                    data = channel.request_tcp(requests[index][1], dht)
+                replies[index] = data
+                remaining -= 1
+            fill(channel)
+        now = time.monotonic()
+        for channel, flying in in_flight.items():
+            for request_id, (index, sent, timeout, first) in list(flying.items()):
+                if now < sent + timeout:
+                    continue
+                channel.timeouts += 1
+                if now - first >= channel.deadline:
+                    raise channel.unavailable(f"did not answer within {channel.deadline:.1f}s",
+                                              dht)
+                channel.retries += 1
+                flying[request_id] = (index, now, min(timeout * 2, channel.deadline), first)
+                _send(channel, requests[index][1], refused)
+
+
+def _send(channel: ServiceChannel, message: bytes, refused: dict[ServiceChannel, int]) -> None:
+    try:
+        channel.sock.send(message)
+    except ConnectionRefusedError:
+        refused[channel] += 1
+        if refused[channel] >= REFUSED_LIMIT:
+            raise channel.unavailable("refused the request (the service is down)") from None
+    except BlockingIOError:
+        pass  # a full send buffer: the retry timer sends it again

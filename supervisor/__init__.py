@@ -1,0 +1,1 @@
+"""The Domus supervisor (installed as ``domus.supervisor``)."""

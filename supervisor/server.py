@@ -1,0 +1,336 @@
+"""The supervisor service: registers services, creates and destroys DHTs,
+decides bucket assignments, and tells services what they host.
+
+It is not on the data path.  Clients ask it for a DHT's descriptor once,
+then talk to services directly; a supervisor that is down or restarting
+does not stop puts and gets.
+
+Invariant: a DHT is in the persisted state only once every service it
+involves has acknowledged hosting it.  A service that (re)registers is told
+the full set of DHTs it takes part in, and drops any other.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from domus.supervisor.state import SupervisorState
+from twisted.application.service import Service
+from twisted.internet import defer, protocol, task
+from twisted.logger import Logger
+
+from domus import __version__, assignment
+from domus import address as addresses
+from domus.attributes import check_request, default_bucket_count
+from domus.control import ControlError, MessageProtocol
+from domus.errors import InvalidAttribute, SupervisorError
+from domus.resources import weight
+
+log = Logger(namespace="domus.supervisor")
+
+DOWN_AFTER = 5.0       # seconds without a heartbeat before a service is down
+PUSH_TIMEOUT = 10.0    # seconds a service has to acknowledge an assignment
+
+
+class SupervisorService(Service):
+    def __init__(self, *, listen: str, data_dir: str, down_after: float = DOWN_AFTER) -> None:
+        self.listen_host, self.listen_port = addresses.parse(listen)
+        self.address = f"{self.listen_host}:{self.listen_port}"
+        self.state = SupervisorState(data_dir)
+        self.down_after = down_after
+        self.links: dict[str, MessageProtocol] = {}
+        self.live: dict[str, dict[str, Any]] = {}   # name -> last_seen, load, stats
+        self._creating: set[str] = set()
+        self._port: Any = None
+        self._watch: task.LoopingCall | None = None
+        self.started = time.time()
+
+    # -------------------------------------------------------------- lifecycle
+    def startService(self) -> None:
+        from twisted.internet import reactor
+
+        super().startService()
+        factory = protocol.Factory.forProtocol(MessageProtocol)
+        original = factory.buildProtocol
+
+        def build(addr: Any) -> MessageProtocol:
+            link = original(addr)
+            link.control_handler = self.control
+            return link
+
+        factory.buildProtocol = build
+        self._port = reactor.listenTCP(self.listen_port, factory, interface=self.listen_host)
+        self._watch = task.LoopingCall(self._watch_services)
+        self._watch.start(1.0, now=False)
+        log.info("supervisor listening on {address}; state in {path} ({services} services, "
+                 "{dhts} DHTs known)", address=self.address, path=self.state.path,
+                 services=len(self.state.services), dhts=len(self.state.dhts))
+
+    def stopService(self) -> defer.Deferred:
+        if self._watch is not None and self._watch.running:
+            self._watch.stop()
+        for link in list(self.links.values()):
+            if link.transport is not None:
+                link.transport.loseConnection()
+        super().stopService()
+        return defer.maybeDeferred(self._port.stopListening) if self._port else defer.succeed(None)
+
+    # -------------------------------------------------------------- dispatch
+    def control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
+        handler = getattr(self, "op_" + body["op"], None)
+        if handler is None:
+            raise ControlError("SupervisorError", f"the supervisor has no operation "
+                               f"{body['op']!r}")
+        params = {key: value for key, value in body.items() if key != "op"}
+        try:
+            return handler(link, **params)
+        except TypeError as exc:
+            raise ControlError("SupervisorError", f"bad arguments to {body['op']!r}: {exc}") \
+                from None
+
+    # -------------------------------------------------------------- services
+    def service_state(self, name: str) -> str:
+        link = self.links.get(name)
+        if link is None or not link.connected:
+            return "down"
+        seen = self.live.get(name, {}).get("last_seen", 0.0)
+        return "up" if time.monotonic() - seen < self.down_after else "unresponsive"
+
+    def live_services(self) -> list[str]:
+        return sorted(name for name in self.state.services if self.service_state(name) == "up")
+
+    def op_register(self, link: MessageProtocol, *, name: str, address: str,
+                    resources: dict[str, Any], held: dict[str, Any] | None = None,
+                    version: str = "", pid: int = 0) -> dict[str, Any]:
+        addresses.parse(address)
+        old = self.links.get(name)
+        if old is not None and old is not link and old.transport is not None:
+            log.info("service {name} registered again; closing its old link", name=name)
+            old.transport.loseConnection()
+        known = self.state.services.get(name)
+        record = {"name": name, "address": address, "resources": resources,
+                  "registered": known["registered"] if known else time.time(),
+                  "last_registered": time.time(), "version": version, "pid": pid}
+        self.state.services[name] = record
+        moved = known is not None and known["address"] != address
+        if moved:
+            self._readdress(name, address)
+        self.state.save()
+        self.links[name] = link
+        link.peer_name = f"service {name}"
+        self.live[name] = {"last_seen": time.monotonic(), "load": {}, "stats": {}}
+        link.lost.addCallback(lambda _: self._link_lost(name, link))
+        log.info("service {name} registered from {address} (pid {pid}); {cores} cores, "
+                 "{ram} MiB RAM", name=name, address=address, pid=pid,
+                 cores=resources.get("cores"), ram=int(resources.get("ram", 0)) >> 20)
+        return {"dhts": self._descriptors_for(name), "supervisor_version": __version__}
+
+    def _readdress(self, name: str, address: str) -> None:
+        for descriptor in self.state.dhts.values():
+            for role in ("routing_services", "storage_services"):
+                for entry in descriptor[role]:
+                    if entry["name"] == name:
+                        entry["address"] = address
+
+    def _link_lost(self, name: str, link: MessageProtocol) -> None:
+        if self.links.get(name) is link:
+            del self.links[name]
+            log.warn("service {name} disconnected", name=name)
+
+    def op_heartbeat(self, link: MessageProtocol, *, name: str, load: dict[str, Any],
+                     stats: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self.links.get(name) is not link:
+            raise ControlError("UnknownService", f"service {name!r} is not registered on "
+                               f"this link; register first")
+        self.live[name] = {"last_seen": time.monotonic(), "load": load, "stats": stats or {}}
+        return {"ok": True}
+
+    def _watch_services(self) -> None:
+        for name in list(self.links):
+            if self.service_state(name) == "unresponsive":
+                log.warn("service {name} has sent no heartbeat for {seconds:.1f}s",
+                         name=name,
+                         seconds=time.monotonic() - self.live.get(name, {}).get("last_seen", 0))
+
+    def op_services(self, link: MessageProtocol) -> list[dict[str, Any]]:
+        return [self._service_view(name) for name in self.state.services]
+
+    def _service_view(self, name: str) -> dict[str, Any]:
+        record = self.state.services[name]
+        roles: set[str] = set()
+        buckets: dict[str, dict[str, int]] = {}
+        for dht_name, descriptor in self.state.dhts.items():
+            counts = {}
+            for role, key in (("routing", "routing_services"), ("storage", "storage_services")):
+                for entry in descriptor[key]:
+                    if entry["name"] == name:
+                        counts[role] = entry["count"]
+                        roles.add(role)
+            if counts:
+                buckets[dht_name] = counts
+        live = self.live.get(name, {})
+        return {"name": name, "address": record["address"], "state": self.service_state(name),
+                "roles": sorted(roles), "buckets": buckets, "resources": record["resources"],
+                "load": live.get("load", {}), "stats": live.get("stats", {}),
+                "pid": record.get("pid"), "version": record.get("version")}
+
+    def op_remove_service(self, link: MessageProtocol, *, name: str) -> dict[str, Any]:
+        if name not in self.state.services:
+            raise ControlError("UnknownService", f"no service named {name!r} is registered")
+        users = [dht for dht, descriptor in self.state.dhts.items()
+                 if any(entry["name"] == name for role in ("routing_services", "storage_services")
+                        for entry in descriptor[role])]
+        if users:
+            raise ControlError("SupervisorError", f"service {name!r} still holds buckets of "
+                               f"{users}; destroy or move them first")
+        del self.state.services[name]
+        self.state.save()
+        return {"removed": name}
+
+    # -------------------------------------------------------------- DHTs
+    def _descriptors_for(self, name: str) -> list[dict[str, Any]]:
+        return [descriptor for descriptor in self.state.dhts.values()
+                if any(entry["name"] == name
+                       for role in ("routing_services", "storage_services")
+                       for entry in descriptor[role])]
+
+    def _find(self, name: str) -> dict[str, Any]:
+        descriptor = self.state.dhts.get(name)
+        if descriptor is None:
+            known = ", ".join(sorted(self.state.dhts)) or "none"
+            raise ControlError("UnknownDht", f"no DHT named {name!r} (DHTs: {known}); "
+                               f"create it with create_dht or `domus dht create`")
+        return descriptor
+
+    def op_open_dht(self, link: MessageProtocol, *, name: str) -> dict[str, Any]:
+        return self._find(name)
+
+    def op_dht_info(self, link: MessageProtocol, *, name: str) -> dict[str, Any]:
+        descriptor = dict(self._find(name))
+        records = {}
+        for entry in descriptor["storage_services"]:
+            stats = self.live.get(entry["name"], {}).get("stats", {})
+            held = stats.get("dhts", {}).get(name)
+            records[entry["name"]] = held["records"] if held else None
+        descriptor["records_reported"] = records
+        return descriptor
+
+    def op_list_dhts(self, link: MessageProtocol) -> list[dict[str, Any]]:
+        return [self._summary(descriptor) for descriptor in self.state.dhts.values()]
+
+    @staticmethod
+    def _summary(descriptor: dict[str, Any]) -> dict[str, Any]:
+        return {key: descriptor[key] for key in ("name", "id", "buckets", "hash", "storage",
+                                                 "platform", "routing", "lookup", "state",
+                                                 "created")} | {
+            "routing_services": [entry["name"] for entry in descriptor["routing_services"]],
+            "storage_services": [entry["name"] for entry in descriptor["storage_services"]]}
+
+    @defer.inlineCallbacks
+    def op_create_dht(self, link: MessageProtocol, *, name: str,
+                      attributes: dict[str, Any] | None = None) -> Any:
+        try:
+            wanted = check_request(name, attributes or {})
+        except InvalidAttribute as exc:
+            raise ControlError("InvalidAttribute", str(exc)) from None
+        if name in self.state.dhts or name in self._creating:
+            raise ControlError("DhtExists", f"a DHT named {name!r} already exists; open it with "
+                               f"open_dht, or destroy it first")
+        self._creating.add(name)
+        try:
+            descriptor = self._plan(name, wanted)
+            involved = self._involved(descriptor)
+            acks = [self.links[service].call("assign", dht=descriptor, timeout=PUSH_TIMEOUT)
+                    for service in involved]
+            results = yield defer.DeferredList(acks, consumeErrors=True)
+            failed = [service for service, (ok, _value) in zip(involved, results) if not ok]
+            if failed:
+                for service in involved:
+                    link_to = self.links.get(service)
+                    if link_to is not None:
+                        link_to.call("drop", id=descriptor["id"]).addErrback(lambda _f: None)
+                raise ControlError("SupervisorError", f"could not create DHT {name!r}: "
+                                   f"service(s) {failed} did not acknowledge; check "
+                                   f"`domus status` and try again")
+            self.state.dhts[name] = descriptor
+            self.state.save()
+            log.info("created DHT {name!r} (id {id}): {buckets} buckets, routing on {routing}, "
+                     "storage on {storage}", name=name, id=descriptor["id"],
+                     buckets=descriptor["buckets"],
+                     routing=[e["name"] for e in descriptor["routing_services"]],
+                     storage=[e["name"] for e in descriptor["storage_services"]])
+            return descriptor
+        finally:
+            self._creating.discard(name)
+
+    def _plan(self, name: str, wanted: dict[str, Any]) -> dict[str, Any]:
+        live = self.live_services()
+        if not live:
+            raise ControlError("NoServices", "no live services are registered; start some "
+                               "with `domus service` (or `domus up`) first")
+        sets = {}
+        for role in ("routing_services", "storage_services"):
+            chosen = wanted.get(role) or live
+            for service in chosen:
+                if service not in self.state.services:
+                    raise ControlError("UnknownService", f"{role} names {service!r}, which is "
+                                       f"not registered (services: {sorted(self.state.services)})")
+                if self.service_state(service) != "up":
+                    raise ControlError("SupervisorError", f"{role} names {service!r}, which is "
+                                       f"{self.service_state(service)}; start it or leave it out")
+            sets[role] = list(chosen)
+        buckets = wanted.get("buckets") or default_bucket_count(
+            len(set(sets["routing_services"]) | set(sets["storage_services"])))
+        descriptor: dict[str, Any] = {
+            "id": self.state.allocate_dht_id(), "name": name, "buckets": buckets,
+            "hash": wanted["hash"], "storage": wanted["storage"], "platform": wanted["platform"],
+            "routing": wanted["routing"], "lookup": wanted["lookup"], "state": "active",
+            "created": time.time(),
+        }
+        for role, role_name in (("routing_services", "routing"), ("storage_services", "storage")):
+            services = sets[role]
+            weights = [weight(self.state.services[s]["resources"], role_name, wanted["storage"])
+                       for s in services]
+            counts = assignment.proportional_counts(buckets, weights)
+            descriptor[role] = [{"name": s, "address": self.state.services[s]["address"],
+                                 "count": count} for s, count in zip(services, counts)]
+        return descriptor
+
+    @staticmethod
+    def _involved(descriptor: dict[str, Any]) -> list[str]:
+        names: dict[str, None] = {}
+        for role in ("routing_services", "storage_services"):
+            for entry in descriptor[role]:
+                names[entry["name"]] = None
+        return list(names)
+
+    def op_destroy_dht(self, link: MessageProtocol, *, name: str) -> dict[str, Any]:
+        descriptor = self._find(name)
+        del self.state.dhts[name]
+        self.state.save()
+        for service in self._involved(descriptor):
+            link_to = self.links.get(service)
+            if link_to is not None:
+                link_to.call("drop", id=descriptor["id"]).addErrback(
+                    lambda failure, s=service: log.warn(
+                        "service {service} did not drop DHT {name!r}: {error}; it will "
+                        "when it next registers", service=s, name=name,
+                        error=failure.getErrorMessage()))
+        log.info("destroyed DHT {name!r} (id {id})", name=name, id=descriptor["id"])
+        return {"destroyed": name}
+
+    # -------------------------------------------------------------- status
+    def op_status(self, link: MessageProtocol) -> dict[str, Any]:
+        return {"supervisor": {"address": self.address, "version": __version__,
+                               "pid": os.getpid(), "uptime": time.time() - self.started,
+                               "data_dir": self.state.data_dir},
+                "services": self.op_services(link),
+                "dhts": self.op_list_dhts(link)}
+
+    def op_ping(self, link: MessageProtocol) -> dict[str, Any]:
+        return {"supervisor": self.address, "version": __version__}
+
+
+__all__ = ["SupervisorService", "SupervisorError"]
