@@ -155,7 +155,7 @@ class SupervisorService(Service):
                          seconds=time.monotonic() - self.live.get(name, {}).get("last_seen", 0))
 
     def op_services(self, link: MessageProtocol) -> list[dict[str, Any]]:
-        return [self._service_view(name) for name in self.state.services]
+        return [self._service_view(name) for name in sorted(self.state.services)]
 
     def _service_view(self, name: str) -> dict[str, Any]:
         record = self.state.services[name]

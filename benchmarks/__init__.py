@@ -1,0 +1,1 @@
+"""The Domus scalability suite: each module is a command (python -m benchmarks.NAME)."""

@@ -1,0 +1,223 @@
+"""put1 throughput: Domus against Redis, in the same run.
+
+    python -m benchmarks.put1 [--clients 1,2,4] [--seconds 5]
+
+One service (a local deployment: supervisor + 1 service process) and K
+client processes, each issuing single put1 requests (a new random 64-bit
+int key and a random 64-bit int value, one request per round trip, no
+batching) for T seconds.  Then the same against a local ``redis-server``
+with redis-py (hiredis parser), one SET per round trip, no pipelining.
+Then, for reference, the floor: a bare Python UDP request/reply loop against
+a minimal server holding a dict (no Domus code), which is as fast as a
+Python client can go here.  Prints each throughput and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from domus.deploy import LocalDeployment, free_port_block
+
+INT64 = 1 << 63
+
+
+def _random_int64(generator: random.Random) -> int:
+    return generator.getrandbits(64) - INT64
+
+
+def _timed_loop(operation: Callable[[int, int], Any], seconds: float, seed: int) -> tuple[int, float]:
+    """Run ``operation(key, value)`` with fresh random ints for ``seconds``;
+    return (operations, elapsed)."""
+    generator = random.Random(seed)
+    getrandbits = generator.getrandbits
+    count = 0
+    started = time.perf_counter()
+    end = started + seconds
+    while True:
+        for _ in range(128):
+            operation(getrandbits(64) - INT64, getrandbits(64) - INT64)
+        count += 128
+        if time.perf_counter() >= end:
+            break
+    return count, time.perf_counter() - started
+
+
+# ------------------------------------------------------------------ workers
+def _domus_worker(supervisor: str, seconds: float, seed: int, barrier: Any, results: Any) -> None:
+    import domus
+
+    with domus.connect(supervisor) as cluster:
+        dht = cluster.open_dht("put1")
+        dht.put(-1, 0)  # warm the channel
+        barrier.wait()
+        results.put(_timed_loop(dht.put, seconds, seed))
+
+
+def _redis_worker(port: int, seconds: float, seed: int, barrier: Any, results: Any) -> None:
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    client.ping()
+    barrier.wait()
+    results.put(_timed_loop(client.set, seconds, seed))
+
+
+_FLOOR = struct.Struct(">QqqI")
+
+
+def _floor_server(port: int, ready: Any) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", port))
+    ready.set()
+    store: dict[bytes, bytes] = {}
+    while True:
+        data, peer = sock.recvfrom(65536)
+        store[data[8:16]] = data[16:24]
+        sock.sendto(data[:8], peer)
+
+
+def _floor_worker(port: int, seconds: float, seed: int, barrier: Any, results: Any) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.connect(("127.0.0.1", port))
+    sock.settimeout(1.0)
+    pack = _FLOOR.pack
+    request_ids = iter(range(1, 1 << 62))
+
+    def put(key: int, value: int) -> None:
+        request_id = next(request_ids)
+        sock.send(pack(request_id, key, value, 0))
+        while sock.recv(65536)[:8] != request_id.to_bytes(8, "big"):
+            pass
+
+    barrier.wait()
+    results.put(_timed_loop(put, seconds, seed))
+
+
+def _run_clients(worker: Callable[..., None], target: Any, clients: int,
+                 seconds: float) -> float:
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(clients)
+    results = context.Queue()
+    processes = [context.Process(target=worker,
+                                 args=(target, seconds, 1000 + index, barrier, results))
+                 for index in range(clients)]
+    for process in processes:
+        process.start()
+    totals = [results.get(timeout=seconds + 60) for _ in processes]
+    for process in processes:
+        process.join(30)
+    return sum(count / elapsed for count, elapsed in totals)
+
+
+# ------------------------------------------------------------------ systems
+def measure_domus(clients: list[int], seconds: float) -> dict[int, float]:
+    data_dir = tempfile.mkdtemp(prefix="domus-bench-")
+    try:
+        with LocalDeployment(1, port=free_port_block(2), data_dir=data_dir) as deployment:
+            import domus
+
+            with domus.connect(deployment.supervisor_address) as cluster:
+                cluster.create_dht("put1")
+            return {k: _run_clients(_domus_worker, deployment.supervisor_address, k, seconds)
+                    for k in clients}
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def measure_redis(clients: list[int], seconds: float) -> dict[int, float] | None:
+    server_binary = shutil.which("redis-server")
+    if server_binary is None:
+        print("redis-server not found (apt-get install redis-server); skipping Redis",
+              file=sys.stderr)
+        return None
+    import redis.utils
+
+    if not redis.utils.HIREDIS_AVAILABLE:
+        print("warning: hiredis is not installed; redis-py uses its slower Python parser",
+              file=sys.stderr)
+    port = free_port_block(1)
+    server = subprocess.Popen([server_binary, "--port", str(port), "--bind", "127.0.0.1",
+                               "--save", "", "--appendonly", "no"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import redis
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=port).ping()
+                break
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        return {k: _run_clients(_redis_worker, port, k, seconds) for k in clients}
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def measure_floor(clients: list[int], seconds: float) -> dict[int, float]:
+    context = multiprocessing.get_context("fork")
+    port = free_port_block(1)
+    ready = context.Event()
+    server = context.Process(target=_floor_server, args=(port, ready), daemon=True)
+    server.start()
+    ready.wait(10)
+    try:
+        return {k: _run_clients(_floor_worker, port, k, seconds) for k in clients}
+    finally:
+        server.terminate()
+        server.join(5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", default="1,2,4", help="client process counts (1,2,4)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="seconds per measurement")
+    parser.add_argument("--no-redis", action="store_true")
+    parser.add_argument("--no-floor", action="store_true")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    clients = [int(part) for part in args.clients.split(",")]
+
+    print(f"put1, one service, {args.seconds:.0f} s per point, {os.cpu_count()} cores",
+          flush=True)
+    results: dict[str, Any] = {"clients": clients, "seconds": args.seconds,
+                               "domus": measure_domus(clients, args.seconds)}
+    results["redis"] = None if args.no_redis else measure_redis(clients, args.seconds)
+    results["floor"] = None if args.no_floor else measure_floor(clients, args.seconds)
+
+    header = f"{'K':>3}  {'domus ops/s':>12}  {'redis ops/s':>12}  {'domus/redis':>11}  " \
+             f"{'floor ops/s':>12}  {'domus/floor':>11}"
+    print(header)
+    for k in clients:
+        domus_rate = results["domus"][k]
+        redis_rate = results["redis"][k] if results["redis"] else None
+        floor_rate = results["floor"][k] if results["floor"] else None
+        print(f"{k:>3}  {domus_rate:>12,.0f}  "
+              f"{(f'{redis_rate:,.0f}' if redis_rate else '-'):>12}  "
+              f"{(f'{domus_rate / redis_rate:.2f}x' if redis_rate else '-'):>11}  "
+              f"{(f'{floor_rate:,.0f}' if floor_rate else '-'):>12}  "
+              f"{(f'{domus_rate / floor_rate:.0%}' if floor_rate else '-'):>11}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as target:
+            json.dump(results, target, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
