@@ -34,11 +34,8 @@ from domus.deploy import LocalDeployment, free_port_block
 INT64 = 1 << 63
 
 
-def _random_int64(generator: random.Random) -> int:
-    return generator.getrandbits(64) - INT64
-
-
-def _timed_loop(operation: Callable[[int, int], Any], seconds: float, seed: int) -> tuple[int, float]:
+def _timed_loop(operation: Callable[[int, int], Any], seconds: float,
+                seed: int) -> tuple[int, float]:
     """Run ``operation(key, value)`` with fresh random ints for ``seconds``;
     return (operations, elapsed)."""
     generator = random.Random(seed)

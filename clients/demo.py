@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import shutil
 import sys
 import tempfile

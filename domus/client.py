@@ -119,7 +119,7 @@ class Cluster:
                    routing_services: Iterable[str] | None = None,
                    storage_services: Iterable[str] | None = None) -> Dht:
         """Create a DHT and open it.  Attributes left out take their
-        defaults (see docs/api.md); service sets default to every live
+        defaults (README, "DHT attributes"); service sets default to every live
         service."""
         from domus.attributes import check_request
 
