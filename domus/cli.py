@@ -27,8 +27,10 @@ def _run_reactor(service: Any) -> int:
     )
 
     level = LogLevel.levelWithName(os.environ.get("DOMUS_LOG_LEVEL", "info").lower())
-    observer = FilteringLogObserver(textFileLogObserver(sys.stderr),
-                                    [LogLevelFilterPredicate(defaultLogLevel=level)])
+    levels = LogLevelFilterPredicate(defaultLogLevel=level)
+    for chatty in ("twisted", "log_legacy"):  # factory start/stop, port open/close
+        levels.setLogLevelForNamespace(chatty, max(level, LogLevel.warn))
+    observer = FilteringLogObserver(textFileLogObserver(sys.stderr), [levels])
     globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
     failures: list[BaseException] = []
 
@@ -44,7 +46,7 @@ def _run_reactor(service: Any) -> int:
     reactor.addSystemEventTrigger("before", "shutdown",
                                   lambda: None if failures else service.stopService())
     reactor.run()
-    return 1 if failures else 0
+    return 1 if failures else getattr(service, "exit_code", 0)
 
 
 def cmd_supervisor(args: argparse.Namespace) -> int:

@@ -32,7 +32,9 @@ from domus import assignment
 from domus import protocol as wire
 from domus.errors import (
     DomusError,
+    InvalidAttribute,
     RemoteError,
+    ServiceUnavailable,
     StorageError,
     UnknownDht,
     ValueTooLarge,
@@ -139,8 +141,6 @@ class Cluster:
         client's lookup strategy (only "D" in this version)."""
         descriptor = self.supervisor.call("open_dht", name=name)
         if lookup is not None and lookup.replace(" ", "").upper() != "D":
-            from domus.errors import InvalidAttribute
-
             raise InvalidAttribute(f"lookup strategy {lookup!r} is not available in this "
                                    f"version; use 'D'")
         return Dht(self, descriptor)
@@ -211,7 +211,12 @@ class Dht(MutableMapping):
             message = (_HEADER_PACK(_MAGIC, _VERSION, op, 0, self.cluster.ids.next(),
                                     self.cluster.ids.client_id)
                        + _KEYED_PACK(self.id, bucket, len(encoded)) + encoded + value)
-            reply = channel.request(message, self.name, bucket)
+            try:
+                reply = channel.request(message, self.name, bucket)
+            except ServiceUnavailable:
+                if attempt == 2 or not self._owner_moved(bucket, channel):
+                    raise
+                continue
             status = reply[2]
             if status <= _NOT_FOUND:
                 self._stats["hits"] += 1
@@ -222,6 +227,16 @@ class Dht(MutableMapping):
                 continue
             raise self._error(reply, channel, bucket)
         raise AssertionError("unreachable")
+
+    def _owner_moved(self, bucket: int, channel: ServiceChannel) -> bool:
+        """After a service failed to answer: ask the supervisor whether the
+        bucket's owner is now elsewhere (e.g. the service re-registered at a
+        new address).  False if not, or if the supervisor cannot say."""
+        try:
+            self.refresh()
+        except DomusError:
+            return False
+        return self._owners[bucket] is not channel
 
     def _error(self, reply: bytes, channel: ServiceChannel, bucket: int | None) -> DomusError:
         status = reply[2]

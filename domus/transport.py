@@ -38,6 +38,8 @@ _FRAME = struct.Struct(">I")
 FIRST_TIMEOUT = 0.25
 MAX_DEADLINE = DEFAULT_TTL / 2
 REFUSED_LIMIT = 3
+READ_ONLY_CONTROL = frozenset({"ping", "open_dht", "dht_info", "list_dhts", "services",
+                               "status"})
 WINDOW = 4              # datagrams in flight per service in a pipelined batch
 RECV_BUFFER = 4 * 1024 * 1024
 
@@ -92,7 +94,12 @@ class SupervisorLink:
 
     def _connect(self) -> socket.socket:
         if self._sock is not None and self._pid == os.getpid():
-            return self._sock
+            # The supervisor never speaks first: a readable idle connection
+            # means it was closed (e.g. the supervisor restarted).
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            if not readable:
+                return self._sock
+            self.close()
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         except OSError as exc:
@@ -106,8 +113,10 @@ class SupervisorLink:
 
     def call(self, op: str, timeout: float | None = None, **params: Any) -> Any:
         """Run control op ``op``; its result, or the matching domus.errors
-        exception."""
-        for attempt in (1, 2):
+        exception.  A read-only op is sent again once if the connection
+        breaks; a change is not (it may have been applied)."""
+        attempts = (1, 2) if op in READ_ONLY_CONTROL else (2,)
+        for attempt in attempts:
             sock = self._connect()
             request_id = self.ids.next()
             message = wire.encode_control(request_id, self.ids.client_id, {"op": op, **params})
@@ -130,7 +139,8 @@ class SupervisorLink:
                 if attempt == 2:
                     raise SupervisorUnreachable(
                         f"lost the connection to the Domus supervisor at {self.address} "
-                        f"during {op!r}; is it running?") from None
+                        f"during {op!r} (if it changed something, it may or may not have "
+                        f"been applied: check before retrying); is it running?") from None
                 continue  # one reconnect: the supervisor may have restarted
             return _control_result(op, status, frame)
         raise AssertionError("unreachable")

@@ -105,11 +105,15 @@ class SupervisorService(Service):
                     resources: dict[str, Any], held: dict[str, Any] | None = None,
                     version: str = "", pid: int = 0) -> dict[str, Any]:
         addresses.parse(address)
+        known = self.state.services.get(name)
         old = self.links.get(name)
-        if old is not None and old is not link and old.transport is not None:
+        if old is not None and old is not link and old.connected:
+            if known is not None and known["address"] != address:
+                raise ControlError("SupervisorError", f"service name {name!r} is taken by a "
+                                   f"live service at {known['address']}; give this one "
+                                   f"another --name")
             log.info("service {name} registered again; closing its old link", name=name)
             old.transport.loseConnection()
-        known = self.state.services.get(name)
         record = {"name": name, "address": address, "resources": resources,
                   "registered": known["registered"] if known else time.time(),
                   "last_registered": time.time(), "version": version, "pid": pid}

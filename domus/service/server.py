@@ -19,7 +19,7 @@ from twisted.logger import Logger
 from domus import __version__
 from domus import address as addresses
 from domus import protocol as wire
-from domus.control import ControlError, MessageProtocol
+from domus.control import ControlError, MessageProtocol, RemoteControlError
 from domus.resources import LoadSampler, base_resources
 from domus.service.handler import RequestHandler
 
@@ -88,6 +88,7 @@ class DomusService(Service):
         self._timers: list[task.LoopingCall] = []
         self._link_factory: Any = None
         self._stopping = False
+        self.exit_code = 0
 
     # -------------------------------------------------------------- lifecycle
     def startService(self) -> None:
@@ -159,8 +160,18 @@ class DomusService(Service):
                  name=self.service_name, count=len(self.handler.dhts))
 
     def _register_failed(self, failure: Any, link: MessageProtocol) -> None:
-        log.error("service {name}: the supervisor refused registration: {error}",
-                  name=self.service_name, error=failure.getErrorMessage())
+        from twisted.internet import reactor
+
+        if failure.check(RemoteControlError):
+            # A refusal is a configuration error (e.g. a name taken by another
+            # live service): retrying cannot help, so stop and say why.
+            log.error("service {name}: the supervisor refused registration: {error}; "
+                      "stopping", name=self.service_name, error=failure.getErrorMessage())
+            self.exit_code = 2
+            reactor.stop()
+            return
+        log.warn("service {name}: registration failed ({error}); retrying",
+                 name=self.service_name, error=failure.getErrorMessage())
         if link.transport is not None:
             link.transport.loseConnection()
 
@@ -212,6 +223,7 @@ class DomusService(Service):
 
 
 class _SupervisorLinkFactory(protocol.ReconnectingClientFactory):
+    noisy = False
     maxDelay = RECONNECT_MAX_DELAY
     initialDelay = 0.2
     factor = 1.6
