@@ -18,6 +18,7 @@ rebuilds the whole map with ``placement`` and never asks where a bucket is.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -30,8 +31,8 @@ def proportional_counts(bucket_count: int, weights: Sequence[float]) -> list[int
     """
     if not weights:
         raise ValueError("cannot assign buckets to an empty set of services")
-    if any(weight < 0 for weight in weights):
-        raise ValueError(f"service weights must be non-negative, got {list(weights)}")
+    if not all(0 <= weight < math.inf for weight in weights):
+        raise ValueError(f"service weights must be finite and non-negative, got {list(weights)}")
     exact = [Fraction(weight) for weight in weights]
     total = sum(exact)
     if total <= 0:

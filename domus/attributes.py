@@ -41,7 +41,7 @@ def default_bucket_count(service_count: int) -> int:
 
 
 def check_name(name: Any) -> str:
-    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidAttribute(
             f"DHT name {name!r} is not valid: use 1 to 128 letters, digits, '_', '.' "
             f"or '-', starting with a letter or digit")
@@ -58,6 +58,10 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
         raise InvalidAttribute(f"unknown DHT attribute(s) {sorted(unknown)}; "
                                f"known ones are {sorted(KNOWN - {'name'})}")
     merged = {**DEFAULTS, **{k: v for k, v in attributes.items() if v is not None}}
+    for attribute in ("hash", "storage", "platform", "routing"):
+        if not isinstance(merged[attribute], str):
+            raise InvalidAttribute(f"DHT attribute {attribute!r} must be a str, not "
+                                   f"{merged[attribute]!r}")
     if merged["hash"] not in HASH_FUNCTIONS:
         raise InvalidAttribute(f"hash function {merged['hash']!r} is unknown; choose one of "
                                f"{sorted(HASH_FUNCTIONS)}")
@@ -88,7 +92,8 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
     buckets = merged.get("buckets")
     if buckets is not None:
         if isinstance(buckets, bool) or not isinstance(buckets, int):
-            raise InvalidAttribute(f"bucket count must be an int, not {type(buckets).__name__}")
+            raise InvalidAttribute(f"bucket count must be an int, not {buckets!r} "
+                                   f"({type(buckets).__name__})")
         if not MIN_BUCKETS <= buckets <= MAX_BUCKETS or buckets & (buckets - 1):
             raise InvalidAttribute(f"bucket count {buckets} must be a power of two between "
                                    f"{MIN_BUCKETS} and {MAX_BUCKETS}")
@@ -99,7 +104,7 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
         if isinstance(services, str):
             services = [part for part in services.split(",") if part]
         if not isinstance(services, (list, tuple)) or not all(isinstance(s, str) for s in services):
-            raise InvalidAttribute(f"{role} must be a list of service names")
+            raise InvalidAttribute(f"{role} must be a list of service names, not {services!r}")
         if not services:
             raise InvalidAttribute(f"{role} must name at least one service (or be left out "
                                    f"to use all)")

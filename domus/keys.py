@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import xxhash
 
-from domus.errors import KeyTooLarge, KeyTypeError
+from domus.errors import KeyTooLarge, KeyTypeError, ProtocolError
 from domus.protocol import MAX_KEY_BYTES
 
 TAG_INT64 = 0x01    # int in [-2**63, 2**63): 8 bytes, big-endian, signed
@@ -39,16 +39,19 @@ def encode_key(key: object) -> bytes:
     if kind is int or kind is bool:
         if _INT64_MIN <= key <= _INT64_MAX:  # type: ignore[operator]
             return _INT64.pack(TAG_INT64, key)
-        length = (key.bit_length() + 8) // 8  # type: ignore[union-attr]
+        # Minimal: -2**71 fits 9 bytes though its bit_length (72) says 10.
+        magnitude = key if key >= 0 else ~key  # type: ignore[operator]
+        length = (magnitude.bit_length() + 8) // 8  # type: ignore[union-attr]
         encoded = bytes((TAG_BIGINT,)) + key.to_bytes(length, "big", signed=True)  # type: ignore[union-attr]
     elif kind is str:
         encoded = b"\x03" + key.encode("utf-8", "surrogatepass")  # type: ignore[union-attr]
     elif kind is bytes:
         encoded = b"\x04" + key  # type: ignore[operator]
     elif isinstance(key, int):
-        return encode_key(int(key))
+        # The int itself, not __int__/__str__ overrides: IntEnum.A is its value.
+        return encode_key(int.__int__(key))
     elif isinstance(key, str):
-        return encode_key(str(key))
+        return encode_key(str.__str__(key))
     elif isinstance(key, (bytearray, memoryview)):
         return encode_key(bytes(key))
     else:
@@ -63,7 +66,14 @@ def encode_key(key: object) -> bytes:
 
 
 def decode_key(encoded: bytes) -> int | str | bytes:
-    """Inverse of encode_key."""
+    """Inverse of encode_key; ProtocolError for bytes it never produces."""
+    try:
+        return _decode_key(encoded)
+    except (IndexError, struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"bad encoded key {encoded[:16]!r}: {exc}") from None
+
+
+def _decode_key(encoded: bytes) -> int | str | bytes:
     tag = encoded[0]
     if tag == TAG_INT64:
         return _INT64.unpack(encoded)[1]

@@ -62,7 +62,8 @@ class RequestHandler:
         self.by_op = [0] * 256
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
                                          "internal_errors": 0}
-        self._scans: OrderedDict[int, tuple[float, list[bytes]]] = OrderedDict()
+        # scan id -> (expiry, dht id, bucket, key snapshot)
+        self._scans: OrderedDict[int, tuple[float, int, int, list[bytes]]] = OrderedDict()
         self._scan_ids = itertools.count(1)
         self._ops: dict[int, Callable[[bytes, bytes, int], bytes]] = {
             wire.OP_PUT: self._put,
@@ -246,16 +247,16 @@ class RequestHandler:
         if scan_id == 0:
             scan_id = next(self._scan_ids) & 0xFFFFFFFF or next(self._scan_ids)
             keys = repo.key_snapshot()
-            self._scans[scan_id] = (now + SCAN_TTL, keys)
+            self._scans[scan_id] = (now + SCAN_TTL, dht_id, bucket, keys)
             if len(self._scans) > MAX_SCANS:
                 self._scans.popitem(last=False)
         else:
             session = self._scans.get(scan_id)
-            if session is None:
-                raise RequestFailed(wire.ST_MALFORMED, f"scan {scan_id} expired or unknown; "
-                                    f"start the iteration again")
-            keys = session[1]
-            self._scans[scan_id] = (now + SCAN_TTL, keys)
+            if session is None or session[1:3] != (dht_id, bucket):
+                raise RequestFailed(wire.ST_MALFORMED, f"scan {scan_id} of bucket {bucket} "
+                                    f"expired or unknown; start the iteration again")
+            keys = session[3]
+            self._scans[scan_id] = (now + SCAN_TTL, dht_id, bucket, keys)
             self._scans.move_to_end(scan_id)
         entries = []
         size = wire.REPLY_HEADER_SIZE + wire.SCAN_REPLY.size
@@ -264,6 +265,8 @@ class RequestHandler:
             key = keys[position]
             value = repo.get(key)
             if value is not None:
+                if len(entries) == wire.MAX_BATCH:
+                    break  # the page's entry count is a u16 (a TCP frame holds more)
                 entry_size = wire.SCAN_ENTRY.size + len(key) + len(value)
                 if size + entry_size > limit:
                     if not entries:
@@ -280,7 +283,7 @@ class RequestHandler:
 
     def _expire_scans(self, now: float) -> None:
         while self._scans:
-            scan_id, (expires, _keys) = next(iter(self._scans.items()))
+            scan_id, (expires, *_session) = next(iter(self._scans.items()))
             if expires > now:
                 break
             del self._scans[scan_id]

@@ -1,0 +1,166 @@
+"""domus.attributes: DHT attribute defaults and validation."""
+
+import pytest
+
+from domus.attributes import (
+    BUCKETS_PER_SERVICE,
+    MAX_BUCKETS,
+    check_name,
+    check_request,
+    default_bucket_count,
+)
+from domus.errors import InvalidAttribute
+from domus.keys import HASH_FUNCTIONS
+
+
+def test_defaults_are_filled_in():
+    assert check_request("words", {}) == {
+        "hash": "xxh3", "storage": "ram", "platform": "python-dict",
+        "routing": "chord", "lookup": "D",
+    }
+
+
+def test_none_means_use_the_default():
+    merged = check_request("words", {"hash": None, "storage": None, "platform": None,
+                                     "routing": None, "lookup": None, "buckets": None,
+                                     "routing_services": None, "storage_services": None})
+    assert merged["hash"] == "xxh3" and merged["routing"] == "chord"
+    assert merged.get("buckets") is None
+    assert merged.get("routing_services") is None
+
+
+def test_the_callers_attributes_are_not_modified():
+    attributes = {"lookup": "d", "routing_services": "a,b"}
+    check_request("words", attributes)
+    assert attributes == {"lookup": "d", "routing_services": "a,b"}
+
+
+@pytest.mark.parametrize("hash_name", sorted(HASH_FUNCTIONS))
+def test_every_hash_function_is_accepted(hash_name):
+    assert check_request("words", {"hash": hash_name})["hash"] == hash_name
+
+
+def test_chosen_values_are_kept():
+    merged = check_request("words", {"routing": "bruijn", "buckets": 1024,
+                                     "storage": "ram", "platform": "python-dict"})
+    assert merged["routing"] == "bruijn"
+    assert merged["buckets"] == 1024
+
+
+@pytest.mark.parametrize("buckets", [1, 2, 64, 1 << 16, MAX_BUCKETS])
+def test_power_of_two_bucket_counts_are_accepted(buckets):
+    assert check_request("words", {"buckets": buckets})["buckets"] == buckets
+
+
+@pytest.mark.parametrize("lookup", ["d", " D ", "D"])
+def test_lookup_is_normalised(lookup):
+    assert check_request("words", {"lookup": lookup})["lookup"] == "D"
+
+
+def test_service_lists_may_be_comma_separated_or_sequences():
+    merged = check_request("words", {"routing_services": "s1,s2,",
+                                     "storage_services": ("s2", "s3")})
+    assert merged["routing_services"] == ["s1", "s2"]
+    assert merged["storage_services"] == ["s2", "s3"]
+
+
+@pytest.mark.parametrize("name", ["a", "A" * 128, "x.y-z_1", "1st", "Words2"])
+def test_good_names_are_accepted(name):
+    assert check_name(name) == name
+    check_request(name, {})
+
+
+@pytest.mark.parametrize("name", ["", "-x", ".x", "_x", "a" * 129, "a b", "caf\u00e9",
+                                  "a/b", "abc\n", "\nabc", "a\x00"])
+def test_bad_names_raise_invalid_attribute_naming_them(name):
+    with pytest.raises(InvalidAttribute) as raised:
+        check_request(name, {})
+    assert repr(name) in str(raised.value)
+
+
+@pytest.mark.parametrize("name", [None, 5, b"words", ["words"]])
+def test_names_that_are_not_str_raise_invalid_attribute(name):
+    with pytest.raises(InvalidAttribute) as raised:
+        check_name(name)
+    assert repr(name) in str(raised.value)
+
+
+# (attributes, text the message must contain: the bad value as the user wrote it)
+INVALID = [
+    ({"colour": "red"}, "colour"),
+    ({"hash": "md5"}, "'md5'"),
+    ({"hash": ["xxh3"]}, "['xxh3']"),
+    ({"hash": 3}, "3"),
+    ({"storage": "tape"}, "'tape'"),
+    ({"storage": ["ram"]}, "['ram']"),
+    ({"platform": "sqlite"}, "'sqlite'"),
+    ({"platform": {"name": "python-dict"}}, "{'name': 'python-dict'}"),
+    ({"storage": "disk", "platform": "python-dict"}, "'disk'"),
+    ({"routing": "pastry"}, "'pastry'"),
+    ({"routing": ["chord"]}, "['chord']"),
+    ({"lookup": "X"}, "'X'"),
+    ({"lookup": "D,D"}, "'D,D'"),
+    ({"buckets": 0}, "0"),
+    ({"buckets": 3}, "3"),
+    ({"buckets": 96}, "96"),
+    ({"buckets": -64}, "-64"),
+    ({"buckets": MAX_BUCKETS * 2}, str(MAX_BUCKETS * 2)),
+    ({"buckets": "64"}, "'64'"),
+    ({"buckets": 64.0}, "64.0"),
+    ({"buckets": True}, "True"),
+    ({"routing_services": []}, "routing_services"),
+    ({"storage_services": ","}, "storage_services"),
+    ({"routing_services": [1, 2]}, "[1, 2]"),
+    ({"storage_services": 5}, "5"),
+    ({"storage_services": ["s1", "s1"]}, "['s1', 's1']"),
+]
+
+
+@pytest.mark.parametrize("attributes, shown", INVALID,
+                         ids=[repr(attributes) for attributes, _shown in INVALID])
+def test_invalid_attributes_raise_invalid_attribute_naming_the_value(attributes, shown):
+    with pytest.raises(InvalidAttribute) as raised:
+        check_request("words", attributes)
+    assert shown in str(raised.value)
+
+
+def test_invalid_attribute_is_a_value_error():
+    with pytest.raises(ValueError):
+        check_request("words", {"hash": "md5"})
+
+
+@pytest.mark.parametrize("platform", ["domus-rbt", "domus-bsddb-btree", "domus-bsddb-hash"])
+def test_planned_platforms_say_they_are_not_available_yet(platform):
+    with pytest.raises(InvalidAttribute, match="not available in this version") as raised:
+        check_request("words", {"platform": platform})
+    assert repr(platform) in str(raised.value)
+
+
+@pytest.mark.parametrize("lookup", ["D,C,R", "C,R", "R", "d, c, r", "c,r"])
+def test_planned_lookup_strategies_say_they_are_not_available_yet(lookup):
+    with pytest.raises(InvalidAttribute, match="not available in this version"):
+        check_request("words", {"lookup": lookup})
+
+
+def test_an_unknown_platform_is_not_called_planned():
+    with pytest.raises(InvalidAttribute) as raised:
+        check_request("words", {"platform": "sqlite"})
+    assert "not available" not in str(raised.value)
+    assert "python-dict" in str(raised.value)        # tells what to use instead
+
+
+@pytest.mark.parametrize("service_count", list(range(0, 70)) + [100, 1000, 4096])
+def test_default_bucket_count_is_a_power_of_two_with_64_per_service(service_count):
+    buckets = default_bucket_count(service_count)
+    wanted = BUCKETS_PER_SERVICE * max(1, service_count)
+    assert buckets & (buckets - 1) == 0
+    assert buckets >= wanted
+    assert buckets < 2 * wanted              # rounded up, not further
+    check_request("words", {"buckets": buckets})   # and the supervisor accepts it
+
+
+def test_default_bucket_count_examples():
+    assert BUCKETS_PER_SERVICE == 64
+    assert default_bucket_count(1) == 64
+    assert default_bucket_count(2) == 128
+    assert default_bucket_count(3) == 256
