@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 
 from domus import address as addresses
-from domus import assignment
+from domus import assignment, batch
 from domus import protocol as wire
 from domus.errors import (
     DomusError,
@@ -45,7 +45,6 @@ from domus.keys import HASH_FUNCTIONS, bucket_shift, decode_key, encode_key
 from domus.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
 
 DEFAULT_TIMEOUT = 5.0
-_Member = tuple[int, int, bytes]
 _MISSING = object()
 _PUT = wire.OP_PUT
 _GET = wire.OP_GET
@@ -57,6 +56,7 @@ _HEADER_PACK = wire.REQUEST_HEADER.pack
 _KEYED_PACK = wire.KEYED.pack
 _MAGIC = wire.REQUEST_MAGIC
 _VERSION = wire.VERSION
+_U32_PACK = wire.U32.pack
 
 
 def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Cluster:
@@ -79,6 +79,24 @@ def _pack_value(value: Any) -> bytes:
 
 def _unpack_value(data: bytes) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def reply_error(dht: str, reply: bytes, channel: Any, bucket: int | None) -> DomusError:
+    """The domus.errors exception for an error reply from ``channel``
+    (anything with ``name`` and ``address``) to a request on DHT ``dht``."""
+    status = reply[2]
+    text = reply[wire.REPLY_HEADER_SIZE:].decode("utf-8", "replace")
+    where = f"service {channel.name} ({channel.address})"
+    if status == wire.ST_UNKNOWN_DHT:
+        return UnknownDht(f"DHT {dht!r} is not on {where} any more (destroyed?): {text}")
+    if status == wire.ST_NOT_OWNER:
+        return WrongService(f"{where}: {text}", status)
+    if status == wire.ST_STORAGE_ERROR:
+        return StorageError(f"{where}, bucket {bucket}: {text}", status)
+    if status == wire.ST_TOO_LARGE:
+        return ValueTooLarge(f"{where} refused the request: {text}")
+    name = wire.STATUS_NAMES.get(status, f"status 0x{status:02x}")
+    return RemoteError(f"{where} answered {name}: {text}", status)
 
 
 class Cluster:
@@ -204,9 +222,9 @@ class Dht(MutableMapping):
         """One keyed request; returns (reply, encoded key).  Retries once
         after refreshing the layout if the service says the bucket moved."""
         encoded = encode_key(key)
-        bucket = self._hash(encoded) >> self._shift
         self._stats["lookups"] += 1
         for attempt in (1, 2):
+            bucket = self._hash(encoded) >> self._shift  # again after a refresh
             channel = self._owners[bucket]
             message = (_HEADER_PACK(_MAGIC, _VERSION, op, 0, self.cluster.ids.next(),
                                     self.cluster.ids.client_id)
@@ -239,19 +257,7 @@ class Dht(MutableMapping):
         return self._owners[bucket] is not channel
 
     def _error(self, reply: bytes, channel: ServiceChannel, bucket: int | None) -> DomusError:
-        status = reply[2]
-        text = reply[wire.REPLY_HEADER_SIZE:].decode("utf-8", "replace")
-        where = f"service {channel.name} ({channel.address})"
-        if status == wire.ST_UNKNOWN_DHT:
-            return UnknownDht(f"DHT {self.name!r} is not on {where} any more (destroyed?): {text}")
-        if status == wire.ST_NOT_OWNER:
-            return WrongService(f"{where}: {text}", status)
-        if status == wire.ST_STORAGE_ERROR:
-            return StorageError(f"{where}, bucket {bucket}: {text}", status)
-        if status == wire.ST_TOO_LARGE:
-            return ValueTooLarge(f"{where} refused the request: {text}")
-        name = wire.STATUS_NAMES.get(status, f"status 0x{status:02x}")
-        return RemoteError(f"{where} answered {name}: {text}", status)
+        return reply_error(self.name, reply, channel, bucket)
 
     def put(self, key: Any, value: Any) -> bool:
         """Store ``value`` under ``key``; True if the key was new."""
@@ -259,7 +265,7 @@ class Dht(MutableMapping):
         if len(packed) > wire.MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
                                 f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
-        reply, _ = self._request(_PUT, key, packed)
+        reply, _ = self._request(_PUT, key, _U32_PACK(len(packed)) + packed)
         return reply[-1:] == b"\x01"
 
     __setitem__ = put  # type: ignore[assignment]
@@ -290,9 +296,9 @@ class Dht(MutableMapping):
         return reply[2] == _OK
 
     # ------------------------------------------------------------ batches
-    def _group(self, encoded_keys: Iterable[bytes]) -> dict[ServiceChannel, list[_Member]]:
+    def _group(self, encoded_keys: Iterable[bytes]) -> dict[ServiceChannel, list[batch.Member]]:
         """Keys grouped by the service storing them: (position, bucket, key)."""
-        groups: dict[ServiceChannel, list[_Member]] = {}
+        groups: dict[ServiceChannel, list[batch.Member]] = {}
         hash_function, shift, owners = self._hash, self._shift, self._owners
         for position, encoded in enumerate(encoded_keys):
             bucket = hash_function(encoded) >> shift
@@ -306,42 +312,19 @@ class Dht(MutableMapping):
         none is."""
         pairs = list(items.items() if isinstance(items, Mapping) else items)
         encoded = [(encode_key(key), _pack_value(value)) for key, value in pairs]
-        for _key_bytes, value_bytes in encoded:
-            if len(value_bytes) > wire.MAX_VALUE_BYTES:
-                raise ValueTooLarge(f"a value of {len(value_bytes)} bytes is over the "
-                                    f"{wire.MAX_VALUE_BYTES}-byte limit; nothing was stored")
+        batch.check_values(encoded)
+        self._stats["lookups"] += len(encoded)
         created = 0
         for attempt in (1, 2):
-            groups = self._group(key for key, _value in encoded)
-            requests: list[tuple[ServiceChannel, bytes]] = []
-            ids = self.cluster.ids
-            for channel, members in groups.items():
-                batch: list[tuple[int, bytes, bytes]] = []
-                size = wire.BATCH_OVERHEAD
-                for position, bucket, key_bytes in members:
-                    value_bytes = encoded[position][1]
-                    entry = wire.put_entry_size(key_bytes, value_bytes)
-                    if batch and (size + entry > wire.DEFAULT_MAX_DATAGRAM
-                                  or len(batch) == wire.MAX_BATCH):
-                        requests.append((channel, wire.encode_put_many(
-                            ids.next(), ids.client_id, self.id, batch)))
-                        batch, size = [], wire.BATCH_OVERHEAD
-                    batch.append((bucket, key_bytes, value_bytes))
-                    size += entry
-                if batch:
-                    requests.append((channel, wire.encode_put_many(
-                        ids.next(), ids.client_id, self.id, batch)))
+            requests = batch.put_requests(self._group(key for key, _value in encoded),
+                                          encoded, self.id, self.cluster.ids)
             replies = exchange(requests, self.name)
-            self._stats["lookups"] += len(encoded)
-            self._stats["hits"] += len(encoded)
-            wrong = [index for index, reply in enumerate(replies) if reply[2] == wire.ST_NOT_OWNER]
-            for index, reply in enumerate(replies):
-                if reply[2] == _OK:
-                    created += wire.U16X2.unpack_from(reply, wire.REPLY_HEADER_SIZE)[1]
-                elif reply[2] != wire.ST_NOT_OWNER or attempt == 2:
-                    raise self._error(reply, requests[index][0], None)
-            if not wrong:
-                return created
+            applied, new, moved = batch.put_replies(requests, replies, self._batch_error,
+                                                    last_try=attempt == 2)
+            self._stats["hits"] += applied
+            created += new
+            if not moved:
+                break
             # Some service no longer holds some buckets: refresh and send again
             # (re-putting the records that did land is harmless).
             self._stats["misses"] += 1
@@ -351,60 +334,25 @@ class Dht(MutableMapping):
     def get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
         """Values of the keys that are present (absent keys are left out)."""
         wanted = list(keys)
-        encoded = [encode_key(key) for key in wanted]
-        found: dict[Any, Any] = {}
-        pending = list(range(len(encoded)))
+        state = batch.GetMany(wanted, [encode_key(key) for key in wanted])
+        self._stats["lookups"] += len(wanted)
         misses = 0
-        while pending:
-            groups = self._group(encoded[position] for position in pending)
-            requests: list[tuple[ServiceChannel, bytes]] = []
-            batches: list[list[int]] = []
-            ids = self.cluster.ids
-            for channel, members in groups.items():
-                batch: list[int] = []
-                entries: list[tuple[int, bytes]] = []
-                size = wire.BATCH_OVERHEAD
-                for local, bucket, key_bytes in members:
-                    entry = wire.get_entry_size(key_bytes)
-                    if entries and (size + entry > wire.DEFAULT_MAX_DATAGRAM
-                                    or len(entries) == wire.MAX_BATCH):
-                        requests.append((channel, wire.encode_get_many(
-                            ids.next(), ids.client_id, self.id, entries)))
-                        batches.append(batch)
-                        batch, entries, size = [], [], wire.BATCH_OVERHEAD
-                    batch.append(pending[local])
-                    entries.append((bucket, key_bytes))
-                    size += entry
-                if entries:
-                    requests.append((channel, wire.encode_get_many(
-                        ids.next(), ids.client_id, self.id, entries)))
-                    batches.append(batch)
+        while state.pending:
+            requests, batches = state.requests(self._group(state.pending_keys()), self.id,
+                                               self.cluster.ids)
             replies = exchange(requests, self.name)
-            self._stats["lookups"] += len(pending)
-            self._stats["hits"] += len(pending)
-            still: list[int] = []
-            moved = False
-            for (channel, _message), batch, reply in zip(requests, batches, replies):
-                if reply[2] == wire.ST_NOT_OWNER:
-                    moved = True
-                    still.extend(batch)
-                    continue
-                if reply[2] != _OK:
-                    raise self._error(reply, channel, None)
-                values = wire.decode_get_many_reply(reply)
-                for position, value in zip(batch, values):
-                    if value is not None:
-                        found[wanted[position]] = _unpack_value(value)
-                still.extend(batch[len(values):])  # what did not fit the reply
-            if moved:
+            if state.take(requests, batches, replies, self._batch_error, _unpack_value):
                 misses += 1
                 if misses > 1:
                     raise WrongService(f"DHT {self.name!r}: services disagree with the "
                                        f"supervisor about bucket owners; retry shortly")
                 self._stats["misses"] += 1
                 self.refresh()
-            pending = still
-        return found
+        self._stats["hits"] += state.answered
+        return state.found
+
+    def _batch_error(self, reply: bytes, channel: ServiceChannel) -> DomusError:
+        return reply_error(self.name, reply, channel, None)
 
     # ------------------------------------------------------------ whole DHT
     def __len__(self) -> int:

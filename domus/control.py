@@ -59,6 +59,7 @@ class MessageProtocol(Int32StringReceiver):
     control_handler: ControlHandler | None = None
     data_handler: DataHandler | None = None
     call_timeout = 10.0
+    clock: Any = None  # IReactorTime for call timeouts; None: the global reactor
 
     def __init__(self) -> None:
         self._pending: dict[int, tuple[defer.Deferred, Any]] = {}
@@ -144,10 +145,12 @@ class MessageProtocol(Int32StringReceiver):
                 timeout: float | None = None) -> defer.Deferred:
         """Send a whole request message; the Deferred fires with
         (status, reply frame) or fails with TimeoutError/ConnectionError."""
-        from twisted.internet import reactor
+        clock = self.clock
+        if clock is None:
+            from twisted.internet import reactor as clock
 
         deferred: defer.Deferred = defer.Deferred()
-        timer = reactor.callLater(timeout or self.call_timeout, self._timed_out, request_id)
+        timer = clock.callLater(timeout or self.call_timeout, self._timed_out, request_id)
         self._pending[request_id] = (deferred, timer)
         self.sendString(message)
         return deferred

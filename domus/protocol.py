@@ -114,9 +114,15 @@ def request_header(op: int, request_id: int, client_id: int) -> bytes:
 
 def encode_keyed(op: int, request_id: int, client_id: int, dht_id: int,
                  bucket: int, key: bytes, value: bytes = b"") -> bytes:
-    """PUT (with a value), GET, DELETE or CONTAINS."""
-    return (REQUEST_HEADER.pack(REQUEST_MAGIC, VERSION, op, 0, request_id, client_id)
-            + KEYED.pack(dht_id, bucket, len(key)) + key + value)
+    """PUT (its value goes after the key, preceded by its u32 length), GET,
+    DELETE or CONTAINS (no value)."""
+    message = (REQUEST_HEADER.pack(REQUEST_MAGIC, VERSION, op, 0, request_id, client_id)
+               + KEYED.pack(dht_id, bucket, len(key)) + key)
+    if op == OP_PUT:
+        return message + U32.pack(len(value)) + value
+    if value:
+        raise ValueError(f"only PUT carries a value, not op 0x{op:02x}")
+    return message
 
 
 def encode_put_many(request_id: int, client_id: int, dht_id: int,
@@ -192,6 +198,24 @@ def decode_keyed(data: bytes) -> tuple[int, int, bytes, bytes]:
     if key_length == 0:
         raise ProtocolError("empty key")
     return dht_id, bucket, data[KEYED_END:key_end], data[key_end:]
+
+
+def decode_put(data: bytes) -> tuple[int, int, bytes, bytes]:
+    """Body of PUT: (dht id, bucket, key, value).  The value's length is
+    explicit, so a message cut short is refused rather than stored short."""
+    dht_id, bucket, key, rest = decode_keyed(data)
+    return dht_id, bucket, key, put_value(rest)
+
+
+def put_value(rest: bytes) -> bytes:
+    """The value of a PUT from the bytes after its key."""
+    if len(rest) < U32.size:
+        raise ProtocolError("put truncated before its value length")
+    (length,) = U32.unpack_from(rest)
+    if length != len(rest) - U32.size:
+        raise ProtocolError(f"put says its value has {length} bytes but carries "
+                            f"{len(rest) - U32.size}")
+    return rest[U32.size:]
 
 
 def decode_put_many(data: bytes) -> tuple[int, list[tuple[int, bytes, bytes]]]:

@@ -165,6 +165,20 @@ def _control_result(op: str, status: int, frame: bytes) -> Any:
                           f"{body.decode('utf-8', 'replace')}")
 
 
+def service_unavailable(name: str, address: str, what: str, dht: str = "",
+                        bucket: int | None = None) -> ServiceUnavailable:
+    """The error for service ``name`` at ``address`` that ``what`` (did not
+    answer, refused, ...) a request on DHT ``dht`` (bucket ``bucket``)."""
+    if dht and bucket is not None:
+        where = f" for bucket {bucket} of DHT {dht!r}"
+    else:
+        where = f" for DHT {dht!r}" if dht else ""
+    return ServiceUnavailable(
+        f"service {name} at {address} {what}{where}; buckets on other services "
+        f"keep working. Check `domus status`, restart the service, or retry later",
+        service=name, address=address, dht=dht, bucket=bucket)
+
+
 class ServiceChannel:
     """Requests to one service.  Not thread-safe: one per thread/process."""
 
@@ -199,11 +213,7 @@ class ServiceChannel:
 
     def unavailable(self, what: str, dht: str = "",
                     bucket: int | None = None) -> ServiceUnavailable:
-        where = f" for bucket {bucket} of DHT {dht!r}" if dht else ""
-        return ServiceUnavailable(
-            f"service {self.name} at {self.address} {what}{where}; buckets on other services "
-            f"keep working. Check `domus status`, restart the service, or retry later",
-            service=self.name, address=self.address, dht=dht, bucket=bucket)
+        return service_unavailable(self.name, self.address, what, dht, bucket)
 
     def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
         """Send one request, return its reply (retrying over UDP, or over TCP

@@ -12,6 +12,7 @@ the full set of DHTs it takes part in, and drops any other.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -104,7 +105,21 @@ class SupervisorService(Service):
     def op_register(self, link: MessageProtocol, *, name: str, address: str,
                     resources: dict[str, Any], held: dict[str, Any] | None = None,
                     version: str = "", pid: int = 0) -> dict[str, Any]:
-        addresses.parse(address)
+        if not (isinstance(name, str) and name and isinstance(address, str)
+                and isinstance(resources, dict)):
+            raise ControlError("SupervisorError", "register needs a non-empty string name, "
+                               "a HOST:PORT address and a map of resources")
+        try:
+            addresses.parse(address)
+            for field in ("cores", "ram", "disk"):
+                float(resources.get(field) or 0)
+            # The record is saved as JSON: refuse what would not save, rather
+            # than poison the state (and every later save) with it.
+            json.dumps({"resources": resources, "version": version, "pid": pid},
+                       sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise ControlError("SupervisorError", f"cannot register service {name!r}: "
+                               f"{exc}") from None
         known = self.state.services.get(name)
         old = self.links.get(name)
         if old is not None and old is not link and old.connected:
@@ -310,20 +325,23 @@ class SupervisorService(Service):
                 names[entry["name"]] = None
         return list(names)
 
-    def op_destroy_dht(self, link: MessageProtocol, *, name: str) -> dict[str, Any]:
+    def op_destroy_dht(self, link: MessageProtocol, *, name: str) -> defer.Deferred:
         descriptor = self._find(name)
         del self.state.dhts[name]
         self.state.save()
+        drops = []
         for service in self._involved(descriptor):
             link_to = self.links.get(service)
             if link_to is not None:
-                link_to.call("drop", id=descriptor["id"]).addErrback(
-                    lambda failure, s=service: log.warn(
-                        "service {service} did not drop DHT {name!r}: {error}; it will "
-                        "when it next registers", service=s, name=name,
-                        error=failure.getErrorMessage()))
+                drops.append(link_to.call("drop", id=descriptor["id"], timeout=PUSH_TIMEOUT)
+                             .addErrback(lambda failure, s=service: log.warn(
+                                 "service {service} did not drop DHT {name!r}: {error}; it "
+                                 "will when it next registers", service=s, name=name,
+                                 error=failure.getErrorMessage())))
         log.info("destroyed DHT {name!r} (id {id})", name=name, id=descriptor["id"])
-        return {"destroyed": name}
+        # Answer once the services have dropped it (or failed to say so): a
+        # request sent after destroy_dht returns must not find it still served.
+        return defer.DeferredList(drops).addCallback(lambda _: {"destroyed": name})
 
     # -------------------------------------------------------------- status
     def op_status(self, link: MessageProtocol) -> dict[str, Any]:

@@ -167,7 +167,8 @@ class RequestHandler:
         return self._repo(dht_id, bucket), data[_KEYED_END:key_end], data[key_end:]
 
     def _put(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
-        repo, key, value = self._keyed(data)
+        repo, key, rest = self._keyed(data)
+        value = wire.put_value(rest)
         if len(value) > wire.MAX_VALUE_BYTES:
             raise RequestFailed(wire.ST_TOO_LARGE, f"value of {len(value)} bytes is over "
                                 f"the {wire.MAX_VALUE_BYTES}-byte limit")

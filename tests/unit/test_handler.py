@@ -748,7 +748,7 @@ def expected_changes(data, seen_tokens):
                     return []
                 entries = [(bucket, key, None)]
             else:
-                entries = [(bucket, key, rest)]
+                entries = [(bucket, key, wire.put_value(rest))]
     except ProtocolError:
         return []
     if dht_id != DHT_ID:
@@ -935,11 +935,12 @@ def test_requests_that_cannot_be_valid_changes_never_change_a_record():
                                      key) + rng.randbytes(rng.randint(1, 9))
         elif kind == 4:
             full = wire.encode_keyed(wire.OP_PUT, request_id, client, DHT_ID, bucket, key, value)
-            data = full[:rng.randrange(wire.KEYED_END + len(key))]
+            data = full[:rng.randrange(len(full))]  # cut anywhere, the value included
         elif kind == 5:
             other = rng.choice([4, 5, 6, 7, 8, 1 << 31])
             op = rng.choice([wire.OP_PUT, wire.OP_DELETE])
-            data = wire.encode_keyed(op, request_id, client, DHT_ID, other, key, value)
+            data = wire.encode_keyed(op, request_id, client, DHT_ID, other, key,
+                                     value if op == wire.OP_PUT else b"")
         elif kind == 6:
             spot = rng.randint(0, len(entries))
             data = wire.encode_put_many(request_id, client, DHT_ID,

@@ -87,9 +87,26 @@ def test_error_reply_survives_lone_surrogates():
 @settings(deadline=None, max_examples=200)
 @given(keyed_ops, u32, u64, u32, u32, key, value)
 def test_keyed_round_trip(op, request_id, client_id, dht_id, bucket, key_bytes, value_bytes):
+    if op != wire.OP_PUT:
+        value_bytes = b""
     data = wire.encode_keyed(op, request_id, client_id, dht_id, bucket, key_bytes, value_bytes)
     assert wire.decode_request_header(data) == (op, request_id, client_id)
-    assert wire.decode_keyed(data) == (dht_id, bucket, key_bytes, value_bytes)
+    if op == wire.OP_PUT:
+        assert wire.decode_put(data) == (dht_id, bucket, key_bytes, value_bytes)
+    else:
+        assert wire.decode_keyed(data) == (dht_id, bucket, key_bytes, b"")
+
+
+@settings(deadline=None, max_examples=200)
+@given(key, st.binary(min_size=1, max_size=64), st.data())
+def test_a_put_cut_short_or_padded_is_refused_not_stored_short(key_bytes, value_bytes, data):
+    message = wire.encode_keyed(wire.OP_PUT, 1, 2, 3, 4, key_bytes, value_bytes)
+    end = wire.KEYED_END + len(key_bytes)
+    cut = data.draw(st.integers(end, len(message) - 1))
+    with pytest.raises(ProtocolError):
+        wire.decode_put(message[:cut])
+    with pytest.raises(ProtocolError):
+        wire.decode_put(message + b"x")
 
 
 def test_keyed_rejects_an_empty_key():
@@ -239,7 +256,9 @@ def test_replies_reject_stray_bytes_and_truncation(decode, data):
 def valid_messages():
     """One valid message of every kind the protocol has."""
     return st.one_of(
-        st.builds(wire.encode_keyed, keyed_ops, u32, u64, u32, u32, key, value),
+        st.builds(wire.encode_keyed, st.sampled_from([wire.OP_GET, wire.OP_DELETE,
+                                                      wire.OP_CONTAINS]), u32, u64, u32, u32, key),
+        st.builds(wire.encode_keyed, st.just(wire.OP_PUT), u32, u64, u32, u32, key, value),
         st.builds(wire.encode_put_many, u32, u64, u32,
                   st.lists(st.tuples(u32, key, value), max_size=6)),
         st.builds(wire.encode_get_many, u32, u64, u32, st.lists(st.tuples(u32, key), max_size=6)),
@@ -287,7 +306,7 @@ def mutated_messages(draw):
 
 
 DECODERS = [
-    wire.decode_request_header, wire.decode_keyed, wire.decode_put_many,
+    wire.decode_request_header, wire.decode_keyed, wire.decode_put, wire.decode_put_many,
     wire.decode_get_many, wire.decode_length, wire.decode_scan, wire.decode_control,
     wire.decode_reply_header, wire.decode_get_many_reply, wire.decode_scan_reply, wire.unpack,
 ]
@@ -340,8 +359,9 @@ def random_valid_message(rng):
     kind = rng.randrange(10)
     rid, cid, dht = rng.getrandbits(32), rng.getrandbits(64), rng.getrandbits(32)
     if kind == 0:
-        return wire.encode_keyed(rng.choice([1, 2, 3, 4]), rid, cid, dht, rng.getrandbits(32),
-                                 blob(1, 20), blob(0, 30))
+        op = rng.choice([1, 2, 3, 4])
+        return wire.encode_keyed(op, rid, cid, dht, rng.getrandbits(32), blob(1, 20),
+                                 blob(0, 30) if op == wire.OP_PUT else b"")
     if kind == 1:
         return wire.encode_put_many(rid, cid, dht, [(rng.getrandbits(32), blob(1, 9), blob(0, 9))
                                                     for _ in range(rng.randint(0, 5))])
