@@ -48,6 +48,16 @@ def check_name(name: Any) -> str:
     return name
 
 
+def create_request(name: str, **attributes: Any) -> dict[str, Any]:
+    """The attributes a client's create_dht sends: those given (None means
+    "the default"), service sets as lists, checked by ``check_request``."""
+    given = {key: (list(value) if key.endswith("_services") and not isinstance(value, str)
+                   else value)
+             for key, value in attributes.items() if value is not None}
+    check_request(name, given)
+    return given
+
+
 def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
     """Validate what a client asks for; return the attributes with defaults
     filled in (bucket count and service sets may stay None: the supervisor

@@ -28,8 +28,9 @@ from typing import Any
 import msgpack
 
 from domus import address as addresses
-from domus import assignment, batch
+from domus import batch
 from domus import protocol as wire
+from domus.attributes import create_request
 from domus.errors import (
     DomusError,
     InvalidAttribute,
@@ -41,7 +42,8 @@ from domus.errors import (
     ValueTypeError,
     WrongService,
 )
-from domus.keys import HASH_FUNCTIONS, bucket_shift, decode_key, encode_key
+from domus.keys import decode_key, encode_key
+from domus.lookup import DirectLookup
 from domus.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
 
 DEFAULT_TIMEOUT = 5.0
@@ -141,14 +143,10 @@ class Cluster:
         """Create a DHT and open it.  Attributes left out take their
         defaults (README, "DHT attributes"); service sets default to every live
         service."""
-        from domus.attributes import check_request
-
-        attributes = {"buckets": buckets, "hash": hash, "storage": storage,
-                      "platform": platform, "routing": routing, "lookup": lookup,
-                      "routing_services": list(routing_services) if routing_services else None,
-                      "storage_services": list(storage_services) if storage_services else None}
-        attributes = {key: value for key, value in attributes.items() if value is not None}
-        check_request(name, attributes)
+        attributes = create_request(name, buckets=buckets, hash=hash, storage=storage,
+                                    platform=platform, routing=routing, lookup=lookup,
+                                    routing_services=routing_services,
+                                    storage_services=storage_services)
         descriptor = self.supervisor.call("create_dht", name=name, attributes=attributes,
                                           timeout=max(self.timeout, 15.0))
         return Dht(self, descriptor)
@@ -181,27 +179,8 @@ class Cluster:
         return self.supervisor.call("status")
 
 
-class Dht(MutableMapping):
+class Dht(DirectLookup[ServiceChannel], MutableMapping):
     """One DHT, used like a dict."""
-
-    def __init__(self, cluster: Cluster, descriptor: dict[str, Any]) -> None:
-        self.cluster = cluster
-        self._stats = {"lookups": 0, "hits": 0, "misses": 0, "refreshes": 0}
-        self._load(descriptor)
-
-    def _load(self, descriptor: dict[str, Any]) -> None:
-        self.descriptor = descriptor
-        self.name: str = descriptor["name"]
-        self.id: int = descriptor["id"]
-        self.bucket_count: int = descriptor["buckets"]
-        self._hash = HASH_FUNCTIONS[descriptor["hash"]]
-        self._shift = bucket_shift(self.bucket_count)
-        storage = descriptor["storage_services"]
-        channels = [self.cluster.channel(entry["name"], entry["address"]) for entry in storage]
-        self._storage_channels = channels
-        owners = assignment.placement([entry["count"] for entry in storage])
-        # The direct lookup: bucket -> channel, rebuilt from the counts alone.
-        self._owners: list[ServiceChannel] = [channels[index] for index in owners]
 
     def refresh(self) -> None:
         """Fetch the DHT's layout from the supervisor again."""
@@ -212,10 +191,6 @@ class Dht(MutableMapping):
             raise UnknownDht(f"DHT {self.name!r} no longer exists (destroyed?); "
                              f"create or open it again") from None
         self._load(descriptor)
-
-    def __repr__(self) -> str:
-        return (f"<domus.Dht {self.name!r} id={self.id} buckets={self.bucket_count} "
-                f"services={len(self._storage_channels)}>")
 
     # ------------------------------------------------------------ single keys
     def _request(self, op: int, key: Any, value: bytes = b"") -> tuple[bytes, bytes]:
@@ -296,15 +271,6 @@ class Dht(MutableMapping):
         return reply[2] == _OK
 
     # ------------------------------------------------------------ batches
-    def _group(self, encoded_keys: Iterable[bytes]) -> dict[ServiceChannel, list[batch.Member]]:
-        """Keys grouped by the service storing them: (position, bucket, key)."""
-        groups: dict[ServiceChannel, list[batch.Member]] = {}
-        hash_function, shift, owners = self._hash, self._shift, self._owners
-        for position, encoded in enumerate(encoded_keys):
-            bucket = hash_function(encoded) >> shift
-            groups.setdefault(owners[bucket], []).append((position, bucket, encoded))
-        return groups
-
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
         """Store many records, one message per service where they fit in a
         datagram (more where they do not), pipelined.  Returns how many keys
@@ -404,22 +370,6 @@ class Dht(MutableMapping):
         keys = list(self)
         for key in keys:
             self.delete(key)
-
-    def stats(self) -> dict[str, Any]:
-        """This client's lookup counters for the DHT, and its transport's
-        retries and timeouts."""
-        lookups = self._stats["lookups"]
-        return {
-            "dht": self.name,
-            "strategy": "D",
-            "lookups": {"D": {"lookups": lookups, "hits": self._stats["hits"],
-                              "misses": self._stats["misses"], "fallbacks": 0}},
-            "hops": {"mean": 1.0 if lookups else 0.0, "max": 1 if lookups else 0},
-            "refreshes": self._stats["refreshes"],
-            "retries": sum(channel.retries for channel in self._storage_channels),
-            "timeouts": sum(channel.timeouts for channel in self._storage_channels),
-        }
-
 
 class _ScanItems(ItemsView):
     """items() in one scan, not one get per key."""

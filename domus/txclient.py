@@ -43,8 +43,9 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.python.failure import Failure
 
 from domus import address as addresses
-from domus import assignment, batch
+from domus import batch
 from domus import protocol as wire
+from domus.attributes import create_request
 from domus.client import DEFAULT_TIMEOUT, _pack_value, _unpack_value, reply_error
 from domus.control import MessageProtocol, RemoteControlError
 from domus.errors import (
@@ -58,7 +59,8 @@ from domus.errors import (
     ValueTooLarge,
     WrongService,
 )
-from domus.keys import HASH_FUNCTIONS, bucket_shift, encode_key
+from domus.keys import encode_key
+from domus.lookup import DirectLookup
 from domus.transport import (
     FIRST_TIMEOUT,
     MAX_DEADLINE,
@@ -590,15 +592,11 @@ class TxCluster:
                    storage_services: Iterable[str] | None = None) -> defer.Deferred:
         """Create a DHT and open it: fires with a TxDht.  Attributes left out
         take their defaults; service sets default to every live service."""
-        from domus.attributes import check_request
-
-        attributes = {"buckets": buckets, "hash": hash, "storage": storage,
-                      "platform": platform, "routing": routing, "lookup": lookup,
-                      "routing_services": list(routing_services) if routing_services else None,
-                      "storage_services": list(storage_services) if storage_services else None}
-        attributes = {key: value for key, value in attributes.items() if value is not None}
         try:
-            check_request(name, attributes)
+            attributes = create_request(name, buckets=buckets, hash=hash, storage=storage,
+                                        platform=platform, routing=routing, lookup=lookup,
+                                        routing_services=routing_services,
+                                        storage_services=storage_services)
         except Exception:
             return defer.fail()
         creating = self.call("create_dht", timeout=max(self.timeout, 15.0), name=name,
@@ -628,33 +626,13 @@ class TxCluster:
         return self.call("destroy_dht", name=name).addCallback(lambda _: None)
 
 
-class TxDht:
+class TxDht(DirectLookup[TxChannel]):
     """One DHT; every data operation returns a Deferred."""
 
     def __init__(self, cluster: TxCluster, descriptor: dict[str, Any]) -> None:
-        self.cluster = cluster
-        self._stats = {"lookups": 0, "hits": 0, "misses": 0, "refreshes": 0}
         self._fetches = 0                   # layout fetches started so far
         self._refreshing: _Once | None = None
-        self._load(descriptor)
-
-    def _load(self, descriptor: dict[str, Any]) -> None:
-        self.descriptor = descriptor
-        self.name: str = descriptor["name"]
-        self.id: int = descriptor["id"]
-        self.bucket_count: int = descriptor["buckets"]
-        self._hash = HASH_FUNCTIONS[descriptor["hash"]]
-        self._shift = bucket_shift(self.bucket_count)
-        storage = descriptor["storage_services"]
-        channels = [self.cluster.channel(entry["name"], entry["address"]) for entry in storage]
-        self._storage_channels = channels
-        owners = assignment.placement([entry["count"] for entry in storage])
-        # The direct lookup: bucket -> channel, rebuilt from the counts alone.
-        self._owners: list[TxChannel] = [channels[index] for index in owners]
-
-    def __repr__(self) -> str:
-        return (f"<domus.TxDht {self.name!r} id={self.id} buckets={self.bucket_count} "
-                f"services={len(self._storage_channels)}>")
+        super().__init__(cluster, descriptor)
 
     # ------------------------------------------------------------ layout
     def refresh(self) -> defer.Deferred:
@@ -773,15 +751,6 @@ class TxDht:
         return reply[2] == wire.ST_OK
 
     # ------------------------------------------------------------ batches
-    def _group(self, encoded_keys: Iterable[bytes]) -> dict[TxChannel, list[batch.Member]]:
-        """Keys grouped by the service storing them: (position, bucket, key)."""
-        groups: dict[TxChannel, list[batch.Member]] = {}
-        hash_function, shift, owners = self._hash, self._shift, self._owners
-        for position, encoded in enumerate(encoded_keys):
-            bucket = hash_function(encoded) >> shift
-            groups.setdefault(owners[bucket], []).append((position, bucket, encoded))
-        return groups
-
     def _exchange(self, requests: list[tuple[TxChannel, bytes]]) -> defer.Deferred:
         """Every request at once; fires with the replies in request order."""
         return _gather([channel.request(message, self.name) for channel, message in requests])
@@ -863,21 +832,5 @@ class TxDht:
                 raise reply_error(self.name, reply, channel, None)
             counts[channel.name] = wire.U64.unpack_from(reply, wire.REPLY_HEADER_SIZE)[0]
         return counts
-
-    def stats(self) -> dict[str, Any]:
-        """This client's lookup counters for the DHT, and its transport's
-        retries and timeouts (local counters: a dict, not a Deferred)."""
-        lookups = self._stats["lookups"]
-        return {
-            "dht": self.name,
-            "strategy": "D",
-            "lookups": {"D": {"lookups": lookups, "hits": self._stats["hits"],
-                              "misses": self._stats["misses"], "fallbacks": 0}},
-            "hops": {"mean": 1.0 if lookups else 0.0, "max": 1 if lookups else 0},
-            "refreshes": self._stats["refreshes"],
-            "retries": sum(channel.retries for channel in self._storage_channels),
-            "timeouts": sum(channel.timeouts for channel in self._storage_channels),
-        }
-
 
 __all__ = ["connect", "TxCluster", "TxDht", "TxChannel", "DatagramRequests"]
