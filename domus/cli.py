@@ -116,6 +116,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _cluster(args: argparse.Namespace) -> Any:
     from domus.client import connect
 
+    try:
+        addresses.parse(addresses.supervisor_address(args.supervisor))
+    except ValueError as exc:  # a malformed --supervisor or $DOMUS_SUPERVISOR
+        raise SystemExit(f"domus: {exc}") from None
     return connect(args.supervisor, timeout=args.timeout)
 
 
@@ -229,7 +233,11 @@ def cmd_data(args: argparse.Namespace) -> int:
         dht = cluster.open_dht(args.dht)
         key = _key(args)
         if args.command == "put":
-            value = json.loads(args.value) if args.json_value else args.value
+            try:
+                value = json.loads(args.value) if args.json_value else args.value
+            except json.JSONDecodeError as exc:
+                raise SystemExit(f"domus: --json-value given but {args.value!r} is not "
+                                 f"valid JSON: {exc}") from None
             created = dht.put(key, value)
             print("created" if created else "replaced")
         elif args.command == "get":

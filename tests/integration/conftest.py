@@ -1,0 +1,129 @@
+"""Fixtures for the integration tests.
+
+``deployment`` starts a real supervisor and three real services (separate
+processes, 127.0.0.1 only) in a fresh data dir; ``cluster`` is a client
+connected to it.  Teardown always stops every process the test started,
+including ones it restarted, whether the test passed or not; when a test
+fails, the tail of each process's log is printed with the failure.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import domus
+from domus.deploy import LocalDeployment, free_port_block
+from domus.errors import DomusError
+
+from .support import CLIENT_TIMEOUT, HEARTBEAT
+
+START_TIMEOUT = 30.0     # generous: other work shares this 2-core machine
+START_ATTEMPTS = 3       # a port block may be taken between the check and the bind
+LOG_TAIL = 40            # lines of each process log shown when a test fails
+SERVICES = 3
+
+
+class TrackedDeployment(LocalDeployment):
+    """A LocalDeployment that remembers every process it ever spawned, so
+    that teardown can stop even those a test restarted or replaced."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.spawned: list[subprocess.Popen] = []
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        process = super()._spawn(name, argv)
+        self.spawned.append(process)
+        return process
+
+    def spawn_service(self, name: str, address: str, *, log_as: str | None = None,
+                      heartbeat: float | None = None) -> subprocess.Popen:
+        """Start one more service process (not tracked in ``services``) named
+        ``name`` on ``address``; it logs to ``<log_as>.log``."""
+        return self._spawn(log_as or name, [
+            "service", "--name", name, "--supervisor", self.supervisor_address,
+            "--listen", address, "--data-dir", os.path.join(self.data_dir, log_as or name),
+            "--heartbeat", str(heartbeat or self.heartbeat)])
+
+    def service_index(self, name: str) -> int:
+        return [self.service_name(i) for i in range(self.service_count)].index(name)
+
+    def stop_everything(self) -> None:
+        # A test may leave a process SIGSTOPped; SIGTERM would wait forever.
+        for process in self.spawned:
+            if process.poll() is None:
+                try:
+                    os.kill(process.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        try:
+            self.stop()
+        finally:
+            for process in self.spawned:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(10)
+
+    def log_tails(self, lines: int = LOG_TAIL) -> str:
+        parts = []
+        for path in sorted(Path(self.data_dir, "logs").glob("*.log")):
+            text = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            parts.append(f"----- {path.name} (last {lines} lines) -----")
+            parts.extend(text[-lines:])
+        return "\n".join(parts)
+
+
+def start_deployment(data_dir: Path, services: int = SERVICES) -> TrackedDeployment:
+    """Start a deployment on a free block of ports, trying another block if
+    something grabbed this one before our processes bound it."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        port = free_port_block(services + 1)
+        deployment = TrackedDeployment(services, port=port, heartbeat=HEARTBEAT,
+                                       data_dir=str(data_dir / f"run{attempt}"))
+        try:
+            return deployment.start(timeout=START_TIMEOUT)
+        except DomusError:
+            deployment.stop_everything()
+            if attempt == START_ATTEMPTS:
+                print(deployment.log_tails())
+                raise
+        except BaseException:
+            deployment.stop_everything()
+            raise
+    raise AssertionError("unreachable")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator:
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+@pytest.fixture
+def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TrackedDeployment]:
+    started = start_deployment(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop_everything()
+        report = getattr(request.node, "report_call", None)
+        if report is not None and report.failed:
+            print(started.log_tails())
+        leftovers = [process.pid for process in started.spawned if process.poll() is None]
+        assert not leftovers, f"processes survived teardown: {leftovers}"
+
+
+@pytest.fixture
+def cluster(deployment: TrackedDeployment) -> Iterator[domus.Cluster]:
+    connected = domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT)
+    try:
+        yield connected
+    finally:
+        connected.close()

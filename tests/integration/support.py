@@ -1,0 +1,209 @@
+"""Helpers shared by the integration tests: bounded polling, where a key
+lives, and raw requests to a service (no client library in between)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from domus import address as addresses
+from domus import assignment
+from domus import protocol as wire
+from domus.client import Dht
+from domus.keys import bucket_of, encode_key
+
+LOOPBACK = "127.0.0.1"
+HEARTBEAT = 0.2          # seconds between service heartbeats in test deployments
+CLIENT_TIMEOUT = 5.0     # what a test client waits at most for one answer
+T = TypeVar("T")
+
+
+def wait_until(predicate: Callable[[], T], *, timeout: float, interval: float = 0.05,
+               what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy and return that;
+    fail the test after ``timeout`` seconds, saying what was awaited and what
+    the last attempt returned (or raised)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = predicate()
+        except Exception as exc:  # a transient error counts as "not yet"
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; "
+                                 f"last result: {last!r}")
+        time.sleep(interval)
+
+
+# ------------------------------------------------------------------ placement
+
+def bucket_of_key(dht: Dht, key: Any) -> int:
+    return bucket_of(encode_key(key), dht.descriptor["hash"], dht.bucket_count)
+
+
+def owner_of(dht: Dht, key: Any) -> str:
+    """The service storing ``key``, by the documented placement rule (what
+    the direct lookup rebuilds from the per-service counts)."""
+    storage = dht.descriptor["storage_services"]
+    owners = assignment.placement([entry["count"] for entry in storage])
+    return storage[owners[bucket_of_key(dht, key)]]["name"]
+
+
+def keys_on(dht: Dht, service: str, count: int, prefix: str = "k") -> list[str]:
+    """``count`` distinct str keys whose bucket ``service`` stores."""
+    found = []
+    for number in itertools.count():
+        key = f"{prefix}-{number}"
+        if owner_of(dht, key) == service:
+            found.append(key)
+            if len(found) == count:
+                return found
+        if number > 100_000 + 1000 * count:
+            raise AssertionError(f"no keys of {dht.name!r} land on {service}")
+    raise AssertionError("unreachable")
+
+
+def service_addresses(cluster: Any) -> dict[str, str]:
+    return {entry["name"]: entry["address"] for entry in cluster.services()}
+
+
+# ------------------------------------------------------------------ raw requests
+
+class RawUdp:
+    """A bare UDP socket to one service, for hand-built datagrams."""
+
+    def __init__(self, address: str) -> None:
+        host, port = addresses.parse(address)
+        assert host == LOOPBACK, f"integration tests stay on {LOOPBACK}, not {host}"
+        self.address = (host, port)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
+        self.sock.bind((LOOPBACK, 0))
+        self.client_id = int.from_bytes(os.urandom(8), "big")
+        self._ids = itertools.count(1)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawUdp:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def next_id(self) -> int:
+        return next(self._ids) & 0xFFFFFFFF
+
+    def send(self, datagram: bytes) -> None:
+        self.sock.sendto(datagram, self.address)
+
+    def drain(self) -> int:
+        """Throw away every reply waiting on the socket; how many there were."""
+        drained = 0
+        self.sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    self.sock.recv(65536)
+                except (BlockingIOError, ConnectionRefusedError):
+                    return drained
+                drained += 1
+        finally:
+            self.sock.setblocking(True)
+
+    def call(self, op: int, body: bytes = b"", *, timeout: float = 5.0) -> tuple[int, bytes]:
+        """Send a request with a fresh id, retrying until its reply comes;
+        return (status, reply body).  Replies to other datagrams are skipped."""
+        request_id = self.next_id()
+        message = wire.request_header(op, request_id, self.client_id) + body
+        deadline = time.monotonic() + timeout
+        wait = 0.1
+        while True:
+            self.send(message)
+            resend_at = time.monotonic() + wait
+            while True:
+                left = min(resend_at, deadline) - time.monotonic()
+                if left <= 0:
+                    break
+                self.sock.settimeout(left)
+                try:
+                    data = self.sock.recv(65536)
+                except TimeoutError:
+                    break
+                if (len(data) >= wire.REPLY_HEADER_SIZE and data[0] == wire.REPLY_MAGIC
+                        and wire.U32.unpack_from(data, 4)[0] == request_id):
+                    return data[2], data[wire.REPLY_HEADER_SIZE:]
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"service at {self.address} did not answer op "
+                                     f"0x{op:02x} within {timeout}s")
+            wait = min(wait * 2, 1.0)
+
+    def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        status, body = self.call(wire.OP_STATS, timeout=timeout)
+        assert status == wire.ST_OK, f"STATS answered status 0x{status:02x}"
+        return wire.unpack(body)
+
+    def ping(self, timeout: float = 5.0) -> dict[str, Any]:
+        status, body = self.call(wire.OP_PING, timeout=timeout)
+        assert status == wire.ST_OK, f"PING answered status 0x{status:02x}"
+        return wire.unpack(body)
+
+
+def service_stats(address: str, timeout: float = 5.0) -> dict[str, Any]:
+    """A service's counters, straight from it (OP_STATS over UDP)."""
+    with RawUdp(address) as raw:
+        return raw.stats(timeout)
+
+
+def records_held(stats: dict[str, Any], dht: str) -> int:
+    held = stats.get("dhts", {}).get(dht)
+    return held["records"] if held else 0
+
+
+def same_value(left: Any, right: Any) -> bool:
+    """Equality that also compares types (so 1 != 1.0 != True, b"" != "")."""
+    if type(left) is not type(right):
+        return False
+    if isinstance(left, list):
+        return len(left) == len(right) and all(map(same_value, left, right))
+    if isinstance(left, dict):
+        if len(left) != len(right):
+            return False
+        typed_right = {(type(key), key): value for key, value in right.items()}
+        return all((type(key), key) in typed_right
+                   and same_value(value, typed_right[(type(key), key)])
+                   for key, value in left.items())
+    return left == right
+
+
+def first_difference(actual: dict[Any, Any], expected: dict[Any, Any],
+                     limit: int = 5) -> list[str]:
+    """Up to ``limit`` human-readable differences between two mappings."""
+    problems = []
+    for key in expected.keys() - actual.keys():
+        problems.append(f"missing {key!r}")
+    for key in actual.keys() - expected.keys():
+        problems.append(f"unexpected {key!r} = {actual[key]!r:.80}")
+    for key in expected.keys() & actual.keys():
+        if not same_value(actual[key], expected[key]):
+            problems.append(f"{key!r}: got {actual[key]!r:.80}, expected {expected[key]!r:.80}")
+    return problems[:limit]
+
+
+def chunks(items: Iterable[T], size: int) -> Iterable[list[T]]:
+    batch: list[T] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
