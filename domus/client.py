@@ -25,8 +25,6 @@ from collections.abc import (
 )
 from typing import Any
 
-import msgpack
-
 from domus import address as addresses
 from domus import batch
 from domus import protocol as wire
@@ -39,12 +37,12 @@ from domus.errors import (
     StorageError,
     UnknownDht,
     ValueTooLarge,
-    ValueTypeError,
     WrongService,
 )
 from domus.keys import decode_key, encode_key
 from domus.lookup import DirectLookup
 from domus.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
+from domus.values import pack_value, unpack_value
 
 DEFAULT_TIMEOUT = 5.0
 _MISSING = object()
@@ -68,19 +66,6 @@ def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> 
     cluster = Cluster(addresses.supervisor_address(address), timeout)
     cluster.ping()
     return cluster
-
-
-def _pack_value(value: Any) -> bytes:
-    try:
-        return msgpack.packb(value, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueTypeError(
-            f"cannot store a value of type {type(value).__name__}: {exc}. Values must be "
-            f"bytes, str, int, float, bool, None, or lists/dicts of those") from None
-
-
-def _unpack_value(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 def reply_error(dht: str, reply: bytes, channel: Any, bucket: int | None) -> DomusError:
@@ -236,7 +221,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     def put(self, key: Any, value: Any) -> bool:
         """Store ``value`` under ``key``; True if the key was new."""
-        packed = _pack_value(value)
+        packed = pack_value(value)
         if len(packed) > wire.MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
                                 f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
@@ -249,13 +234,13 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         reply, _ = self._request(_GET, key)
         if reply[2] == _NOT_FOUND:
             raise KeyError(key)
-        return _unpack_value(reply[wire.REPLY_HEADER_SIZE:])
+        return unpack_value(reply[wire.REPLY_HEADER_SIZE:])
 
     def get(self, key: Any, default: Any = None) -> Any:
         reply, _ = self._request(_GET, key)
         if reply[2] == _NOT_FOUND:
             return default
-        return _unpack_value(reply[wire.REPLY_HEADER_SIZE:])
+        return unpack_value(reply[wire.REPLY_HEADER_SIZE:])
 
     def delete(self, key: Any) -> bool:
         """Remove ``key``; True if it was there."""
@@ -277,7 +262,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         were new.  Either every key and value is valid and all are sent, or
         none is."""
         pairs = list(items.items() if isinstance(items, Mapping) else items)
-        encoded = [(encode_key(key), _pack_value(value)) for key, value in pairs]
+        encoded = [(encode_key(key), pack_value(value)) for key, value in pairs]
         batch.check_values(encoded)
         self._stats["lookups"] += len(encoded)
         created = 0
@@ -307,7 +292,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             requests, batches = state.requests(self._group(state.pending_keys()), self.id,
                                                self.cluster.ids)
             replies = exchange(requests, self.name)
-            if state.take(requests, batches, replies, self._batch_error, _unpack_value):
+            if state.take(requests, batches, replies, self._batch_error, unpack_value):
                 misses += 1
                 if misses > 1:
                     raise WrongService(f"DHT {self.name!r}: services disagree with the "
@@ -378,7 +363,7 @@ class _ScanItems(ItemsView):
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         for key, value in self._mapping._scan():
-            yield decode_key(key), _unpack_value(value)
+            yield decode_key(key), unpack_value(value)
 
 
 class _ScanValues(ValuesView):
@@ -386,7 +371,7 @@ class _ScanValues(ValuesView):
 
     def __iter__(self) -> Iterator[Any]:
         for _key, value in self._mapping._scan():
-            yield _unpack_value(value)
+            yield unpack_value(value)
 
 
 __all__ = ["connect", "Cluster", "Dht"]

@@ -46,7 +46,7 @@ from domus import address as addresses
 from domus import batch
 from domus import protocol as wire
 from domus.attributes import create_request
-from domus.client import DEFAULT_TIMEOUT, _pack_value, _unpack_value, reply_error
+from domus.client import DEFAULT_TIMEOUT, reply_error
 from domus.control import MessageProtocol, RemoteControlError
 from domus.errors import (
     SUPERVISOR_ERRORS,
@@ -69,6 +69,7 @@ from domus.transport import (
     RequestIds,
     service_unavailable,
 )
+from domus.values import pack_value, unpack_value
 
 WINDOW = 32            # datagrams in flight per service; more wait on the client
 MAX_PACKET = 65536     # what the UDP socket reads at once (Twisted's default is 8192)
@@ -715,7 +716,7 @@ class TxDht(DirectLookup[TxChannel]):
         return defer.Deferred.fromCoroutine(self._put(key, value))
 
     async def _put(self, key: Any, value: Any) -> bool:
-        packed = _pack_value(value)
+        packed = pack_value(value)
         if len(packed) > wire.MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
                                 f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
@@ -736,7 +737,7 @@ class TxDht(DirectLookup[TxChannel]):
             if raise_missing:
                 raise KeyError(key)
             return default
-        return _unpack_value(reply[wire.REPLY_HEADER_SIZE:])
+        return unpack_value(reply[wire.REPLY_HEADER_SIZE:])
 
     def delete(self, key: Any) -> defer.Deferred:
         """Remove ``key``; fires with True if it was there."""
@@ -764,7 +765,7 @@ class TxDht(DirectLookup[TxChannel]):
 
     async def _put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
         pairs = list(items.items() if isinstance(items, Mapping) else items)
-        encoded = [(encode_key(key), _pack_value(value)) for key, value in pairs]
+        encoded = [(encode_key(key), pack_value(value)) for key, value in pairs]
         batch.check_values(encoded)
         self._stats["lookups"] += len(encoded)
         created = 0
@@ -800,7 +801,7 @@ class TxDht(DirectLookup[TxChannel]):
             requests, batches = state.requests(self._group(state.pending_keys()), self.id,
                                                self.cluster.ids)
             replies = await self._exchange(requests)
-            if state.take(requests, batches, replies, self._batch_error, _unpack_value):
+            if state.take(requests, batches, replies, self._batch_error, unpack_value):
                 misses += 1
                 if misses > 1:
                     raise WrongService(f"DHT {self.name!r}: services disagree with the "

@@ -123,7 +123,11 @@ class SupervisorService(Service):
         known = self.state.services.get(name)
         old = self.links.get(name)
         if old is not None and old is not link and old.connected:
-            if known is not None and known["address"] != address:
+            # A different address under a live name is a second service
+            # misconfigured with the same --name, unless the old holder has
+            # gone silent (its host vanished): then this is its restart.
+            if (known is not None and known["address"] != address
+                    and self.service_state(name) == "up"):
                 raise ControlError("SupervisorError", f"service name {name!r} is taken by a "
                                    f"live service at {known['address']}; give this one "
                                    f"another --name")
