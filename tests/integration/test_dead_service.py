@@ -188,6 +188,24 @@ def test_a_second_service_with_a_taken_name_is_refused(deployment, cluster):
 
 
 @pytest.mark.timeout(120)
+def test_a_silent_service_can_be_replaced_under_its_name_at_a_new_address(deployment, cluster):
+    # Its host "vanished": the old process is stopped with its link still open.
+    dht = cluster.create_dht("replaced")
+    keys = keys_on(dht, "s3", 10, "r")
+    os.kill(deployment.services["s3"].pid, signal.SIGSTOP)
+    wait_until(lambda: state_of(cluster, "s3") == "unresponsive", timeout=30,
+               what="s3 unresponsive")
+    new_address = f"{LOOPBACK}:{free_port_block(1)}"
+    replacement = deployment.spawn_service("s3", new_address, log_as="s3-replacement")
+    deployment.wait_until_up(["s3"], timeout=30)
+    assert replacement.poll() is None
+    assert {e["name"]: e["address"] for e in cluster.services()}["s3"] == new_address
+    for key in keys:
+        dht[key] = key
+    assert dht.get_many(keys) == {key: key for key in keys}
+
+
+@pytest.mark.timeout(120)
 def test_a_retried_put_is_applied_once(deployment):
     """The reply cache: a put whose retries reach the service after another
     client's put of the same key must not undo that put."""
