@@ -1,10 +1,34 @@
 """Domus packaging.  ``supervisor/`` installs as ``domus.supervisor`` (a
 top-level ``supervisor`` package would clash with the Supervisor process
-manager).  C extensions from ``cext/`` are listed in EXTENSIONS."""
+manager).  C extensions are built from ``cext/``.
+
+DOMUS_SANITIZE=1 builds them with AddressSanitizer and UndefinedBehavior-
+Sanitizer (``make check-c``)."""
+
+import os
 
 from setuptools import Extension, setup
 
-EXTENSIONS: list[Extension] = []
+SANITIZE = os.environ.get("DOMUS_SANITIZE") == "1"
+COMPILE_ARGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
+                "-Wno-missing-field-initializers"]
+LINK_ARGS: list[str] = []
+if SANITIZE:
+    COMPILE_ARGS += ["-O1", "-g", "-fno-omit-frame-pointer",
+                     "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+    LINK_ARGS += ["-fsanitize=address,undefined"]
+
+# module name -> (sources, libraries); a module is built once its sources exist.
+MODULES = {
+    "domus._rbtree": (["cext/rbtree.c"], []),
+    "domus._hotpath": (["cext/hotpath.c"], ["xxhash"]),
+}
+EXTENSIONS = [
+    Extension(name, sources, libraries=libraries, extra_compile_args=COMPILE_ARGS,
+              extra_link_args=LINK_ARGS)
+    for name, (sources, libraries) in MODULES.items()
+    if all(os.path.exists(source) for source in sources)
+]
 
 setup(
     name="domus",
@@ -22,7 +46,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "redis>=5",
-                 "hiredis>=2", "ruff>=0.4"],
+                 "hiredis>=2", "ruff>=0.4", "sortedcontainers>=2.4"],
     },
     entry_points={"console_scripts": ["domus = domus.cli:main"]},
 )
