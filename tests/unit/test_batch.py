@@ -1,0 +1,111 @@
+"""domus.batch: how batches are cut into datagrams and replies taken in."""
+
+import pytest
+
+from domus import batch
+from domus import protocol as wire
+from domus.errors import RemoteError, ValueTooLarge
+
+
+class Ids:
+    client_id = 7
+
+    def __init__(self):
+        self.counter = 0
+
+    def next(self):
+        self.counter += 1
+        return self.counter
+
+
+def test_chunks_fill_datagrams_without_exceeding_them():
+    sizes = [1000] * 200
+    runs = list(batch.chunks(list(range(200)), sizes))
+    assert [entry for run in runs for entry in run] == list(range(200))
+    for run in runs:
+        assert wire.BATCH_OVERHEAD + 1000 * len(run) <= wire.DEFAULT_MAX_DATAGRAM
+    # Full runs: adding the next entry would not have fitted.
+    for run in runs[:-1]:
+        assert wire.BATCH_OVERHEAD + 1000 * (len(run) + 1) > wire.DEFAULT_MAX_DATAGRAM
+
+
+def test_chunks_respect_the_entry_limit():
+    runs = list(batch.chunks(list(range(10)), [1] * 10, limit=3))
+    assert runs == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+
+
+def test_an_entry_larger_than_a_datagram_gets_a_run_of_its_own():
+    sizes = [10, wire.DEFAULT_MAX_DATAGRAM * 2, 10]
+    assert list(batch.chunks(["a", "big", "b"], sizes)) == [["a"], ["big"], ["b"]]
+
+
+def test_no_entries_no_runs():
+    assert list(batch.chunks([], [])) == []
+
+
+def test_check_values_refuses_the_whole_batch():
+    with pytest.raises(ValueTooLarge, match="nothing was stored"):
+        batch.check_values([(b"\x03a", b"ok"), (b"\x03b", b"x" * (wire.MAX_VALUE_BYTES + 1))])
+
+
+def test_put_requests_decode_back_to_every_entry():
+    encoded = [(b"\x03k%d" % i, b"v%d" % i) for i in range(5000)]
+    groups = {"s1": [(i, i % 8, encoded[i][0]) for i in range(0, 5000, 2)],
+              "s2": [(i, i % 8, encoded[i][0]) for i in range(1, 5000, 2)]}
+    requests = batch.put_requests(groups, encoded, dht_id=9, ids=Ids())
+    seen = {}
+    for channel, message in requests:
+        assert len(message) <= wire.DEFAULT_MAX_DATAGRAM
+        dht_id, entries = wire.decode_put_many(message)
+        assert dht_id == 9
+        for bucket, key, value in entries:
+            seen[key] = (channel, bucket, value)
+    assert len(seen) == 5000
+    for position, (key, value) in enumerate(encoded):
+        assert seen[key] == ("s1" if position % 2 == 0 else "s2", position % 8, value)
+
+
+def ok_put_many_reply(applied, created):
+    return wire.reply(wire.ST_OK, 1, wire.U16X2.pack(applied, created))
+
+
+def test_put_replies_add_up_and_report_a_moved_bucket():
+    requests = [("s1", b""), ("s2", b""), ("s3", b"")]
+    replies = [ok_put_many_reply(10, 4), wire.error_reply(wire.ST_NOT_OWNER, 2, "moved"),
+               ok_put_many_reply(5, 5)]
+    assert batch.put_replies(requests, replies, None, last_try=False) == (15, 9, True)
+
+
+def test_put_replies_raise_on_an_error_and_on_a_move_at_the_last_try():
+    def error(reply, channel):
+        return RemoteError(f"{channel}: status {reply[2]}")
+
+    requests = [("s1", b"")]
+    with pytest.raises(RemoteError, match="s1: status 20"):
+        batch.put_replies(requests, [wire.error_reply(wire.ST_NOT_OWNER, 1, "")], error,
+                          last_try=True)
+    with pytest.raises(RemoteError, match="s1: status 23"):
+        batch.put_replies(requests, [wire.error_reply(wire.ST_STORAGE_ERROR, 1, "")], error,
+                          last_try=False)
+
+
+def test_get_many_asks_again_for_what_did_not_fit_and_shrinks_its_requests():
+    wanted = list(range(100))
+    encoded = [b"\x03%d" % key for key in wanted]
+    state = batch.GetMany(wanted, encoded)
+    groups = {"s1": [(local, 0, encoded[position]) for local, position
+                     in enumerate(state.pending)]}
+    requests, batches = state.requests(groups, dht_id=1, ids=Ids())
+    assert len(requests) == 1 and batches == [wanted]
+    # The service could only answer 30; 10 of those are absent.
+    values = [None if key < 10 else b"v%d" % key for key in range(30)]
+    reply = wire.encode_get_many_reply(1, values)
+    assert state.take(requests, batches, [reply], None, lambda raw: raw.decode()) is False
+    assert state.found == {key: f"v{key}" for key in range(10, 30)}
+    assert state.pending == list(range(30, 100)) and state.answered == 30
+    # The next round asks for at most 30 per request.
+    groups = {"s1": [(local, 0, encoded[position]) for local, position
+                     in enumerate(state.pending)]}
+    requests, batches = state.requests(groups, dht_id=1, ids=Ids())
+    assert [len(positions) for positions in batches] == [30, 30, 10]
+    assert [position for positions in batches for position in positions] == state.pending
