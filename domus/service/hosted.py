@@ -8,6 +8,7 @@ from typing import Any
 from twisted.logger import Logger
 
 from domus import assignment
+from domus.bucketmap import BucketMap
 from domus.storage import PLATFORMS, Repository
 
 log = Logger(namespace="domus.service")
@@ -19,8 +20,10 @@ class HostedDht:
         self.name: str = descriptor["name"]
         self.service_name = service_name
         self.repos: dict[int, Repository] = {}
-        # AS: routing bucket -> name of the service storing it.
-        self.storage_refs: dict[int, str] = {}
+        # AS: the buckets routed here, and for each the name of the service
+        # storing it (a floor map over ranges; see domus.bucketmap).
+        self.routing_buckets = range(0)
+        self.storage_refs: BucketMap[str] = BucketMap(max(descriptor["buckets"], 1))
         self.descriptor: dict[str, Any] = {}
         self.apply(descriptor)
 
@@ -40,13 +43,21 @@ class HostedDht:
                      service=self.service_name, dht=self.name, bucket=bucket,
                      records=len(dropped))
             dropped.close()
-        storage_counts = [entry["count"] for entry in descriptor["storage_services"]]
-        storage_names = [entry["name"] for entry in descriptor["storage_services"]]
-        owners = assignment.placement(storage_counts)
-        self.storage_refs = {
-            bucket: storage_names[owners[bucket]]
-            for bucket in _buckets_for(descriptor["routing_services"], self.service_name)
-        }
+        storage = descriptor["storage_services"]
+        layout = BucketMap.from_counts([entry["count"] for entry in storage],
+                                       [entry["name"] for entry in storage],
+                                       descriptor["buckets"])
+        self.routing_buckets = _buckets_for(descriptor["routing_services"], self.service_name)
+        refs: BucketMap[str] = BucketMap(descriptor["buckets"])
+        for first, end, name in layout.ranges(self.routing_buckets.start,
+                                              self.routing_buckets.stop):
+            refs.assign(first, end, name)
+        self.storage_refs = refs
+
+    def storage_service(self, bucket: int) -> str:
+        """AS: the service storing a bucket routed here; KeyError if the
+        bucket is not routed here."""
+        return self.storage_refs.owner(bucket)
 
     def records(self) -> int:
         return sum(len(repo) for repo in self.repos.values())

@@ -11,6 +11,7 @@ from domus import protocol as wire
 from domus.errors import ProtocolError
 from domus.keys import bucket_of, encode_key
 from domus.service.handler import SCAN_TTL, RequestHandler
+from domus.service.replycache import ReplyCache
 
 DHT_ID = 1
 BUCKETS = 8
@@ -111,7 +112,8 @@ def test_the_descriptor_decides_which_buckets_are_stored_and_routed_here():
     handler = make_handler()
     hosted = handler.dhts[DHT_ID]
     assert sorted(hosted.repos) == list(HELD)
-    assert hosted.storage_refs == {b: "s1" if b in HELD else "s2" for b in range(BUCKETS)}
+    assert {b: hosted.storage_service(b) for b in range(BUCKETS)} == {
+        b: "s1" if b in HELD else "s2" for b in range(BUCKETS)}
 
 
 # ------------------------------------------------------------ single keys
@@ -221,6 +223,12 @@ def test_the_same_request_id_from_another_client_is_another_request():
     assert put(handler, key, b"from-b", client=CLIENT_B, request_id=77) == (wire.ST_OK, b"\x00")
     assert get(handler, key) == (wire.ST_OK, b"from-b")
     assert handler.counters["replayed"] == 0
+
+
+def test_the_reply_cache_given_is_the_one_used_even_while_empty():
+    cache = ReplyCache(max_entries=10, clock=FakeClock())
+    handler = RequestHandler("s1", reply_cache=cache, clock=FakeClock())
+    assert handler.reply_cache is cache
 
 
 def test_reads_are_never_answered_from_the_reply_cache():
