@@ -129,7 +129,13 @@ def test_invalid_attribute_is_a_value_error():
         check_request("words", {"hash": "md5"})
 
 
-@pytest.mark.parametrize("platform", ["domus-rbt", "domus-bsddb-btree", "domus-bsddb-hash"])
+def test_domus_rbt_is_a_ram_platform():
+    assert check_request("words", {"platform": "domus-rbt"})["platform"] == "domus-rbt"
+    with pytest.raises(InvalidAttribute, match="cannot store on 'disk'"):
+        check_request("words", {"platform": "domus-rbt", "storage": "disk"})
+
+
+@pytest.mark.parametrize("platform", ["domus-bsddb-btree", "domus-bsddb-hash"])
 def test_planned_platforms_say_they_are_not_available_yet(platform):
     with pytest.raises(InvalidAttribute, match="not available in this version") as raised:
         check_request("words", {"platform": platform})
