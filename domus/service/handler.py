@@ -1,6 +1,14 @@
 """The service's request handler: a function of (state, request bytes) that
 returns the reply bytes.  No sockets, no reactor: transports call
-``handle`` with each datagram or TCP frame, and tests call it directly.
+``handle_fast`` (or ``handle``) with each datagram or TCP frame, and tests
+call them directly.
+
+``handle`` is the pure-Python reference.  ``handle_fast`` asks the C hot
+path (domus.hotpath) first, which answers the common successful requests
+byte for byte as ``handle`` would, and hands everything else to ``handle``.
+The C path reads ``fast_table`` (active DHT id -> bucket -> repository),
+which this handler keeps in step with ``dhts`` on every assign and drop, and
+the reply cache's generations.
 
 Guarantees:
 - ``handle`` never raises.  Anything it cannot parse gets a MALFORMED (or
@@ -21,6 +29,7 @@ from typing import Any
 
 from twisted.logger import Logger
 
+from domus import hotpath
 from domus import protocol as wire
 from domus.errors import ProtocolError
 from domus.service.hosted import HostedDht
@@ -56,9 +65,10 @@ class RequestHandler:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.service_name = service_name
         self.dhts: dict[int, HostedDht] = {}
-        self.reply_cache = reply_cache or ReplyCache(clock=clock)
+        # (An empty cache is falsy: it has a length.)
+        self.reply_cache = reply_cache if reply_cache is not None else ReplyCache(clock=clock)
         self._clock = clock
-        self.requests = 0
+        self._requests = 0
         self.by_op = [0] * 256
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
                                          "internal_errors": 0}
@@ -77,12 +87,20 @@ class RequestHandler:
             wire.OP_PING: self._ping,
             wire.OP_STATS: self._stats,
         }
+        # What the C path serves from: the repositories of active DHTs only.
+        self.fast_table: dict[int, dict[int, Repository]] = {}
+        self.fast = hotpath.make_fast_path(self.fast_table, self.reply_cache)
+
+    @property
+    def requests(self) -> int:
+        """Requests received, whichever path answered them."""
+        return self._requests + (self.fast.requests if self.fast is not None else 0)
 
     # ------------------------------------------------------------ dispatch
     def handle(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD) -> bytes | None:
         """Answer one request.  ``reply_limit`` is the largest reply the
         transport can carry (a datagram, or a TCP frame)."""
-        self.requests += 1
+        self._requests += 1
         if len(data) < wire.REQUEST_HEADER_SIZE or data[0] != wire.REQUEST_MAGIC:
             self.counters["malformed"] += 1
             return None  # not even a request id to answer to
@@ -123,6 +141,21 @@ class RequestHandler:
         if changing:
             self.reply_cache.put(token, answer)
         return answer
+
+    def handle_fast(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD) -> bytes | None:
+        """``handle``, with the C path answering what it can."""
+        fast = self.fast
+        if fast is not None:
+            try:
+                answer = fast.handle(data, reply_limit)
+            except Exception:  # MemoryError, or a bug: the Python path answers
+                self.counters["internal_errors"] += 1
+                log.failure("service {service}: the C hot path failed; answering in Python",
+                            service=self.service_name)
+                answer = None
+            if answer is not None:
+                return answer
+        return self.handle(data, reply_limit)
 
     @staticmethod
     def _error(status: int, request_id: bytes, message: str) -> bytes:
@@ -298,33 +331,52 @@ class RequestHandler:
         return _OK + request_id + wire.pack(self.stats())
 
     def stats(self) -> dict[str, Any]:
+        fast = self.fast
+        by_op = self.by_op
+        counters = dict(self.counters)
+        if fast is not None:
+            by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
+            counters["replayed"] += fast.replayed
         return {
             "name": self.service_name,
             "requests": self.requests,
-            "by_op": {wire.OP_NAMES[op]: self.by_op[op] for op in wire.OP_NAMES
-                      if self.by_op[op]},
-            **self.counters,
+            "by_op": {wire.OP_NAMES[op]: by_op[op] for op in wire.OP_NAMES if by_op[op]},
+            **counters,
+            "hot_path": "c" if fast is not None else "python",
+            "hot_path_fallbacks": fast.fallbacks if fast is not None else 0,
             "reply_cache": len(self.reply_cache),
             "reply_cache_evicted_early": self.reply_cache.evicted_early,
             "dhts": {hosted.name: {"records": hosted.records(),
                                    "storage_buckets": len(hosted.repos),
-                                   "routing_buckets": len(hosted.storage_refs)}
+                                   "routing_buckets": len(hosted.routing_buckets)}
                      for hosted in self.dhts.values()},
         }
 
     # ------------------------------------------------------------ assignment
     def assign(self, descriptor: dict[str, Any]) -> None:
         """Host (or re-host) a DHT as the supervisor describes it."""
-        hosted = self.dhts.get(descriptor["id"])
+        dht_id = descriptor["id"]
+        hosted = self.dhts.get(dht_id)
         if hosted is None:
-            self.dhts[descriptor["id"]] = HostedDht(descriptor, self.service_name)
+            self.dhts[dht_id] = HostedDht(descriptor, self.service_name)
             log.info("service {service}: now hosting DHT {dht!r} (id {id})",
-                     service=self.service_name, dht=descriptor["name"], id=descriptor["id"])
+                     service=self.service_name, dht=descriptor["name"], id=dht_id)
         else:
             hosted.apply(descriptor)
+        self._update_fast_table(dht_id)
+
+    def _update_fast_table(self, dht_id: int) -> None:
+        """The C path sees a DHT's repositories while, and only while, the DHT
+        is hosted here and active (an inactive one gets INACTIVE from Python)."""
+        hosted = self.dhts.get(dht_id)
+        if hosted is not None and hosted.active:
+            self.fast_table[dht_id] = hosted.repos
+        else:
+            self.fast_table.pop(dht_id, None)
 
     def drop(self, dht_id: int) -> bool:
         hosted = self.dhts.pop(dht_id, None)
+        self._update_fast_table(dht_id)
         if hosted is None:
             return False
         log.info("service {service}: dropping DHT {dht!r} ({records} records)",

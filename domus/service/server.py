@@ -2,13 +2,13 @@
 supervisor, heartbeats and timers, all on one Twisted reactor thread.
 
 The request handler (domus.service.handler) does the work; this module only
-moves bytes and keeps the service registered.
+moves bytes and keeps the service registered.  UDP is served by
+domus.service.udp (a socket read straight from the reactor, drained in C).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Any
 
@@ -18,53 +18,15 @@ from twisted.logger import Logger
 
 from domus import __version__
 from domus import address as addresses
-from domus import protocol as wire
 from domus.control import ControlError, MessageProtocol, RemoteControlError
 from domus.resources import LoadSampler, base_resources
 from domus.service.handler import RequestHandler
+from domus.service.udp import SOCKET_BUFFER, UdpServer, enlarge_buffers  # noqa: F401
 
 log = Logger(namespace="domus.service")
 
-SOCKET_BUFFER = 8 * 1024 * 1024
 HEARTBEAT_INTERVAL = 1.0
 RECONNECT_MAX_DELAY = 2.0
-
-
-def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
-    """Ask for big socket buffers (forcing past rmem_max when root), so that
-    bursts of datagrams are queued rather than dropped."""
-    for force, plain in ((getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF),
-                         (getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF)):
-        try:
-            if force is None:
-                raise PermissionError
-            sock.setsockopt(socket.SOL_SOCKET, force, size)
-        except OSError:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, plain, size)
-            except OSError:
-                pass
-
-
-class DatagramServer(protocol.DatagramProtocol):
-    def __init__(self, handler: RequestHandler) -> None:
-        self.handler = handler
-        self.send_errors = 0
-
-    def startProtocol(self) -> None:
-        enlarge_buffers(self.transport.socket)
-        # Twisted's write() re-validates the address on every call; the
-        # address comes straight from recvfrom, so send on the socket.
-        self._sendto = self.transport.socket.sendto
-        self._handle = self.handler.handle
-
-    def datagramReceived(self, data: bytes, peer: tuple[str, int]) -> None:
-        answer = self._handle(data, wire.MAX_UDP_PAYLOAD)
-        if answer is not None:
-            try:
-                self._sendto(answer, peer)
-            except OSError:
-                self.send_errors += 1  # the client retries
 
 
 class DomusService(Service):
@@ -85,6 +47,7 @@ class DomusService(Service):
         self.link: MessageProtocol | None = None
         self.registered = False
         self._ports: list[Any] = []
+        self.udp: UdpServer | None = None
         self._timers: list[task.LoopingCall] = []
         self._link_factory: Any = None
         self._stopping = False
@@ -95,24 +58,27 @@ class DomusService(Service):
         from twisted.internet import reactor
 
         super().startService()
-        udp = DatagramServer(self.handler)
-        self._ports.append(reactor.listenUDP(self.listen_port, udp, interface=self.listen_host,
-                                             maxPacketSize=65536))
+        self.udp = UdpServer(self.handler, self.listen_host, self.listen_port)
+        self.udp.start(reactor)
         data_factory = protocol.Factory.forProtocol(MessageProtocol)
         data_factory.counters = self.handler.counters
         original = data_factory.buildProtocol
 
         def build(addr: Any) -> MessageProtocol:
             proto = original(addr)
-            proto.data_handler = self.handler.handle
+            proto.data_handler = self.handler.handle_fast
             proto.control_handler = self._client_control
             return proto
 
         data_factory.buildProtocol = build
         self._ports.append(reactor.listenTCP(self.listen_port, data_factory,
                                              interface=self.listen_host))
-        log.info("service {name} serving on {address} (UDP and TCP), data dir {dir}",
-                 name=self.service_name, address=self.address, dir=self.data_dir)
+        log.info("service {name} serving on {address} (UDP and TCP, {path} hot path), "
+                 "data dir {dir}", name=self.service_name, address=self.address,
+                 path="C" if self.handler.fast is not None else "pure-Python",
+                 dir=self.data_dir)
+        # The reply cache rotates its generations every ttl/2; polling each
+        # second keeps that within a second.
         expire = task.LoopingCall(self.handler.reply_cache.expire)
         expire.start(1.0, now=False)
         heartbeat = task.LoopingCall(self._heartbeat)
@@ -129,6 +95,8 @@ class DomusService(Service):
             self._link_factory.stopTrying()
         if self.link is not None and self.link.transport is not None:
             self.link.transport.loseConnection()
+        if self.udp is not None:
+            self.udp.stop()
         stops = [defer.maybeDeferred(port.stopListening) for port in self._ports]
         log.info("service {name} stopping", name=self.service_name)
         super().stopService()

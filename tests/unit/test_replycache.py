@@ -1,6 +1,12 @@
 """domus.service.replycache: the cache that makes a retried change apply once."""
 
+import pytest
+
+from domus import transport, txclient
 from domus.service.replycache import DEFAULT_TTL, ReplyCache
+
+TTL = DEFAULT_TTL
+HALF = TTL / 2
 
 
 class FakeClock:
@@ -29,21 +35,26 @@ def test_an_unknown_token_gets_none():
     assert cache.get(token(1, client=2)) is None   # same request id, other client
 
 
-def test_hits_count_only_found_tokens():
+def test_hits_count_only_found_tokens_in_either_generation():
     cache = ReplyCache(clock=FakeClock())
     cache.put(token(1), b"r")
-    cache.get(token(1))
+    cache.rotate()
+    cache.put(token(2), b"r")
     cache.get(token(1))
     cache.get(token(2))
+    cache.get(token(3))
     assert cache.hits == 2
 
 
-def test_the_first_reply_for_a_token_is_kept():
+def test_the_first_reply_for_a_token_is_kept_even_across_a_rotation():
     # A retry is answered with what the first try answered, whatever a later
     # put for the same token carries.
     cache = ReplyCache(clock=FakeClock())
     cache.put(token(1), b"first")
     cache.put(token(1), b"second")
+    assert cache.get(token(1)) == b"first"
+    cache.rotate()
+    cache.put(token(1), b"third")
     assert cache.get(token(1)) == b"first"
     assert len(cache) == 1
 
@@ -52,95 +63,134 @@ def test_an_empty_reply_is_a_cached_reply():
     cache = ReplyCache(clock=FakeClock())
     cache.put(token(1), b"")
     assert cache.get(token(1)) == b""
+    cache.rotate()
+    assert cache.get(token(1)) == b""
 
 
-def test_default_ttl_outlives_the_longest_client_retry():
-    # docs/protocol.md: clients stop retrying after at most 15 s.
-    assert DEFAULT_TTL >= 2 * 15
+def test_a_reply_outlives_the_longest_client_retry():
+    # docs/protocol.md: clients stop retrying after at most 15 s, and an
+    # entry lives at least ttl / 2.
+    assert transport.MAX_DEADLINE <= DEFAULT_TTL / 2
+    assert txclient.MAX_DEADLINE <= DEFAULT_TTL / 2
     assert ReplyCache().ttl == DEFAULT_TTL
 
 
-def test_entries_live_ttl_seconds():
-    clock = FakeClock()
-    cache = ReplyCache(ttl=30.0, clock=clock)
+def test_a_ttl_too_short_for_the_clients_retries_is_refused():
+    with pytest.raises(ValueError, match="before clients stop retrying"):
+        ReplyCache(ttl=2 * transport.MAX_DEADLINE - 1)
+    ReplyCache(ttl=2 * transport.MAX_DEADLINE)      # the least that is safe
+
+
+def test_rotation_keeps_the_generations_list_and_moves_current_to_previous():
+    # The C hot path holds the list itself: it must be changed in place.
+    cache = ReplyCache(clock=FakeClock())
+    generations = cache.generations
     cache.put(token(1), b"r1")
-    clock.now += 10
+    current = generations[0]
+    assert cache.rotate() == 0
+    assert cache.generations is generations
+    assert generations[1] is current
+    assert generations[0] == {}
     cache.put(token(2), b"r2")
-    clock.now += 19.999                   # token 1 is 29.999 s old
+    assert generations[0] == {token(2): b"r2"}
+    assert cache.rotate() == 1                       # token 1 forgotten
+    assert generations == [{}, {token(2): b"r2"}]
+
+
+def test_entries_live_between_half_the_ttl_and_the_ttl():
+    clock = FakeClock()
+    cache = ReplyCache(clock=clock)                  # first rotation due at +15 s
+    cache.put(token(1), b"early")                    # lives the longest: ~30 s
+    clock.now += HALF - 0.001
+    cache.put(token(2), b"late")                     # lives the shortest: 15 s
     assert cache.expire() == 0
-    assert cache.get(token(1)) == b"r1"
-    clock.now += 0.001                    # token 1 is exactly 30 s old
-    assert cache.expire() == 1
+    clock.now += 0.001                               # +15 s: rotation
+    assert cache.expire() == 0
+    assert cache.get(token(1)) == b"early"
+    assert cache.get(token(2)) == b"late"
+    clock.now += HALF - 0.001                        # token 2 is 15 s old: still kept
+    assert cache.expire() == 0
+    assert cache.get(token(2)) == b"late"
+    clock.now += 0.001                               # +30 s: second rotation
+    assert cache.expire() == 2
     assert cache.get(token(1)) is None
-    assert cache.get(token(2)) == b"r2"
-    clock.now += 10
-    assert cache.expire() == 1
     assert cache.get(token(2)) is None
     assert len(cache) == 0
 
 
 def test_expire_with_nothing_due_is_a_no_op():
     clock = FakeClock()
-    cache = ReplyCache(ttl=5.0, clock=clock)
-    assert cache.expire() == 0
+    cache = ReplyCache(clock=clock)
     cache.put(token(1), b"r")
+    for _ in range(14):
+        clock.now += 1
+        assert cache.expire() == 0
+    assert cache.generations == [{token(1): b"r"}, {}]
+
+
+def test_a_late_timer_does_not_shorten_the_next_rotation_interval():
+    clock = FakeClock()
+    cache = ReplyCache(clock=clock)
+    clock.now += HALF + 5                             # the timer ran 5 s late
+    cache.expire()                                    # rotation at +20 s
+    cache.put(token(1), b"r")
+    clock.now += HALF - 1                             # +34 s: 14 s after it
     assert cache.expire() == 0
-    assert len(cache) == 1
+    assert cache.get(token(1)) == b"r"
+    clock.now += 1
+    assert cache.expire() == 0                        # rotation at +35 s
+    clock.now += HALF
+    assert cache.expire() == 1                        # gone 30 s after it came
 
 
 def test_an_expired_token_can_be_stored_again():
     clock = FakeClock()
-    cache = ReplyCache(ttl=5.0, clock=clock)
+    cache = ReplyCache(clock=clock)
     cache.put(token(1), b"old")
-    clock.now += 5
-    cache.expire()
+    cache.rotate()
+    cache.rotate()
+    assert cache.get(token(1)) is None
     cache.put(token(1), b"new")
     assert cache.get(token(1)) == b"new"
-    clock.now += 4
-    assert cache.expire() == 0
-    assert cache.get(token(1)) == b"new"
 
 
-def test_expiry_is_not_extended_by_a_repeated_put():
+def test_the_cap_rotates_early_and_counts_what_it_drops():
     clock = FakeClock()
-    cache = ReplyCache(ttl=5.0, clock=clock)
-    cache.put(token(1), b"r")
-    clock.now += 3
-    cache.put(token(1), b"r")
-    clock.now += 2
-    assert cache.expire() == 1
-    assert len(cache) == 0
+    cache = ReplyCache(max_entries=6, clock=clock)   # the current generation holds 3
+    for number in range(3):
+        cache.put(token(number), b"a")
+    assert cache.evicted_early == 0
+    assert len(cache.generations[0]) == 3
+    cache.put(token(3), b"b")                          # past 3: rotate, nothing to drop
+    assert cache.generations[0] == {}
+    assert len(cache.generations[1]) == 4
+    assert cache.evicted_early == 0
+    for number in range(4, 8):
+        cache.put(token(number), b"c")                 # the 4th rotates again
+    assert cache.evicted_early == 4                    # tokens 0..3 went early
+    assert [cache.get(token(n)) for n in range(4)] == [None] * 4
+    assert [cache.get(token(n)) for n in range(4, 8)] == [b"c"] * 4
+    assert len(cache) == 4
 
 
-def test_the_cap_evicts_the_oldest_and_counts_it():
+def test_an_early_rotation_restarts_the_rotation_clock():
     clock = FakeClock()
-    cache = ReplyCache(ttl=30.0, max_entries=3, clock=clock)
-    for number in range(5):
-        cache.put(token(number), b"r%d" % number)
-        clock.now += 1
-    assert len(cache) == 3
-    assert cache.evicted_early == 2
-    assert cache.get(token(0)) is None
-    assert cache.get(token(1)) is None
-    assert [cache.get(token(n)) for n in (2, 3, 4)] == [b"r2", b"r3", b"r4"]
+    cache = ReplyCache(max_entries=2, clock=clock)
+    clock.now += HALF - 1
+    cache.put(token(1), b"r")
+    cache.put(token(2), b"r")                          # early rotation at +14 s
+    clock.now += 1
+    assert cache.expire() == 0                         # not at +15 s any more
+    assert cache.get(token(1)) == b"r"
+    clock.now += HALF - 1                              # +29 s: 15 s after it
+    assert cache.expire() == 2
 
 
 def test_under_the_cap_nothing_is_evicted_early():
-    cache = ReplyCache(max_entries=3, clock=FakeClock())
+    cache = ReplyCache(max_entries=6, clock=FakeClock())
     for number in range(3):
         cache.put(token(number), b"r")
     cache.put(token(0), b"again")        # already there: not a new entry
     assert len(cache) == 3
     assert cache.evicted_early == 0
-
-
-def test_expiry_after_early_eviction_counts_each_entry_once():
-    clock = FakeClock()
-    cache = ReplyCache(ttl=10.0, max_entries=2, clock=clock)
-    for number in range(4):
-        cache.put(token(number), b"r")
-    assert cache.evicted_early == 2
-    clock.now += 10
-    assert cache.expire() == 2
-    assert len(cache) == 0
-    assert cache.expire() == 0
+    assert cache.generations[1] == {}

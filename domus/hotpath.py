@@ -1,0 +1,47 @@
+"""The service's data path: the C one (domus._hotpath) or the pure-Python one.
+
+``FastPath`` is the C type when it is built and not switched off, else None;
+a service then serves every request with the Python handler alone, which is
+what the C path must be indistinguishable from (see cext/hotpath.c and
+tests/unit/test_hotpath.py).
+
+Set ``DOMUS_PURE_PYTHON=1`` in the environment to force the Python path (for
+measurements, or to rule the C code out when hunting a bug).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from domus.service.replycache import ReplyCache
+
+PURE_PYTHON = os.environ.get("DOMUS_PURE_PYTHON") == "1"
+
+FastPath: Any = None
+if not PURE_PYTHON:
+    try:
+        from domus._hotpath import FastPath
+    except ImportError:  # not built: the Python path serves alone
+        FastPath = None
+
+
+def rbtree_type() -> type | None:
+    """The C RBTree type whose instances the C path drives, if it is built."""
+    try:
+        from domus._rbtree import RBTree
+    except ImportError:
+        return None
+    return RBTree
+
+
+def make_fast_path(dhts: dict[int, dict[int, Any]], reply_cache: ReplyCache) -> Any:
+    """A C FastPath over ``dhts`` (active DHT id -> bucket -> repository) and
+    ``reply_cache``; None when the Python path must serve alone."""
+    if FastPath is None:
+        return None
+    from domus.storage.pydict import DictRepository
+
+    return FastPath(dhts, reply_cache.generations, rbtree_type(),
+                    current_limit=reply_cache.current_limit, dict_type=DictRepository)
