@@ -9,7 +9,7 @@ APT_PACKAGES := python3-venv python3-dev build-essential libdb-dev libxxhash-dev
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_hotpath.py
+C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_hotpath.py tests/unit/test_codec.py
 ASAN_DIR := build/asan
 
 .PHONY: all demo test system venv lint bench check-c clean

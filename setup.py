@@ -21,7 +21,8 @@ if SANITIZE:
 # module name -> (sources, libraries); a module is built once its sources exist.
 MODULES = {
     "domus._rbtree": (["cext/rbtree.c"], []),
-    "domus._hotpath": (["cext/hotpath.c"], ["xxhash"]),
+    "domus._hotpath": (["cext/hotpath.c"], []),
+    "domus._codec": (["cext/codec.c"], ["xxhash"]),
 }
 EXTENSIONS = [
     Extension(name, sources, libraries=libraries, extra_compile_args=COMPILE_ARGS,

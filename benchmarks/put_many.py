@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         line = f"{label:>26}: domus {domus_rate:>10,.0f} keys/s"
         if results["redis"]:
             redis_rate = results["redis"][operation]
-            line += f"   redis {redis_rate:>10,.0f} keys/s   domus/redis {domus_rate / redis_rate:.2f}x"
+            line += (f"   redis {redis_rate:>10,.0f} keys/s"
+                     f"   domus/redis {domus_rate / redis_rate:.2f}x")
         print(line)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as target:

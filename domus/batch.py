@@ -4,58 +4,58 @@ taken in.  The synchronous and the Twisted clients both use these; each
 only sends the messages its own way.
 
 "Channel" below is anything naming one service (a ServiceChannel or a
-TxChannel); groups map a channel to its members (position, bucket, key).
+TxChannel).  The per-key work (encoding keys, hashing them to buckets,
+grouping them by channel, packing entries, decoding replies) is done by
+domus.codec, in C when it is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from domus import codec
 from domus import protocol as wire
+from domus.codec import Hasher, Member, chunks
 from domus.errors import DomusError, ValueTooLarge
+from domus.keys import encode_key
+from domus.values import pack_value
 
 Channel = TypeVar("Channel")
-Member = tuple[int, int, bytes]  # (position in the caller's list, bucket, encoded key)
 ErrorFor = Callable[[bytes, Any], DomusError]
 
-
-def chunks(entries: list[Any], sizes: list[int],
-           limit: int = wire.MAX_BATCH) -> Iterator[list[Any]]:
-    """Split entries (with their encoded sizes) into runs that fit one
-    datagram and hold at most ``limit`` entries; an entry too big for a
-    datagram gets a run of its own (it travels over TCP)."""
-    chunk: list[Any] = []
-    size = wire.BATCH_OVERHEAD
-    for entry, entry_size in zip(entries, sizes):
-        if chunk and (size + entry_size > wire.DEFAULT_MAX_DATAGRAM or len(chunk) >= limit):
-            yield chunk
-            chunk, size = [], wire.BATCH_OVERHEAD
-        chunk.append(entry)
-        size += entry_size
-    if chunk:
-        yield chunk
+__all__ = ["Member", "chunks", "encode_pairs", "check_values", "put_requests", "put_replies",
+           "GetMany"]
 
 
-def check_values(encoded: list[tuple[bytes, bytes]]) -> None:
+def encode_pairs(pairs: list[Any]) -> tuple[list[bytes], list[bytes]]:
+    """Encoded keys and packed values of (key, value) pairs.  Of several bad
+    pairs, the error raised is the first one a pair-by-pair loop (key, then
+    value) meets."""
+    try:
+        keys = codec.encode_keys([key for key, _value in pairs])
+    except Exception:
+        for key, value in pairs:  # find the first bad pair, the slow way
+            encode_key(key)
+            pack_value(value)
+        raise
+    return keys, codec.pack_values([value for _key, value in pairs])
+
+
+def check_values(values: list[bytes]) -> None:
     """Refuse the whole batch if any value is over the limit."""
-    for _key, value in encoded:
-        if len(value) > wire.MAX_VALUE_BYTES:
-            raise ValueTooLarge(f"a value of {len(value)} bytes is over the "
-                                f"{wire.MAX_VALUE_BYTES}-byte limit; nothing was stored")
+    if values and max(map(len, values)) > wire.MAX_VALUE_BYTES:
+        first = next(len(value) for value in values if len(value) > wire.MAX_VALUE_BYTES)
+        raise ValueTooLarge(f"a value of {first} bytes is over the "
+                            f"{wire.MAX_VALUE_BYTES}-byte limit; nothing was stored")
 
 
-def put_requests(groups: dict[Channel, list[Member]], encoded: list[tuple[bytes, bytes]],
-                 dht_id: int, ids: Any) -> list[tuple[Channel, bytes]]:
-    """PUT_MANY messages for (encoded key, encoded value) pairs."""
-    requests = []
-    for channel, members in groups.items():
-        entries = [(bucket, key, encoded[position][1]) for position, bucket, key in members]
-        sizes = [wire.put_entry_size(key, value) for _bucket, key, value in entries]
-        for chunk in chunks(entries, sizes):
-            requests.append((channel, wire.encode_put_many(ids.next(), ids.client_id,
-                                                           dht_id, chunk)))
-    return requests
+def put_requests(keys: list[bytes], values: list[bytes], hasher: Hasher, shift: int,
+                 owners: Sequence[Channel], dht_id: int, ids: Any) -> list[tuple[Channel, bytes]]:
+    """PUT_MANY messages for encoded keys and packed values, one per
+    service where they fit a datagram: (channel, message) pairs."""
+    return codec.put_many_requests(keys, values, hasher, shift, owners, dht_id, ids.next,
+                                   ids.client_id, wire.DEFAULT_MAX_DATAGRAM, wire.MAX_BATCH)
 
 
 def put_replies(requests: list[tuple[Channel, bytes]], replies: list[bytes],
@@ -91,28 +91,19 @@ class GetMany:
         self.per_request: dict[Any, int] = {}
         self.answered = 0
 
-    def requests(self, groups: dict[Channel, list[Member]], dht_id: int,
+    def requests(self, hasher: Hasher, shift: int, owners: Sequence[Channel], dht_id: int,
                  ids: Any) -> tuple[list[tuple[Channel, bytes]], list[list[int]]]:
-        """GET_MANY messages for the pending keys (grouped from
-        ``self.pending_keys()``), and the positions each one asks for."""
-        requests, batches = [], []
-        for channel, members in groups.items():
-            limit = self.per_request.get(channel, wire.MAX_BATCH)
-            sizes = [wire.get_entry_size(key) for _local, _bucket, key in members]
-            for chunk in chunks(members, sizes, limit):
-                requests.append((channel, wire.encode_get_many(
-                    ids.next(), ids.client_id, dht_id,
-                    [(bucket, key) for _local, bucket, key in chunk])))
-                batches.append([self.pending[local] for local, _bucket, _key in chunk])
-        return requests, batches
-
-    def pending_keys(self) -> Iterator[bytes]:
-        return (self.encoded[position] for position in self.pending)
+        """GET_MANY messages for the pending keys, and the positions each
+        one asks for."""
+        return codec.get_many_requests(self.encoded, self.pending, hasher, shift, owners,
+                                       dht_id, ids.next, ids.client_id, self.per_request,
+                                       wire.DEFAULT_MAX_DATAGRAM)
 
     def take(self, requests: list[tuple[Channel, bytes]], batches: list[list[int]],
              replies: list[bytes], error: ErrorFor,
-             unpack: Callable[[bytes], Any]) -> bool:
-        """Take in one round of replies; True if a service said a bucket
+             unpack: Callable[[bytes], Any] | None = None) -> bool:
+        """Take in one round of replies (values decoded by ``unpack``, by
+        default domus.values.unpack_value); True if a service said a bucket
         moved (the caller refreshes the layout before the next round)."""
         still: list[int] = []
         moved = False
@@ -123,13 +114,10 @@ class GetMany:
                 continue
             if reply[2] != wire.ST_OK:
                 raise error(reply, channel)
-            values = wire.decode_get_many_reply(reply)
-            self.answered += len(values)
-            for position, value in zip(batch, values):
-                if value is not None:
-                    self.found[self.wanted[position]] = unpack(value)
-            if len(values) < len(batch):  # the rest did not fit the reply
-                self.per_request[channel] = max(1, len(values))
-                still.extend(batch[len(values):])
+            answered = codec.get_many_take(reply, batch, self.wanted, self.found, unpack)
+            self.answered += answered
+            if answered < len(batch):  # the rest did not fit the reply
+                self.per_request[channel] = max(1, answered)
+                still.extend(batch[answered:])
         self.pending = still
         return moved

@@ -26,7 +26,7 @@ from collections.abc import (
 from typing import Any
 
 from domus import address as addresses
-from domus import batch
+from domus import batch, codec
 from domus import protocol as wire
 from domus.attributes import create_request
 from domus.errors import (
@@ -39,10 +39,9 @@ from domus.errors import (
     ValueTooLarge,
     WrongService,
 )
-from domus.keys import decode_key, encode_key
+from domus.keys import decode_key
 from domus.lookup import DirectLookup
 from domus.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
-from domus.values import pack_value, unpack_value
 
 DEFAULT_TIMEOUT = 5.0
 _MISSING = object()
@@ -52,11 +51,12 @@ _DELETE = wire.OP_DELETE
 _CONTAINS = wire.OP_CONTAINS
 _OK = wire.ST_OK
 _NOT_FOUND = wire.ST_NOT_FOUND
-_HEADER_PACK = wire.REQUEST_HEADER.pack
-_KEYED_PACK = wire.KEYED.pack
-_MAGIC = wire.REQUEST_MAGIC
-_VERSION = wire.VERSION
-_U32_PACK = wire.U32.pack
+_NOT_OWNER = wire.ST_NOT_OWNER
+_MAX_VALUE_BYTES = wire.MAX_VALUE_BYTES
+_HEADER = wire.REPLY_HEADER_SIZE
+_keyed = codec.keyed
+_pack_value = codec.pack_value
+_unpack_value = codec.unpack_value
 
 
 def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Cluster:
@@ -178,33 +178,38 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         self._load(descriptor)
 
     # ------------------------------------------------------------ single keys
-    def _request(self, op: int, key: Any, value: bytes = b"") -> tuple[bytes, bytes]:
-        """One keyed request; returns (reply, encoded key).  Retries once
-        after refreshing the layout if the service says the bucket moved."""
-        encoded = encode_key(key)
+    def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
+        """One keyed request (``value``: a PUT's packed value); returns its
+        reply.  Retries once after refreshing the layout if the service says
+        the bucket moved, or if it does not answer and the supervisor says
+        the bucket's owner changed."""
+        ids = self.cluster.ids
+        message, bucket = _keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
+                                 self._shift, key, value)
         self._stats["lookups"] += 1
-        for attempt in (1, 2):
-            bucket = self._hash(encoded) >> self._shift  # again after a refresh
-            channel = self._owners[bucket]
-            message = (_HEADER_PACK(_MAGIC, _VERSION, op, 0, self.cluster.ids.next(),
-                                    self.cluster.ids.client_id)
-                       + _KEYED_PACK(self.id, bucket, len(encoded)) + encoded + value)
-            try:
-                reply = channel.request(message, self.name, bucket)
-            except ServiceUnavailable:
-                if attempt == 2 or not self._owner_moved(bucket, channel):
-                    raise
-                continue
-            status = reply[2]
-            if status <= _NOT_FOUND:
+        channel = self._owners[bucket]
+        try:
+            reply = channel.request(message, self.name, bucket)
+        except ServiceUnavailable:
+            if not self._owner_moved(bucket, channel):
+                raise
+        else:
+            if reply[2] <= _NOT_FOUND:
                 self._stats["hits"] += 1
-                return reply, encoded
-            if status == wire.ST_NOT_OWNER and attempt == 1:
-                self._stats["misses"] += 1
-                self.refresh()
-                continue
-            raise self._error(reply, channel, bucket)
-        raise AssertionError("unreachable")
+                return reply
+            if reply[2] != _NOT_OWNER:
+                raise self._error(reply, channel, bucket)
+            self._stats["misses"] += 1
+            self.refresh()
+        # Once more, with the new layout.
+        message, bucket = _keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
+                                 self._shift, key, value)
+        channel = self._owners[bucket]
+        reply = channel.request(message, self.name, bucket)
+        if reply[2] <= _NOT_FOUND:
+            self._stats["hits"] += 1
+            return reply
+        raise self._error(reply, channel, bucket)
 
     def _owner_moved(self, bucket: int, channel: ServiceChannel) -> bool:
         """After a service failed to answer: ask the supervisor whether the
@@ -221,39 +226,36 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     def put(self, key: Any, value: Any) -> bool:
         """Store ``value`` under ``key``; True if the key was new."""
-        packed = pack_value(value)
-        if len(packed) > wire.MAX_VALUE_BYTES:
+        packed = _pack_value(value)
+        if len(packed) > _MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
-                                f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
-        reply, _ = self._request(_PUT, key, _U32_PACK(len(packed)) + packed)
-        return reply[-1:] == b"\x01"
+                                f"{_MAX_VALUE_BYTES}-byte limit; split it")
+        return self._request(_PUT, key, packed)[-1:] == b"\x01"
 
     __setitem__ = put  # type: ignore[assignment]
 
     def __getitem__(self, key: Any) -> Any:
-        reply, _ = self._request(_GET, key)
+        reply = self._request(_GET, key)
         if reply[2] == _NOT_FOUND:
             raise KeyError(key)
-        return unpack_value(reply[wire.REPLY_HEADER_SIZE:])
+        return _unpack_value(reply, _HEADER)
 
     def get(self, key: Any, default: Any = None) -> Any:
-        reply, _ = self._request(_GET, key)
+        reply = self._request(_GET, key)
         if reply[2] == _NOT_FOUND:
             return default
-        return unpack_value(reply[wire.REPLY_HEADER_SIZE:])
+        return _unpack_value(reply, _HEADER)
 
     def delete(self, key: Any) -> bool:
         """Remove ``key``; True if it was there."""
-        reply, _ = self._request(_DELETE, key)
-        return reply[2] == _OK
+        return self._request(_DELETE, key)[2] == _OK
 
     def __delitem__(self, key: Any) -> None:
         if not self.delete(key):
             raise KeyError(key)
 
     def __contains__(self, key: object) -> bool:
-        reply, _ = self._request(_CONTAINS, key)
-        return reply[2] == _OK
+        return self._request(_CONTAINS, key)[2] == _OK
 
     # ------------------------------------------------------------ batches
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
@@ -262,13 +264,12 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         were new.  Either every key and value is valid and all are sent, or
         none is."""
         pairs = list(items.items() if isinstance(items, Mapping) else items)
-        encoded = [(encode_key(key), pack_value(value)) for key, value in pairs]
-        batch.check_values(encoded)
-        self._stats["lookups"] += len(encoded)
+        keys, values = batch.encode_pairs(pairs)
+        batch.check_values(values)
+        self._stats["lookups"] += len(keys)
         created = 0
         for attempt in (1, 2):
-            requests = batch.put_requests(self._group(key for key, _value in encoded),
-                                          encoded, self.id, self.cluster.ids)
+            requests = self._put_many_requests(keys, values)
             replies = exchange(requests, self.name)
             applied, new, moved = batch.put_replies(requests, replies, self._batch_error,
                                                     last_try=attempt == 2)
@@ -285,14 +286,13 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
     def get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
         """Values of the keys that are present (absent keys are left out)."""
         wanted = list(keys)
-        state = batch.GetMany(wanted, [encode_key(key) for key in wanted])
+        state = batch.GetMany(wanted, codec.encode_keys(wanted))
         self._stats["lookups"] += len(wanted)
         misses = 0
         while state.pending:
-            requests, batches = state.requests(self._group(state.pending_keys()), self.id,
-                                               self.cluster.ids)
+            requests, batches = self._get_many_requests(state)
             replies = exchange(requests, self.name)
-            if state.take(requests, batches, replies, self._batch_error, unpack_value):
+            if state.take(requests, batches, replies, self._batch_error):
                 misses += 1
                 if misses > 1:
                     raise WrongService(f"DHT {self.name!r}: services disagree with the "
@@ -333,7 +333,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                                         self.name, bucket)
                 if reply[2] != _OK:
                     raise self._error(reply, channel, bucket)
-                scan_id, offset, entries = wire.decode_scan_reply(reply)
+                scan_id, offset, entries = codec.decode_scan_reply(reply)
                 yield from entries
                 if offset == wire.SCAN_END:
                     break
@@ -363,7 +363,7 @@ class _ScanItems(ItemsView):
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         for key, value in self._mapping._scan():
-            yield decode_key(key), unpack_value(value)
+            yield decode_key(key), _unpack_value(value, 0)
 
 
 class _ScanValues(ValuesView):
@@ -371,7 +371,7 @@ class _ScanValues(ValuesView):
 
     def __iter__(self) -> Iterator[Any]:
         for _key, value in self._mapping._scan():
-            yield unpack_value(value)
+            yield _unpack_value(value, 0)
 
 
 __all__ = ["connect", "Cluster", "Dht"]

@@ -9,12 +9,10 @@ the Twisted clients share; they differ only in how they send requests.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
 
-from domus import assignment
-from domus.batch import Member
-from domus.keys import HASH_FUNCTIONS, bucket_shift
+from domus import assignment, batch, codec
+from domus.keys import bucket_shift
 
 Channel = TypeVar("Channel")
 
@@ -35,7 +33,7 @@ class DirectLookup(Generic[Channel]):
         self.name: str = descriptor["name"]
         self.id: int = descriptor["id"]
         self.bucket_count: int = descriptor["buckets"]
-        self._hash = HASH_FUNCTIONS[descriptor["hash"]]
+        self._hasher = codec.hasher(descriptor["hash"])  # the hash, as domus.codec takes it
         self._shift = bucket_shift(self.bucket_count)
         storage = descriptor["storage_services"]
         channels = [self.cluster.channel(entry["name"], entry["address"]) for entry in storage]
@@ -48,14 +46,20 @@ class DirectLookup(Generic[Channel]):
         return (f"<domus.{type(self).__name__} {self.name!r} id={self.id} "
                 f"buckets={self.bucket_count} services={len(self._storage_channels)}>")
 
-    def _group(self, encoded_keys: Iterable[bytes]) -> dict[Channel, list[Member]]:
-        """Keys grouped by the service storing them: (position, bucket, key)."""
-        groups: dict[Channel, list[Member]] = {}
-        hash_function, shift, owners = self._hash, self._shift, self._owners
-        for position, encoded in enumerate(encoded_keys):
-            bucket = hash_function(encoded) >> shift
-            groups.setdefault(owners[bucket], []).append((position, bucket, encoded))
-        return groups
+    def _bucket(self, encoded_key: bytes) -> int:
+        return codec.bucket_of(self._hasher, self._shift, encoded_key)
+
+    def _put_many_requests(self, keys: list[bytes],
+                           values: list[bytes]) -> list[tuple[Channel, bytes]]:
+        """PUT_MANY messages for encoded keys and packed values."""
+        return batch.put_requests(keys, values, self._hasher, self._shift, self._owners,
+                                  self.id, self.cluster.ids)
+
+    def _get_many_requests(self, state: batch.GetMany,
+                           ) -> tuple[list[tuple[Channel, bytes]], list[list[int]]]:
+        """GET_MANY messages for the keys ``state`` still waits for."""
+        return state.requests(self._hasher, self._shift, self._owners, self.id,
+                              self.cluster.ids)
 
     def stats(self) -> dict[str, Any]:
         """This client's lookup counters for the DHT, and its transport's

@@ -10,6 +10,10 @@ seconds have passed since the first send; ``deadline`` is capped at half the
 service's reply-cache lifetime, so no retry can reach a service after the
 reply of its first try was forgotten.  A connected UDP socket also learns at
 once (ECONNREFUSED) when nothing listens on the service's port.
+
+When the C codec is built, a request's first try is ``domus.codec.roundtrip``
+(send, poll, recv without the GIL); if it times out or is refused, the
+Python loop below carries on from there under the same rule.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from domus import address as addresses
+from domus import codec
 from domus import protocol as wire
 from domus.errors import (
     SUPERVISOR_ERRORS,
@@ -42,6 +47,9 @@ READ_ONLY_CONTROL = frozenset({"ping", "open_dht", "dht_info", "list_dhts", "ser
                                "status"})
 WINDOW = 4              # datagrams in flight per service in a pipelined batch
 RECV_BUFFER = 4 * 1024 * 1024
+_roundtrip = codec.roundtrip   # None without the C codec
+_TIMED_OUT = "timed out"       # how a first try made in C ended
+_REFUSED = "refused"
 
 
 class RequestIds:
@@ -203,6 +211,7 @@ class ServiceChannel:
             pass
         self.sock.connect((self.host, self.port))
         self.sock.settimeout(self.first_timeout)
+        self._fd = self.sock.fileno()
         self._tcp = None
 
     def close(self) -> None:
@@ -220,41 +229,67 @@ class ServiceChannel:
         when it is too big for a datagram)."""
         if len(message) > wire.DEFAULT_MAX_DATAGRAM:
             return self.request_tcp(message, dht, bucket)
+        if _roundtrip is None:
+            return self._request_udp(message, dht, bucket, None)
+        # The first try in C: send, poll, recv, without the GIL.
+        try:
+            reply = _roundtrip(self._fd, message, self.first_timeout)
+        except ConnectionRefusedError:
+            return self._request_udp(message, dht, bucket, _REFUSED)
+        if reply is None:
+            return self._request_udp(message, dht, bucket, _TIMED_OUT)
+        if reply[2] == wire.ST_REPLY_TOO_LARGE:
+            return self.request_tcp(message, dht, bucket)
+        return reply
+
+    def _request_udp(self, message: bytes, dht: str, bucket: int | None,
+                     first_try: str | None) -> bytes:
+        """The UDP round trip and its retries, in Python.  ``first_try`` is
+        how a try already made (by the C round trip) ended: _TIMED_OUT,
+        _REFUSED, or None if none was made."""
         sock = self.sock
         request_id = message[4:8]
-        started = time.monotonic()
         timeout = self.first_timeout
+        started = time.monotonic() - (timeout if first_try is _TIMED_OUT else 0.0)
         refused = 0
-        while True:
-            try:
-                sock.send(message)
-                while True:
-                    data = sock.recv(65536)
-                    if data[4:8] == request_id and len(data) >= wire.REPLY_HEADER_SIZE:
-                        if data[2] == wire.ST_REPLY_TOO_LARGE:
-                            return self.request_tcp(message, dht, bucket)
-                        if timeout != self.first_timeout:
-                            sock.settimeout(self.first_timeout)
-                        return data
-                    # else: the late reply of an earlier request; skip it
-            except TimeoutError:
-                self.timeouts += 1
-                refused = 0
-            except ConnectionRefusedError:
-                refused += 1
-                if refused >= REFUSED_LIMIT:
-                    sock.settimeout(self.first_timeout)
-                    raise self.unavailable("refused the request (nothing listens on its "
-                                           "port: the service is down)", dht, bucket) from None
-                time.sleep(0.02 * refused)
-            elapsed = time.monotonic() - started
-            if elapsed >= self.deadline:
+        outcome = first_try
+        try:
+            while True:
+                if outcome is None:
+                    try:
+                        sock.send(message)
+                        while True:
+                            data = sock.recv(65536)
+                            if data[4:8] == request_id and len(data) >= wire.REPLY_HEADER_SIZE:
+                                if data[2] == wire.ST_REPLY_TOO_LARGE:
+                                    return self.request_tcp(message, dht, bucket)
+                                return data
+                            # else: the late reply of an earlier request; skip it
+                    except TimeoutError:
+                        outcome = _TIMED_OUT
+                    except ConnectionRefusedError:
+                        outcome = _REFUSED
+                if outcome is _TIMED_OUT:
+                    self.timeouts += 1
+                    refused = 0
+                else:
+                    refused += 1
+                    if refused >= REFUSED_LIMIT:
+                        raise self.unavailable("refused the request (nothing listens on its "
+                                               "port: the service is down)", dht,
+                                               bucket) from None
+                    time.sleep(0.02 * refused)
+                outcome = None
+                elapsed = time.monotonic() - started
+                if elapsed >= self.deadline:
+                    raise self.unavailable(f"did not answer within {self.deadline:.1f}s "
+                                           f"({self.retries} retries so far)", dht, bucket)
+                self.retries += 1
+                timeout = min(timeout * 2, max(self.deadline - elapsed, 0.001))
+                sock.settimeout(timeout)
+        finally:
+            if timeout != self.first_timeout:
                 sock.settimeout(self.first_timeout)
-                raise self.unavailable(f"did not answer within {self.deadline:.1f}s "
-                                       f"({self.retries} retries so far)", dht, bucket)
-            self.retries += 1
-            timeout = min(timeout * 2, max(self.deadline - elapsed, 0.001))
-            sock.settimeout(timeout)
 
     def request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
         request_id = message[4:8]

@@ -43,7 +43,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.python.failure import Failure
 
 from domus import address as addresses
-from domus import batch
+from domus import batch, codec
 from domus import protocol as wire
 from domus.attributes import create_request
 from domus.client import DEFAULT_TIMEOUT, reply_error
@@ -59,7 +59,6 @@ from domus.errors import (
     ValueTooLarge,
     WrongService,
 )
-from domus.keys import encode_key
 from domus.lookup import DirectLookup
 from domus.transport import (
     FIRST_TIMEOUT,
@@ -69,7 +68,6 @@ from domus.transport import (
     RequestIds,
     service_unavailable,
 )
-from domus.values import pack_value, unpack_value
 
 WINDOW = 32            # datagrams in flight per service; more wait on the client
 MAX_PACKET = 65536     # what the UDP socket reads at once (Twisted's default is 8192)
@@ -671,22 +669,24 @@ class TxDht(DirectLookup[TxChannel]):
         return self.refresh()
 
     # ------------------------------------------------------------ single keys
-    async def _request(self, op: int, key: Any, value: bytes = b"") -> bytes:
-        """One keyed request; returns its reply.  Retries once after a
-        refresh of the layout if the service says the bucket moved."""
-        encoded = encode_key(key)
-        self._stats["lookups"] += 1
+    async def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
+        """One keyed request (``value``: a PUT's packed value); returns its
+        reply.  Retries once after a refresh of the layout if the service
+        says the bucket moved."""
         ids = self.cluster.ids
+        message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
+                                      self._shift, key, value)
+        self._stats["lookups"] += 1
         for attempt in (1, 2):
-            bucket = self._hash(encoded) >> self._shift
+            if attempt == 2:  # with the layout fetched since
+                message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id,
+                                              self._hasher, self._shift, key, value)
             channel = self._owners[bucket]
             mark = self._fetches
-            message = wire.encode_keyed(op, ids.next(), ids.client_id, self.id, bucket,
-                                        encoded, value)
             try:
                 reply = await channel.request(message, self.name, bucket)
             except ServiceUnavailable:
-                if attempt == 2 or not await self._owner_moved(mark, encoded, channel):
+                if attempt == 2 or not await self._owner_moved(mark, key, channel):
                     raise
                 continue
             status = reply[2]
@@ -700,7 +700,7 @@ class TxDht(DirectLookup[TxChannel]):
             raise reply_error(self.name, reply, channel, bucket)
         raise AssertionError("unreachable")
 
-    async def _owner_moved(self, mark: int, encoded: bytes, channel: TxChannel) -> bool:
+    async def _owner_moved(self, mark: int, key: Any, channel: TxChannel) -> bool:
         """After ``channel``'s service failed to answer: ask the supervisor
         whether the key's bucket is stored elsewhere now (e.g. the service
         re-registered at a new address).  False if not, or if the supervisor
@@ -709,14 +709,14 @@ class TxDht(DirectLookup[TxChannel]):
             await self._layout_after(mark)
         except DomusError:
             return False
-        return self._owners[self._hash(encoded) >> self._shift] is not channel
+        return self._owners[self._bucket(codec.encode_key(key))] is not channel
 
     def put(self, key: Any, value: Any) -> defer.Deferred:
         """Store ``value`` under ``key``; fires with True if the key was new."""
         return defer.Deferred.fromCoroutine(self._put(key, value))
 
     async def _put(self, key: Any, value: Any) -> bool:
-        packed = pack_value(value)
+        packed = codec.pack_value(value)
         if len(packed) > wire.MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
                                 f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
@@ -737,7 +737,7 @@ class TxDht(DirectLookup[TxChannel]):
             if raise_missing:
                 raise KeyError(key)
             return default
-        return unpack_value(reply[wire.REPLY_HEADER_SIZE:])
+        return codec.unpack_value(reply, wire.REPLY_HEADER_SIZE)
 
     def delete(self, key: Any) -> defer.Deferred:
         """Remove ``key``; fires with True if it was there."""
@@ -765,14 +765,13 @@ class TxDht(DirectLookup[TxChannel]):
 
     async def _put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
         pairs = list(items.items() if isinstance(items, Mapping) else items)
-        encoded = [(encode_key(key), pack_value(value)) for key, value in pairs]
-        batch.check_values(encoded)
-        self._stats["lookups"] += len(encoded)
+        keys, values = batch.encode_pairs(pairs)
+        batch.check_values(values)
+        self._stats["lookups"] += len(keys)
         created = 0
         for attempt in (1, 2):
             mark = self._fetches
-            requests = batch.put_requests(self._group(key for key, _value in encoded),
-                                          encoded, self.id, self.cluster.ids)
+            requests = self._put_many_requests(keys, values)
             replies = await self._exchange(requests)
             applied, new, moved = batch.put_replies(requests, replies, self._batch_error,
                                                     last_try=attempt == 2)
@@ -793,15 +792,14 @@ class TxDht(DirectLookup[TxChannel]):
 
     async def _get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
         wanted = list(keys)
-        state = batch.GetMany(wanted, [encode_key(key) for key in wanted])
+        state = batch.GetMany(wanted, codec.encode_keys(wanted))
         self._stats["lookups"] += len(wanted)
         misses = 0
         while state.pending:
             mark = self._fetches
-            requests, batches = state.requests(self._group(state.pending_keys()), self.id,
-                                               self.cluster.ids)
+            requests, batches = self._get_many_requests(state)
             replies = await self._exchange(requests)
-            if state.take(requests, batches, replies, self._batch_error, unpack_value):
+            if state.take(requests, batches, replies, self._batch_error):
                 misses += 1
                 if misses > 1:
                     raise WrongService(f"DHT {self.name!r}: services disagree with the "

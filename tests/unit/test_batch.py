@@ -45,14 +45,20 @@ def test_no_entries_no_runs():
 
 def test_check_values_refuses_the_whole_batch():
     with pytest.raises(ValueTooLarge, match="nothing was stored"):
-        batch.check_values([(b"\x03a", b"ok"), (b"\x03b", b"x" * (wire.MAX_VALUE_BYTES + 1))])
+        batch.check_values([b"ok", b"x" * (wire.MAX_VALUE_BYTES + 1)])
+
+
+def bucket_from_key_number(encoded):
+    """A hash function for keys b"\x03k<n>": bucket n % 16 of 16."""
+    return (int(encoded[2:]) % 16) << 60
 
 
 def test_put_requests_decode_back_to_every_entry():
-    encoded = [(b"\x03k%d" % i, b"v%d" % i) for i in range(5000)]
-    groups = {"s1": [(i, i % 8, encoded[i][0]) for i in range(0, 5000, 2)],
-              "s2": [(i, i % 8, encoded[i][0]) for i in range(1, 5000, 2)]}
-    requests = batch.put_requests(groups, encoded, dht_id=9, ids=Ids())
+    keys = [b"\x03k%d" % i for i in range(5000)]
+    values = [b"v%d" % i for i in range(5000)]
+    owners = ["s1", "s2"] * 8  # even buckets on s1, odd ones on s2
+    requests = batch.put_requests(keys, values, bucket_from_key_number, 60, owners,
+                                  dht_id=9, ids=Ids())
     seen = {}
     for channel, message in requests:
         assert len(message) <= wire.DEFAULT_MAX_DATAGRAM
@@ -61,8 +67,8 @@ def test_put_requests_decode_back_to_every_entry():
         for bucket, key, value in entries:
             seen[key] = (channel, bucket, value)
     assert len(seen) == 5000
-    for position, (key, value) in enumerate(encoded):
-        assert seen[key] == ("s1" if position % 2 == 0 else "s2", position % 8, value)
+    for position, (key, value) in enumerate(zip(keys, values)):
+        assert seen[key] == ("s1" if position % 2 == 0 else "s2", position % 16, value)
 
 
 def ok_put_many_reply(applied, created):
@@ -93,9 +99,7 @@ def test_get_many_asks_again_for_what_did_not_fit_and_shrinks_its_requests():
     wanted = list(range(100))
     encoded = [b"\x03%d" % key for key in wanted]
     state = batch.GetMany(wanted, encoded)
-    groups = {"s1": [(local, 0, encoded[position]) for local, position
-                     in enumerate(state.pending)]}
-    requests, batches = state.requests(groups, dht_id=1, ids=Ids())
+    requests, batches = state.requests(lambda _key: 0, 64, ["s1"], dht_id=1, ids=Ids())
     assert len(requests) == 1 and batches == [wanted]
     # The service could only answer 30; 10 of those are absent.
     values = [None if key < 10 else b"v%d" % key for key in range(30)]
@@ -104,8 +108,6 @@ def test_get_many_asks_again_for_what_did_not_fit_and_shrinks_its_requests():
     assert state.found == {key: f"v{key}" for key in range(10, 30)}
     assert state.pending == list(range(30, 100)) and state.answered == 30
     # The next round asks for at most 30 per request.
-    groups = {"s1": [(local, 0, encoded[position]) for local, position
-                     in enumerate(state.pending)]}
-    requests, batches = state.requests(groups, dht_id=1, ids=Ids())
+    requests, batches = state.requests(lambda _key: 0, 64, ["s1"], dht_id=1, ids=Ids())
     assert [len(positions) for positions in batches] == [30, 30, 10]
     assert [position for positions in batches for position in positions] == state.pending

@@ -1,0 +1,248 @@
+"""The client's per-request work: keys to messages, replies to values.
+
+Everything a client does for one request between its caller and the socket
+is here: encode the key, hash it to a bucket, build the message (one call
+for a single-key request), group the keys of a batch by service and cut
+them into datagrams, decode GET_MANY and SCAN replies, pack and unpack
+values (msgpack, as domus.values), and (in C only) the UDP round trip.
+
+Each function has a pure-Python reference below, built on
+``domus.keys`` and ``domus.protocol``.  ``domus._codec`` (cext/codec.c)
+implements the same functions in C, byte for byte and error for error;
+tests/unit/test_codec.py runs both on random inputs.  The C module is used
+when it is built, unless ``DOMUS_PURE_PYTHON=1`` is set; ``IMPLEMENTATION``
+says which one this process uses, ``reference`` holds the Python functions
+and ``accelerated`` the C module (or None).
+
+A *hasher* is what ``hasher(name)`` returns for a DHT's hash function: the
+function itself, or (C only) a code for a hash the C module computes
+(xxh3, xxh64).  A *shift* is ``domus.keys.bucket_shift(bucket_count)``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any, TypeVar
+
+from domus import keys as _keys
+from domus import protocol as wire
+from domus import values as _values
+
+Channel = TypeVar("Channel", bound=Hashable)
+Member = tuple[int, int, bytes]  # (position among the keys, bucket, encoded key)
+Hasher = Any                     # a hash function, or a C hash code
+MIN_SHIFT = 32                   # buckets are u32 on the wire
+MAX_SHIFT = 64                   # one bucket
+
+
+def _check_shift(shift: int) -> None:
+    if not MIN_SHIFT <= shift <= MAX_SHIFT:
+        raise ValueError(f"shift must be in [{MIN_SHIFT}, {MAX_SHIFT}] (a bucket is a u32)")
+
+
+# ------------------------------------------------------------ keys
+
+encode_key = _keys.encode_key
+
+
+def encode_keys(keys: Sequence[Any]) -> list[bytes]:
+    """[encode_key(key) for key in keys], for a list or tuple."""
+    if not isinstance(keys, (list, tuple)):
+        raise TypeError(f"keys must be a list or a tuple, not {type(keys).__name__}")
+    return [_keys.encode_key(key) for key in keys]
+
+
+def bucket_of(hasher: Hasher, shift: int, encoded_key: bytes) -> int:
+    """The bucket of an encoded key: its hash >> shift."""
+    _check_shift(shift)
+    return hasher(encoded_key) >> shift
+
+
+# ------------------------------------------------------------ single keys
+
+def keyed(op: int, request_id: int, client_id: int, dht_id: int, hasher: Hasher, shift: int,
+          key: Any, value: bytes | None) -> tuple[bytes, int]:
+    """(message, bucket) of a PUT, GET, DELETE or CONTAINS request for
+    ``key``; ``value`` is the packed value of a PUT (its u32 length is
+    added), None or b"" otherwise."""
+    _check_shift(shift)
+    encoded = _keys.encode_key(key)
+    bucket = hasher(encoded) >> shift
+    return (wire.encode_keyed(op, request_id, client_id, dht_id, bucket, encoded,
+                              b"" if value is None else value), bucket)
+
+
+# ------------------------------------------------------------ batches
+
+def group(keys: Sequence[bytes], hasher: Hasher, shift: int,
+          owners: Sequence[Channel]) -> dict[Channel, list[Member]]:
+    """Encoded keys grouped by the channel storing their bucket
+    (``owners[bucket]``), channels in order of first appearance."""
+    _check_shift(shift)
+    groups: dict[Channel, list[Member]] = {}
+    for position, encoded in enumerate(keys):
+        bucket = hasher(encoded) >> shift
+        groups.setdefault(owners[bucket], []).append((position, bucket, encoded))
+    return groups
+
+
+def chunks(entries: list[Any], sizes: list[int], limit: int = wire.MAX_BATCH,
+           max_datagram: int = wire.DEFAULT_MAX_DATAGRAM) -> Iterator[list[Any]]:
+    """Split entries (with their encoded sizes) into runs that fit one
+    datagram and hold at most ``limit`` entries; an entry too big for a
+    datagram gets a run of its own (it travels over TCP)."""
+    chunk: list[Any] = []
+    size = wire.BATCH_OVERHEAD
+    for entry, entry_size in zip(entries, sizes):
+        if chunk and (size + entry_size > max_datagram or len(chunk) >= limit):
+            yield chunk
+            chunk, size = [], wire.BATCH_OVERHEAD
+        chunk.append(entry)
+        size += entry_size
+    if chunk:
+        yield chunk
+
+
+def _check_limit(limit: int) -> None:
+    if not 1 <= limit <= wire.MAX_BATCH:
+        raise ValueError(f"limit must be in [1, {wire.MAX_BATCH}]")
+
+
+def put_many_requests(keys: Sequence[bytes], values: Sequence[bytes], hasher: Hasher,
+                      shift: int, owners: Sequence[Channel], dht_id: int,
+                      next_id: Callable[[], int], client_id: int, max_datagram: int,
+                      limit: int) -> list[tuple[Channel, bytes]]:
+    """PUT_MANY messages for encoded keys and packed values: (channel,
+    message) pairs, the keys grouped by ``owners[bucket]`` and cut into runs
+    that fit ``max_datagram`` bytes and ``limit`` entries.  ``next_id()``
+    gives each message's request id, in order."""
+    _check_limit(limit)
+    if len(keys) != len(values):
+        raise ValueError(f"{len(keys)} keys but {len(values)} values")
+    requests = []
+    for channel, members in group(keys, hasher, shift, owners).items():
+        entries = [(bucket, key, values[position]) for position, bucket, key in members]
+        sizes = [wire.put_entry_size(key, value) for _bucket, key, value in entries]
+        for chunk in chunks(entries, sizes, limit, max_datagram):
+            requests.append((channel, wire.encode_put_many(next_id(), client_id, dht_id,
+                                                           chunk)))
+    return requests
+
+
+def get_many_requests(keys: Sequence[bytes], pending: Sequence[int], hasher: Hasher,
+                      shift: int, owners: Sequence[Channel], dht_id: int,
+                      next_id: Callable[[], int], client_id: int,
+                      limits: dict[Channel, int], max_datagram: int,
+                      ) -> tuple[list[tuple[Channel, bytes]], list[list[int]]]:
+    """GET_MANY messages for ``keys[p] for p in pending``: (requests,
+    batches), where ``batches[i]`` are the positions (items of ``pending``)
+    that request i asks for.  ``limits`` maps a channel to the most entries
+    per message (default 65535)."""
+    groups = group([keys[position] for position in pending], hasher, shift, owners)
+    requests, batches = [], []
+    for channel, members in groups.items():
+        limit = limits.get(channel, wire.MAX_BATCH)
+        _check_limit(limit)
+        sizes = [wire.get_entry_size(key) for _local, _bucket, key in members]
+        for chunk in chunks(members, sizes, limit, max_datagram):
+            request_id = next_id()
+            batches.append([pending[local] for local, _bucket, _key in chunk])
+            requests.append((channel, wire.encode_get_many(
+                request_id, client_id, dht_id, [(bucket, key) for _local, bucket, key in chunk])))
+    return requests, batches
+
+
+# ------------------------------------------------------------ replies
+
+decode_get_many_reply = wire.decode_get_many_reply
+decode_scan_reply = wire.decode_scan_reply
+
+def get_many_take(reply: bytes, batch: list[int], wanted: Sequence[Any], found: Any,
+                  unpack: Callable[[bytes], Any] | None) -> int:
+    """Take in an OK GET_MANY reply: for each value present, in order,
+    ``found[wanted[batch[i]]] = unpack(value)`` (``unpack`` None:
+    unpack_value).  Returns how many entries the reply answers;
+    ProtocolError (and nothing taken) if it is malformed."""
+    values = decode_get_many_reply(reply)
+    unpack = _values.unpack_value if unpack is None else unpack
+    for position, value in zip(batch, values):
+        if value is not None:
+            found[wanted[position]] = unpack(value)
+    return len(values)
+
+
+# ------------------------------------------------------------ values
+
+pack_value = _values.pack_value
+
+
+def pack_values(values: Sequence[Any]) -> list[bytes]:
+    """[pack_value(value) for value in values], for a list or tuple."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"values must be a list or a tuple, not {type(values).__name__}")
+    return [_values.pack_value(value) for value in values]
+
+
+def unpack_value(data: bytes, offset: int) -> Any:
+    """The value stored as ``data[offset:]``."""
+    return _values.unpack_value(data[offset:])
+
+
+# ------------------------------------------------------------ round trips
+
+# roundtrip(fd, message, timeout) -> reply | None exists in C only; the
+# Python transport does its round trips with socket methods.
+roundtrip: Callable[[int, bytes, float], bytes | None] | None = None
+
+
+# ------------------------------------------------------------ selection
+
+_ACCELERATED_NAMES = ("encode_key", "encode_keys", "bucket_of", "keyed", "put_many_requests",
+                      "get_many_requests", "decode_get_many_reply", "decode_scan_reply",
+                      "get_many_take", "pack_value", "pack_values", "unpack_value", "roundtrip")
+reference = SimpleNamespace(hasher=_keys.HASH_FUNCTIONS.__getitem__,
+                            **{name: globals()[name] for name in _ACCELERATED_NAMES})
+
+PURE_PYTHON = os.environ.get("DOMUS_PURE_PYTHON") == "1"
+IMPLEMENTATION = "python"
+accelerated: Any = None
+_C_HASHES: dict[str, int] = {}
+if not PURE_PYTHON:
+    try:
+        from domus import _codec as accelerated
+    except ImportError:  # not built: the references serve
+        accelerated = None
+if accelerated is not None:
+    from domus._codec import (  # noqa: F811  (the C functions replace the references)
+        bucket_of,
+        decode_get_many_reply,
+        decode_scan_reply,
+        encode_key,
+        encode_keys,
+        get_many_requests,
+        get_many_take,
+        keyed,
+        pack_value,
+        pack_values,
+        put_many_requests,
+        roundtrip,
+        unpack_value,
+    )
+
+    IMPLEMENTATION = "c"
+    _C_HASHES = {"xxh3": accelerated.HASH_XXH3, "xxh64": accelerated.HASH_XXH64}
+
+
+def hasher(name: str) -> Hasher:
+    """What the functions above take for the DHT hash function ``name``:
+    a code for the C module's own (xxh3, xxh64), else the function."""
+    code = _C_HASHES.get(name)
+    return code if code is not None else _keys.HASH_FUNCTIONS[name]
+
+
+__all__ = ["IMPLEMENTATION", "PURE_PYTHON", "reference", "accelerated", "hasher", "chunks",
+           "group", "encode_key", "encode_keys", "bucket_of", "keyed", "put_many_requests",
+           "get_many_requests", "decode_get_many_reply", "decode_scan_reply", "get_many_take",
+           "pack_value", "pack_values", "unpack_value", "roundtrip"]

@@ -1,0 +1,152 @@
+"""domus.transport.ServiceChannel on real loopback UDP sockets: the same
+retry rule whether the first try is made in C (domus._codec.roundtrip) or in
+Python."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from domus import protocol as wire
+from domus import transport
+from domus.errors import ServiceUnavailable
+from domus.transport import ServiceChannel
+
+try:  # directly: the C round trip is tested under DOMUS_PURE_PYTHON=1 too
+    from domus._codec import roundtrip
+except ImportError:
+    roundtrip = None
+
+
+@pytest.fixture(params=["c", "python"])
+def first_try(request, monkeypatch):
+    """Which round trip the channel makes first."""
+    if request.param == "c":
+        if roundtrip is None:
+            pytest.skip("domus._codec is not built")
+        monkeypatch.setattr(transport, "_roundtrip", roundtrip)
+    else:
+        monkeypatch.setattr(transport, "_roundtrip", None)
+    return request.param
+
+
+class Service:
+    """A UDP socket on loopback answering requests as ``behave`` says:
+    behave(number of the datagram, request) -> datagrams to send back."""
+
+    def __init__(self, behave):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        host, port = self.sock.getsockname()
+        self.address = f"{host}:{port}"
+        self.behave = behave
+        self.received = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while not self._stop.is_set():
+            try:
+                data, peer = self.sock.recvfrom(65536)
+            except TimeoutError:
+                continue
+            self.received.append(data)
+            for datagram in self.behave(len(self.received), data):
+                self.sock.sendto(datagram, peer)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.fixture
+def serve():
+    services = []
+
+    def start(behave):
+        service = Service(behave)
+        services.append(service)
+        return service
+
+    yield start
+    for service in services:
+        service.close()
+
+
+def request(request_id):
+    return wire.request_header(wire.OP_GET, request_id, 1) + b"\x00" * 10 + b"\x03k"
+
+
+def ok(data, body=b""):
+    return wire.reply_prefix(wire.ST_OK) + data[4:8] + body
+
+
+def test_a_reply_comes_back(first_try, serve):
+    service = serve(lambda number, data: [ok(data, b"value")])
+    channel = ServiceChannel("s1", service.address, deadline=2.0, first_timeout=0.5)
+    try:
+        assert channel.request(request(5)) == ok(request(5), b"value")
+        assert (channel.timeouts, channel.retries) == (0, 0)
+    finally:
+        channel.close()
+
+
+def test_stale_replies_are_skipped(first_try, serve):
+    service = serve(lambda number, data: [b"\xd1\x01", wire.reply(wire.ST_OK, 999),
+                                          ok(data, b"mine")])
+    channel = ServiceChannel("s1", service.address, deadline=2.0, first_timeout=0.5)
+    try:
+        assert channel.request(request(6)) == ok(request(6), b"mine")
+    finally:
+        channel.close()
+
+
+def test_a_lost_datagram_is_sent_again(first_try, serve):
+    service = serve(lambda number, data: [] if number == 1 else [ok(data)])
+    channel = ServiceChannel("s1", service.address, deadline=2.0, first_timeout=0.05)
+    try:
+        assert channel.request(request(7)) == ok(request(7))
+        assert (channel.timeouts, channel.retries) == (1, 1)
+        assert service.received == [request(7)] * 2  # the same bytes again
+        # The socket is back to its first timeout for the next request.
+        assert channel.sock.gettimeout() == 0.05
+    finally:
+        channel.close()
+
+
+def test_a_silent_service_is_unavailable_after_the_deadline(first_try, serve):
+    service = serve(lambda number, data: [])
+    channel = ServiceChannel("s1", service.address, deadline=0.3, first_timeout=0.05)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServiceUnavailable, match="did not answer within 0.3s") as raised:
+            channel.request(request(8), "words", 3)
+        assert 0.3 <= time.monotonic() - started < 1.5
+        assert (raised.value.dht, raised.value.bucket) == ("words", 3)
+        assert channel.retries >= 2 and channel.timeouts == channel.retries + 1
+        assert all(data == request(8) for data in service.received)
+        assert channel.sock.gettimeout() == 0.05
+    finally:
+        channel.close()
+
+
+def test_nothing_listening_is_refused_three_times(first_try):
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.bind(("127.0.0.1", 0))
+    host, port = probe.getsockname()
+    address = f"{host}:{port}"
+    probe.close()
+    channel = ServiceChannel("s1", address, deadline=5.0, first_timeout=0.5)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServiceUnavailable, match="refused the request"):
+            channel.request(request(9))
+        assert time.monotonic() - started < 2.0  # 3 refusals, not the deadline
+    finally:
+        channel.close()
