@@ -818,7 +818,9 @@ plan_clear(Plan *plan)
 
 /* Group the n keys `keys[i]` (i in [0, n)).  0, or -1 with an exception
  * (TypeError for a key that is not bytes, IndexError for a bucket past the
- * end of owners, what the hash callable raised). */
+ * end of an owners list, what the hash callable or an owners map raised).
+ * owners is a list indexed by bucket, or any object whose [bucket] is the
+ * owner (a domus.bucketmap.BucketMap). */
 static int
 plan_groups(Plan *plan, PyObject *keys, const Hasher *hasher, int shift, PyObject *owners)
 {
@@ -851,12 +853,27 @@ plan_groups(Plan *plan, PyObject *keys, const Hasher *hasher, int shift, PyObjec
             return -1;
         }
         uint32_t bucket = bucket_from_hash(hash, shift);
-        /* The list may have changed under a hash callable: check each time. */
-        if ((size_t)bucket >= (size_t)PyList_GET_SIZE(owners)) {
-            PyErr_SetString(PyExc_IndexError, "list index out of range");
-            return -1;
+        PyObject *channel;
+        if (PyList_CheckExact(owners)) {
+            /* The list may have changed under a hash callable: check each time. */
+            if ((size_t)bucket >= (size_t)PyList_GET_SIZE(owners)) {
+                PyErr_SetString(PyExc_IndexError, "list index out of range");
+                return -1;
+            }
+            channel = Py_NewRef(PyList_GET_ITEM(owners, bucket));
         }
-        PyObject *channel = Py_NewRef(PyList_GET_ITEM(owners, bucket));
+        else {
+            /* A map too big to unfold into a list (domus.bucketmap): ask it. */
+            PyObject *number = PyLong_FromUnsignedLong(bucket);
+            if (number == NULL) {
+                return -1;
+            }
+            channel = PyObject_GetItem(owners, number);
+            Py_DECREF(number);
+            if (channel == NULL) {
+                return -1;
+            }
+        }
         Py_ssize_t number = group_of(&plan->grouping, channel);
         Py_DECREF(channel);
         if (number < 0) {
@@ -985,8 +1002,8 @@ codec_put_many_requests(PyObject *module, PyObject *const *args, Py_ssize_t narg
         || max_datagram_arg(args[8], &max_datagram) < 0 || limit_arg(args[9], &limit) < 0) {
         return NULL;
     }
-    if (!PyList_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError, "owners must be a list");
+    if (!PyList_CheckExact(args[4]) && !PyMapping_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "owners must be a list or a bucket map");
         return NULL;
     }
     PyObject *owners = args[4], *next_id = args[6];
@@ -1112,8 +1129,8 @@ codec_get_many_requests(PyObject *module, PyObject *const *args, Py_ssize_t narg
         || max_datagram_arg(args[9], &max_datagram) < 0) {
         return NULL;
     }
-    if (!PyList_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError, "owners must be a list");
+    if (!PyList_CheckExact(args[4]) && !PyMapping_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "owners must be a list or a bucket map");
         return NULL;
     }
     if (!PyDict_Check(args[8])) {

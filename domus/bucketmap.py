@@ -61,6 +61,12 @@ class BucketMap(Generic[Owner]):
             raise KeyError(bucket)
         return found[1][1]
 
+    # ``bucket_map[bucket]``: what batch grouping (domus.codec) calls on a
+    # dense table, so either can serve as a DHT's table of owners.
+    __getitem__ = owner
+    # Not a sequence: iterate ranges() instead.
+    __iter__ = None  # type: ignore[assignment]
+
     def get(self, bucket: int, default: Owner | None = None) -> Owner | None:
         found = self._ranges.floor(bucket, None)
         if found is None or bucket >= found[1][0]:

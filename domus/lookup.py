@@ -1,8 +1,12 @@
 """Lookup: from a key's bucket to the service that stores it.
 
 Only the direct method (D) exists so far: the bucket -> service map is
-rebuilt from the descriptor's per-service counts (domus.assignment), so a
-lookup is one list index and the request goes straight to its service.
+rebuilt from the descriptor's per-service counts (domus.assignment) as a
+``BucketMap`` (ranges in a red-black tree: one entry per service, whatever
+the bucket count).  For up to ``DENSE_TABLE_LIMIT`` buckets the client also
+unfolds it into a list indexed by bucket, so a lookup is one list index;
+beyond that (up to 2**24 buckets, which would be a 128 MiB list per DHT) a
+lookup is a floor search in the map, O(log services).
 ``DirectLookup`` is the part of a DHT handle that both the synchronous and
 the Twisted clients share; they differ only in how they send requests.
 """
@@ -11,10 +15,16 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-from domus import assignment, batch, codec
+from domus import batch, codec
+from domus.bucketmap import BucketMap
+from domus.errors import ProtocolError
 from domus.keys import bucket_shift
 
 Channel = TypeVar("Channel")
+
+# Bucket counts up to this get a dense bucket -> channel list (512 KiB at
+# most); larger ones are looked up in the BucketMap itself.
+DENSE_TABLE_LIMIT = 1 << 16
 
 
 class DirectLookup(Generic[Channel]):
@@ -38,9 +48,16 @@ class DirectLookup(Generic[Channel]):
         storage = descriptor["storage_services"]
         channels = [self.cluster.channel(entry["name"], entry["address"]) for entry in storage]
         self._storage_channels: list[Channel] = channels
-        owners = assignment.placement([entry["count"] for entry in storage])
+        counts = [entry["count"] for entry in storage]
+        if sum(counts) != self.bucket_count:
+            raise ProtocolError(
+                f"DHT {self.name!r}: the supervisor's descriptor gives its storage services "
+                f"{sum(counts)} buckets in all, not {self.bucket_count}")
         # The direct lookup: bucket -> channel, rebuilt from the counts alone.
-        self._owners: list[Channel] = [channels[index] for index in owners]
+        self.layout: BucketMap[Channel] = BucketMap.from_counts(counts, channels,
+                                                                self.bucket_count)
+        self._owners: Any = (self.layout.dense() if self.bucket_count <= DENSE_TABLE_LIMIT
+                             else self.layout)
 
     def __repr__(self) -> str:
         return (f"<domus.{type(self).__name__} {self.name!r} id={self.id} "

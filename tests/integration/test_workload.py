@@ -18,7 +18,9 @@ import pytest
 
 import domus
 from domus import protocol as wire
+from domus.bucketmap import BucketMap
 from domus.errors import KeyTooLarge, KeyTypeError, ValueTooLarge, ValueTypeError
+from domus.lookup import DENSE_TABLE_LIMIT
 
 from .support import first_difference, same_value
 
@@ -220,8 +222,10 @@ class Workload:
 
 
 @pytest.mark.timeout(180)
-def test_random_workload_matches_a_dict(cluster):
-    dht = cluster.create_dht("workload")
+@pytest.mark.parametrize("platform", ["python-dict", "domus-rbt"])
+def test_random_workload_matches_a_dict(cluster, platform):
+    dht = cluster.create_dht("workload", platform=platform)
+    assert dht.descriptor["platform"] == platform
     workload = Workload(dht, SEED)
     started = time.monotonic()
     workload.run(20_000, whole_every=2_500)
@@ -242,6 +246,19 @@ def test_workload_with_other_hashes_and_bucket_counts(cluster, hash_name, bucket
     dht = cluster.create_dht(f"workload-{hash_name}", hash=hash_name, buckets=buckets)
     assert dht.bucket_count == buckets
     workload = Workload(dht, SEED + buckets)
+    workload.run(2_000, whole_every=1_000)
+    assert sum(dht.records_by_service().values()) == len(workload.model)
+
+
+def test_a_dht_with_more_buckets_than_a_client_tabulates(cluster):
+    """Past DENSE_TABLE_LIMIT buckets a client finds owners by floor lookups
+    in its BucketMap instead of a per-bucket list; the answers are the same."""
+    buckets = DENSE_TABLE_LIMIT * 2
+    dht = cluster.create_dht("many-buckets", buckets=buckets, platform="domus-rbt")
+    assert dht.bucket_count == buckets
+    assert isinstance(dht._owners, BucketMap)
+    assert dht.layout.range_count() == len(dht.descriptor["storage_services"])
+    workload = Workload(dht, SEED + 7)
     workload.run(2_000, whole_every=1_000)
     assert sum(dht.records_by_service().values()) == len(workload.model)
 
