@@ -47,10 +47,14 @@
 #define MAX_BATCH 0xFFFF
 #define MISSING 0xFFFFFFFFu
 
-#define TAG_INT64 0x01
-#define TAG_BIGINT 0x02
+/* Key tags, in the order their keys sort (domus/keys.py says how). */
+#define TAG_NEGBIG 0x00         /* int < -2**63: u16 0xFFFF - L, NOT of the magnitude */
+#define TAG_INT64 0x01          /* int in [-2**63, 2**63): key + 2**63, u64 */
+#define TAG_POSBIG 0x02         /* int >= 2**63: u16 L, the L-byte magnitude */
 #define TAG_STR 0x03
 #define TAG_BYTES 0x04
+#define BIGINT_LENGTH_SIZE 2    /* the u16 before a big int's magnitude */
+#define INT64_OFFSET (UINT64_C(1) << 63)
 
 /* Hash functions computed here; any other is a Python callable. */
 #define HASH_XXH3 1
@@ -225,75 +229,109 @@ key_too_large(codec_state *state, Py_ssize_t encoded_size)
     return -1;
 }
 
-/* An int outside [-2**63, 2**63): tag 0x02 and its minimal signed
- * big-endian two's complement, as int.to_bytes makes it.  Rare, so it goes
- * through int's own methods (called on int, not on a subclass that may
- * override them). */
+/* The bit length of a non-negative exact int, or -1 with an exception set.
+ * CPython has no public C call for it: _PyLong_NumBits up to 3.12 (its
+ * signature changes after), int.bit_length from 3.13 on. */
+static int64_t
+magnitude_bits(PyObject *magnitude)
+{
+#if PY_VERSION_HEX < 0x030D0000
+    size_t bits = _PyLong_NumBits(magnitude);
+    if (bits == (size_t)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    return (int64_t)bits;
+#else
+    PyObject *bits = PyObject_CallMethod(magnitude, "bit_length", NULL);
+    if (bits == NULL) {
+        return -1;
+    }
+    long long count = PyLong_AsLongLong(bits);
+    Py_DECREF(bits);
+    return count;
+#endif
+}
+
+/* Write the non-negative exact int `magnitude` as `length` big-endian
+ * unsigned bytes at `at`, `length` being at least its byte length: 0, or
+ * -1 with an exception set.  3.13 made the call public (and changed the
+ * private one's signature). */
+static int
+magnitude_to_bytes(PyObject *magnitude, unsigned char *at, Py_ssize_t length)
+{
+#if PY_VERSION_HEX < 0x030D0000
+    return _PyLong_AsByteArray((PyLongObject *)magnitude, at, (size_t)length, 0, 0);
+#else
+    Py_ssize_t needed = PyLong_AsNativeBytes(
+        magnitude, at, length, Py_ASNATIVEBYTES_BIG_ENDIAN
+        | Py_ASNATIVEBYTES_UNSIGNED_BUFFER | Py_ASNATIVEBYTES_REJECT_NEGATIVE);
+    if (needed < 0) {
+        return -1;
+    }
+    if (needed > length) {
+        PyErr_SetString(PyExc_SystemError, "a big int key outgrew its computed length");
+        return -1;
+    }
+    return 0;
+#endif
+}
+
+/* An int outside [-2**63, 2**63) (`negative`: below it), as
+ * domus.keys._encode_bigint: tag 0x02, u16 L and the L-byte minimal
+ * big-endian magnitude; or tag 0x00, u16 (0xFFFF - L) and the magnitude's
+ * bytes inverted, so that byte order is numeric order.  Works on the value
+ * (an int subclass's __abs__ or __int__ is never called). */
 static int
 bigint_parts(codec_state *state, PyObject *key, int negative, KeyParts *parts)
 {
-    int result = -1;
-    PyObject *value = NULL, *magnitude = NULL, *bits = NULL, *args = NULL;
-    PyObject *kwargs = NULL, *to_bytes = NULL, *encoded = NULL;
-
-    /* int.__int__: the value as an exact int (IntEnum.A is its value). */
-    value = PyLong_Type.tp_as_number->nb_int(key);
-    if (value == NULL) {
-        goto done;
-    }
-    /* Minimal: -2**71 fits 9 bytes though its bit_length (72) says 10. */
-    magnitude = negative ? PyNumber_Invert(value) : Py_NewRef(value);
+    /* int's own abs: an exact int whatever the key's type. */
+    PyObject *magnitude = PyLong_Type.tp_as_number->nb_absolute(key);
     if (magnitude == NULL) {
-        goto done;
+        return -1;
     }
-    bits = PyObject_CallMethod(magnitude, "bit_length", NULL);
-    if (bits == NULL) {
-        goto done;
+    int64_t bits = magnitude_bits(magnitude);
+    if (bits < 0) {
+        goto fail;
     }
-    Py_ssize_t bit_count = PyLong_AsSsize_t(bits);
-    if (bit_count == -1 && PyErr_Occurred()) {
-        goto done;
+    if (bits > (int64_t)MAX_KEY_BYTES * 8) {
+        /* Over the limit: report the size without making the bytes. */
+        key_too_large(state, 1 + BIGINT_LENGTH_SIZE + (Py_ssize_t)((bits + 7) / 8));
+        goto fail;
     }
-    if (bit_count > (Py_ssize_t)MAX_KEY_BYTES * 8) {
-        /* Over the limit whatever its exact length: report the length
-         * without making the bytes (bit_count + 8 cannot overflow here). */
-        key_too_large(state, 1 + (bit_count + 8) / 8);
-        goto done;
+    Py_ssize_t length = (Py_ssize_t)((bits + 7) / 8);
+    Py_ssize_t payload_size = BIGINT_LENGTH_SIZE + length;
+    if (1 + payload_size > MAX_KEY_BYTES) {
+        key_too_large(state, 1 + payload_size);
+        goto fail;
     }
-    Py_ssize_t length = (bit_count + 8) / 8;
-    if (1 + length > MAX_KEY_BYTES) {
-        key_too_large(state, 1 + length);
-        goto done;
+    PyObject *payload = PyBytes_FromStringAndSize(NULL, payload_size);
+    if (payload == NULL) {
+        goto fail;
     }
-    to_bytes = PyObject_GetAttrString(value, "to_bytes");
-    args = Py_BuildValue("(ns)", length, "big");
-    kwargs = Py_BuildValue("{s:O}", "signed", Py_True);
-    if (to_bytes == NULL || args == NULL || kwargs == NULL) {
-        goto done;
+    unsigned char *at = (unsigned char *)PyBytes_AS_STRING(payload);
+    if (magnitude_to_bytes(magnitude, at + BIGINT_LENGTH_SIZE, length) < 0) {
+        Py_DECREF(payload);
+        goto fail;
     }
-    encoded = PyObject_Call(to_bytes, args, kwargs);
-    if (encoded == NULL) {
-        goto done;
+    Py_DECREF(magnitude);
+    if (negative) {
+        parts->tag = TAG_NEGBIG;
+        put_u16(at, (uint32_t)(0xFFFF - length));
+        for (Py_ssize_t index = BIGINT_LENGTH_SIZE; index < payload_size; index++) {
+            at[index] = (unsigned char)~at[index];
+        }
     }
-    if (!PyBytes_Check(encoded) || PyBytes_GET_SIZE(encoded) != length) {
-        PyErr_SetString(PyExc_SystemError, "int.to_bytes returned something unexpected");
-        goto done;
+    else {
+        parts->tag = TAG_POSBIG;
+        put_u16(at, (uint32_t)length);
     }
-    parts->tag = TAG_BIGINT;
-    parts->payload = PyBytes_AS_STRING(encoded);
-    parts->payload_size = length;
-    parts->holder = encoded;
-    encoded = NULL;
-    result = 0;
-done:
-    Py_XDECREF(value);
-    Py_XDECREF(magnitude);
-    Py_XDECREF(bits);
-    Py_XDECREF(args);
-    Py_XDECREF(kwargs);
-    Py_XDECREF(to_bytes);
-    Py_XDECREF(encoded);
-    return result;
+    parts->payload = (const char *)at;
+    parts->payload_size = payload_size;
+    parts->holder = payload;
+    return 0;
+fail:
+    Py_DECREF(magnitude);
+    return -1;
 }
 
 /* Fill *parts with the canonical encoding of key, exactly as
@@ -314,7 +352,7 @@ key_parts(codec_state *state, PyObject *key, KeyParts *parts)
             return bigint_parts(state, key, overflow < 0, parts);
         }
         parts->tag = TAG_INT64;
-        put_u64(parts->int64, (uint64_t)value);
+        put_u64(parts->int64, (uint64_t)value ^ INT64_OFFSET);   /* + 2**63, mod 2**64 */
         parts->payload = (const char *)parts->int64;
         parts->payload_size = 8;
         return 0;

@@ -60,8 +60,9 @@ def same(function_name, *args):
 
 def short_id(value):
     """A test id for a parameter too long to print."""
-    if isinstance(value, int) and value.bit_length() > 64:
-        return f"int_of_{value.bit_length()}_bits"
+    if isinstance(value, int) and int.bit_length(value) > 64:
+        sign = "negative_" if value < 0 else ""
+        return f"{sign}int_of_{int.bit_length(value)}_bits"
     if isinstance(value, (str, bytes, bytearray, list, dict)) and len(value) > 20:
         return f"{type(value).__name__}_of_{len(value)}"
     return None
@@ -76,6 +77,8 @@ def c_hasher(name):
 class Color(enum.IntEnum):
     RED = 1
     HUGE = 1 << 80
+    DEEP = -(1 << 80)
+    LOW = -(1 << 63)
 
 
 class Text(str):
@@ -120,9 +123,23 @@ def test_encode_key_is_byte_identical(key):
     same("encode_key", key)
 
 
+class Huge(int):
+    def __abs__(self):
+        return 0
+
+    def __int__(self):
+        return 0
+
+    def bit_length(self):
+        return 0
+
+
 @pytest.mark.parametrize("key", [
-    0, 1, -1, (1 << 63) - 1, -(1 << 63), 1 << 63, -(1 << 63) - 1, 1 << 71, -(1 << 71),
-    -(1 << 71) - 1, True, False, Color.RED, Color.HUGE, Number(7), Number(1 << 90),
+    0, 1, -1, 2, -2, (1 << 63) - 1, (1 << 63) - 2, -(1 << 63), -(1 << 63) + 1, 1 << 63,
+    (1 << 63) + 1, -(1 << 63) - 1, -(1 << 63) - 2, 1 << 64, -(1 << 64), (1 << 64) - 1,
+    (1 << 64) + 1, -(1 << 64) + 1, -(1 << 64) - 1, 1 << 71, -(1 << 71), -(1 << 71) - 1,
+    (1 << 72) - 1, -(1 << 72) + 1, 255 << 64, -(255 << 64), True, False, *Color, Number(7),
+    Number(1 << 90), Number(-(1 << 90)), Huge(1 << 100), Huge(-(1 << 100)),
     "", "a", "é", "\ud800", "\udfff\ud800", "😀", Text("t"), b"", b"\x00", bytearray(b"x"),
     Buffer(b"y"), memoryview(b"z"), memoryview(bytes(range(16)))[::3],
     memoryview(b"abcd").cast("B", (2, 2)), Raw(b"r"), 1.0, None, [1], (1,), object(), {},
@@ -136,6 +153,10 @@ def test_encode_key_edge_cases(key):
     b"y" * 8191, b"y" * 8192, bytearray(8192), 1 << (8 * 8190 - 1), -(1 << (8 * 8190 - 1)),
     1 << (8 * 8190 - 1) - 1, -(1 << (8 * 8190 - 1)) - 1, 1 << (8 * 8191), 1 << 1_000_000,
     -(1 << 1_000_000),
+    # Ints: tag, u16 length and at most 8189 magnitude bytes.
+    (1 << (8 * 8189)) - 1, -(1 << (8 * 8189)) + 1, 1 << (8 * 8189), -(1 << (8 * 8189)),
+    1 << (8 * 8188), -(1 << (8 * 8188)), (1 << (8 * 8188)) - 1, -(1 << (8 * 8188)) + 1,
+    Huge(1 << (8 * 8189)), Huge(-(1 << (8 * 8189))),
 ], ids=short_id)
 def test_keys_at_and_over_the_limit(key):
     result = same("encode_key", key)
@@ -858,6 +879,8 @@ def test_no_references_leak():
 
     calls = [
         lambda: C.encode_key(1 << 200),
+        lambda: C.encode_key(-(1 << 200)),
+        lambda: catch(C.encode_key, -(1 << 70000)),
         lambda: C.encode_key("é" * 10),
         lambda: C.encode_key(bytearray(b"x")),
         lambda: catch(C.encode_key, bad_key),
