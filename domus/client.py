@@ -14,6 +14,7 @@ layout changed.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import (
     ItemsView,
     Iterable,
@@ -23,6 +24,7 @@ from collections.abc import (
     MutableMapping,
     ValuesView,
 )
+from operator import itemgetter
 from typing import Any
 
 from domus import address as addresses
@@ -57,6 +59,7 @@ _HEADER = wire.REPLY_HEADER_SIZE
 _keyed = codec.keyed
 _pack_value = codec.pack_value
 _unpack_value = codec.unpack_value
+_entry_key = itemgetter(0)
 
 
 def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Cluster:
@@ -355,6 +358,86 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         keys = list(self)
         for key in keys:
             self.delete(key)
+
+    # ------------------------------------------------------------ key ranges
+    def irange(self, lo: Any = None, hi: Any = None, *,
+               inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
+               items: bool = False) -> Iterator[Any]:
+        """An iterator over the keys from ``lo`` to ``hi`` (None: unbounded)
+        in key order, or over (key, value) pairs if ``items``; descending if
+        ``reverse``.  ``inclusive`` says whether each bound belongs to the
+        range.  Needs a DHT on an ordered platform (``domus-rbt``); on any
+        other the first ``next()`` raises RemoteError saying so.
+
+        Key order is the order of encoded keys: every int before every str
+        before every bytes; ints by value, str by code point, bytes bytewise.
+        Bounds are keys of any of the three kinds and need not be stored:
+        ``irange(b"")`` is every bytes key, ``irange("", b"", inclusive=(True,
+        False))`` every str key.
+
+        Each storage service walks its own buckets in order and sends a page
+        at a time; this merges the services' pages.  A page is asked for
+        only when the previous one from that service is used up, and the
+        first pages of all services are asked for at once.
+
+        Not a snapshot: while other clients write, every key present for the
+        whole iteration is yielded exactly once, and keys come strictly in
+        order (each service continues after the last key it sent); a key
+        written or deleted meanwhile may or may not be seen.  Argument errors
+        (a bound that is not a key) are raised here, at once."""
+        low = None if lo is None else codec.encode_key(lo)
+        high = None if hi is None else codec.encode_key(hi)
+        if not (isinstance(inclusive, tuple) and len(inclusive) == 2):
+            raise TypeError("irange(): inclusive must be a tuple of two bools, "
+                            "e.g. (True, False)")
+        query = wire.RangeQuery(self.id, low, high, bool(inclusive[0]), bool(inclusive[1]),
+                                bool(reverse), not items)
+        return self._irange(query, bool(items))
+
+    def _irange(self, query: wire.RangeQuery, items: bool) -> Iterator[Any]:
+        ids = self.cluster.ids
+        channels = self._range_channels()
+        first = exchange([(channel, wire.encode_range(ids.next(), ids.client_id, query))
+                          for channel in channels], self.name)
+        pages = [self._range_pages(channel, query, reply)
+                 for channel, reply in zip(channels, first)]
+        merged = heapq.merge(*pages, key=_entry_key, reverse=query.reverse)
+        if items:
+            for key, value in merged:
+                yield decode_key(key), _unpack_value(value, 0)
+        else:
+            for key, _value in merged:
+                yield decode_key(key)
+
+    def _range_channels(self) -> list[ServiceChannel]:
+        """Each service that stores at least one bucket of the DHT, once."""
+        channels: dict[ServiceChannel, None] = {}
+        for channel, entry in zip(self._storage_channels, self.descriptor["storage_services"]):
+            if entry["count"]:
+                channels[channel] = None
+        return list(channels)
+
+    def _range_pages(self, channel: ServiceChannel, query: wire.RangeQuery,
+                     reply: bytes) -> Iterator[tuple[bytes, bytes]]:
+        """One service's part of a range, as raw (key, value) entries in
+        range order, from its first reply on; each further page starts after
+        the last key of the one before."""
+        ids = self.cluster.ids
+        while True:
+            if reply[2] != _OK:
+                raise self._error(reply, channel, None)
+            entries, more = wire.decode_range_reply(reply)
+            yield from entries
+            if not more:
+                return
+            last = entries[-1][0]
+            if query.reverse:
+                query = query._replace(high=last, high_inclusive=False)
+            else:
+                query = query._replace(low=last, low_inclusive=False)
+            reply = channel.request(wire.encode_range(ids.next(), ids.client_id, query),
+                                    self.name)
+
 
 class _ScanItems(ItemsView):
     """items() in one scan, not one get per key."""

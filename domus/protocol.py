@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -40,12 +40,14 @@ OP_LENGTH = 0x07
 OP_SCAN = 0x08
 OP_PING = 0x09
 OP_STATS = 0x0A
+OP_RANGE = 0x0B
 OP_CONTROL = 0x20
 
 OP_NAMES = {
     OP_PUT: "put", OP_GET: "get", OP_DELETE: "delete", OP_CONTAINS: "contains",
     OP_PUT_MANY: "put_many", OP_GET_MANY: "get_many", OP_LENGTH: "length",
-    OP_SCAN: "scan", OP_PING: "ping", OP_STATS: "stats", OP_CONTROL: "control",
+    OP_SCAN: "scan", OP_PING: "ping", OP_STATS: "stats", OP_RANGE: "range",
+    OP_CONTROL: "control",
 }
 # Operations that change stored data: a service answers a retry of one of
 # these from its reply cache instead of applying it again.
@@ -63,6 +65,7 @@ ST_TOO_LARGE = 0x15
 ST_INACTIVE = 0x16
 ST_STORAGE_ERROR = 0x17
 ST_REPLY_TOO_LARGE = 0x18
+ST_UNSUPPORTED = 0x19
 ST_INTERNAL = 0x1F
 ST_CONTROL_ERROR = 0x20
 
@@ -72,6 +75,7 @@ STATUS_NAMES = {
     ST_UNKNOWN_DHT: "unknown DHT", ST_NOT_OWNER: "bucket not held here",
     ST_TOO_LARGE: "key or value too large", ST_INACTIVE: "DHT inactive",
     ST_STORAGE_ERROR: "storage error", ST_REPLY_TOO_LARGE: "reply too large for UDP",
+    ST_UNSUPPORTED: "not supported by the DHT's storage platform",
     ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
 }
 
@@ -95,11 +99,22 @@ DHT_ONLY = struct.Struct(">I")
 SCAN = struct.Struct(">IIII")        # dht id, bucket, scan id, offset
 SCAN_REPLY = struct.Struct(">IIH")   # scan id, next offset, entry count
 SCAN_ENTRY = struct.Struct(">HI")    # key length, value length
+RANGE = struct.Struct(">IBH")        # dht id, flags, max entries
+RANGE_REPLY = struct.Struct(">HB")   # entry count, more
 U8 = struct.Struct(">B")
 U16 = struct.Struct(">H")
 U16X2 = struct.Struct(">HH")
 U32 = struct.Struct(">I")
 U64 = struct.Struct(">Q")
+
+# RANGE request flags.
+RANGE_LOW = 0x01             # a low bound is given
+RANGE_HIGH = 0x02            # a high bound is given
+RANGE_LOW_INCLUSIVE = 0x04   # the low bound belongs to the range
+RANGE_HIGH_INCLUSIVE = 0x08  # the high bound belongs to the range
+RANGE_REVERSE = 0x10         # descending key order
+RANGE_KEYS_ONLY = 0x20       # entries carry no values
+RANGE_FLAGS = 0x3F           # every defined bit; the others must be 0
 
 REQUEST_HEADER_SIZE = REQUEST_HEADER.size
 REPLY_HEADER_SIZE = REPLY_HEADER.size
@@ -154,6 +169,37 @@ def encode_scan(request_id: int, client_id: int, dht_id: int, bucket: int,
                 scan_id: int, offset: int) -> bytes:
     return (request_header(OP_SCAN, request_id, client_id)
             + SCAN.pack(dht_id, bucket, scan_id, offset))
+
+
+class RangeQuery(NamedTuple):
+    """The body of a RANGE request.  ``low``/``high`` are encoded-key
+    bounds (None: unbounded); ``max_entries`` 0 means as many as fit."""
+
+    dht_id: int
+    low: bytes | None
+    high: bytes | None
+    low_inclusive: bool = True
+    high_inclusive: bool = True
+    reverse: bool = False
+    keys_only: bool = False
+    max_entries: int = 0
+
+
+def encode_range(request_id: int, client_id: int, query: RangeQuery) -> bytes:
+    """A RANGE request.  A bound that is given must not be empty."""
+    low = b"" if query.low is None else query.low
+    high = b"" if query.high is None else query.high
+    if (query.low is not None and not low) or (query.high is not None and not high):
+        raise ValueError("a range bound that is given must not be empty (use None)")
+    flags = ((RANGE_LOW if query.low is not None else 0)
+             | (RANGE_HIGH if query.high is not None else 0)
+             | (RANGE_LOW_INCLUSIVE if query.low_inclusive else 0)
+             | (RANGE_HIGH_INCLUSIVE if query.high_inclusive else 0)
+             | (RANGE_REVERSE if query.reverse else 0)
+             | (RANGE_KEYS_ONLY if query.keys_only else 0))
+    return (request_header(OP_RANGE, request_id, client_id)
+            + RANGE.pack(query.dht_id, flags, query.max_entries)
+            + U16.pack(len(low)) + low + U16.pack(len(high)) + high)
 
 
 def encode_control(request_id: int, client_id: int, body: dict[str, Any]) -> bytes:
@@ -283,6 +329,40 @@ def decode_scan(data: bytes) -> tuple[int, int, int, int]:
     return SCAN.unpack_from(data, REQUEST_HEADER_SIZE)
 
 
+def decode_range(data: bytes) -> RangeQuery:
+    """Body of RANGE.  Strict: unknown flag bits, a given bound that is
+    empty, a bound not given that carries bytes, a length past the end or
+    bytes after the high bound are all ProtocolError."""
+    size = len(data)
+    offset = REQUEST_HEADER_SIZE + RANGE.size
+    if size < offset:
+        raise ProtocolError("range request truncated before its flags and max entries")
+    dht_id, flags, max_entries = RANGE.unpack_from(data, REQUEST_HEADER_SIZE)
+    if flags & ~RANGE_FLAGS:
+        raise ProtocolError(f"range request has unknown flag bits 0x{flags & ~RANGE_FLAGS:02x}")
+    bounds = []
+    for name, given in (("low", flags & RANGE_LOW), ("high", flags & RANGE_HIGH)):
+        if offset + U16.size > size:
+            raise ProtocolError(f"range request truncated before its {name} bound's length")
+        (length,) = U16.unpack_from(data, offset)
+        offset += U16.size
+        if offset + length > size:
+            raise ProtocolError(f"range {name} bound of {length} bytes runs past the end of "
+                                f"a {size}-byte request")
+        if given and not length:
+            raise ProtocolError(f"range {name} bound is flagged as given but is empty")
+        if not given and length:
+            raise ProtocolError(f"range {name} bound is not flagged as given but carries "
+                                f"{length} bytes")
+        bounds.append(data[offset:offset + length] if given else None)
+        offset += length
+    if offset != size:
+        raise ProtocolError(f"range request has {size - offset} stray bytes after its bounds")
+    return RangeQuery(dht_id, bounds[0], bounds[1], bool(flags & RANGE_LOW_INCLUSIVE),
+                      bool(flags & RANGE_HIGH_INCLUSIVE), bool(flags & RANGE_REVERSE),
+                      bool(flags & RANGE_KEYS_ONLY), max_entries)
+
+
 def decode_control(data: bytes) -> dict[str, Any]:
     body = unpack(data[REQUEST_HEADER_SIZE:])
     if not isinstance(body, dict) or not isinstance(body.get("op"), str):
@@ -393,6 +473,54 @@ def decode_scan_reply(data: bytes) -> tuple[int, int, list[tuple[bytes, bytes]]]
     if offset != size:
         raise ProtocolError("scan reply has stray bytes")
     return scan_id, next_offset, entries
+
+
+RANGE_REPLY_OVERHEAD = REPLY_HEADER_SIZE + RANGE_REPLY.size
+
+
+def range_entry_size(key: bytes, value: bytes) -> int:
+    """What one entry adds to a RANGE reply."""
+    return SCAN_ENTRY.size + len(key) + len(value)
+
+
+def encode_range_reply(request_id: int, entries: Sequence[tuple[bytes, bytes]],
+                       more: bool) -> bytes:
+    """An OK RANGE reply: the entries in range order (a keys-only range
+    gives each an empty value); ``more``: the range goes on past them."""
+    parts = [reply(ST_OK, request_id), RANGE_REPLY.pack(len(entries), 1 if more else 0)]
+    for key, value in entries:
+        parts.append(SCAN_ENTRY.pack(len(key), len(value)))
+        parts.append(key)
+        parts.append(value)
+    return b"".join(parts)
+
+
+def decode_range_reply(data: bytes) -> tuple[list[tuple[bytes, bytes]], bool]:
+    """([(key, value), ...], more) of an OK RANGE reply."""
+    size = len(data)
+    offset = RANGE_REPLY_OVERHEAD
+    if size < offset:
+        raise ProtocolError("range reply truncated before its entry count")
+    count, more = RANGE_REPLY.unpack_from(data, REPLY_HEADER_SIZE)
+    if more > 1:
+        raise ProtocolError(f"range reply has a 'more' byte of {more}, not 0 or 1")
+    if more and not count:
+        raise ProtocolError("range reply says more entries follow but carries none")
+    entries = []
+    for _ in range(count):
+        if offset + SCAN_ENTRY.size > size:
+            raise ProtocolError(f"range reply truncated: {len(entries)} of {count} entries")
+        key_length, value_length = SCAN_ENTRY.unpack_from(data, offset)
+        offset += SCAN_ENTRY.size
+        key_end = offset + key_length
+        value_end = key_end + value_length
+        if value_end > size:
+            raise ProtocolError(f"range reply entry {len(entries)} runs past the end")
+        entries.append((data[offset:key_end], data[key_end:value_end]))
+        offset = value_end
+    if offset != size:
+        raise ProtocolError(f"range reply has {size - offset} stray bytes after its entries")
+    return entries, bool(more)
 
 
 # ---------------------------------------------------------------- msgpack

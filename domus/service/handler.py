@@ -21,6 +21,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections import OrderedDict
@@ -86,6 +87,7 @@ class RequestHandler:
             wire.OP_SCAN: self._scan,
             wire.OP_PING: self._ping,
             wire.OP_STATS: self._stats,
+            wire.OP_RANGE: self._range,
         }
         # What the C path serves from: the repositories of active DHTs only.
         self.fast_table: dict[int, dict[int, Repository]] = {}
@@ -314,6 +316,48 @@ class RequestHandler:
             self._scans.pop(scan_id, None)
             position = wire.SCAN_END
         return wire.encode_scan_reply(wire.U32.unpack(request_id)[0], scan_id, position, entries)
+
+    # ------------------------------------------------------------ key ranges
+    def _range(self, data: bytes, request_id: bytes, limit: int) -> bytes:
+        """One page of a key range: the records of every bucket of the DHT
+        stored here whose keys lie between the bounds, merged in key order
+        (descending if reversed), as many as fit ``limit`` and the request's
+        max entries.
+
+        Stateless: the whole page is read within this call (the trees'
+        iterators never see a change), and the client asks for the next page
+        with the page's last key as its new exclusive bound.  So each key
+        present for a whole iteration is returned exactly once and in order,
+        whatever else is written meanwhile; a key added or deleted meanwhile
+        is returned if the page that reaches its place sees it."""
+        query = wire.decode_range(data)
+        hosted = self._hosted(query.dht_id)
+        if not hosted.ordered():
+            raise RequestFailed(wire.ST_UNSUPPORTED,
+                                f"DHT {hosted.name!r} uses platform {hosted.platform}, which "
+                                f"keeps no key order; key ranges need domus-rbt")
+        inclusive = (query.low_inclusive, query.high_inclusive)
+        keys_only = query.keys_only
+        walks = [repo.key_range(query.low, query.high, inclusive=inclusive,
+                                reverse=query.reverse, items=not keys_only)
+                 for repo in hosted.repos.values()]
+        most = query.max_entries or wire.MAX_BATCH
+        entries: list[tuple[bytes, bytes]] = []
+        size = wire.RANGE_REPLY_OVERHEAD
+        more = False
+        for entry in heapq.merge(*walks, reverse=query.reverse):
+            key, value = (entry, b"") if keys_only else entry
+            entry_size = wire.range_entry_size(key, value)
+            if len(entries) == most or size + entry_size > limit:
+                if not entries:
+                    raise RequestFailed(wire.ST_REPLY_TOO_LARGE,
+                                        f"a record of {entry_size} bytes does not fit a "
+                                        f"datagram; ask for the range over TCP")
+                more = True
+                break
+            size += entry_size
+            entries.append((key, value))
+        return wire.encode_range_reply(wire.U32.unpack(request_id)[0], entries, more)
 
     def _expire_scans(self, now: float) -> None:
         while self._scans:

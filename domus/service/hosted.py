@@ -32,7 +32,9 @@ class HostedDht:
         for buckets now stored here, drop the ones no longer stored here."""
         self.descriptor = descriptor
         self.active = descriptor.get("state", "active") == "active"
-        _media, factory = PLATFORMS[descriptor["platform"]]
+        self.platform: str = descriptor["platform"]
+        _media, factory = PLATFORMS[self.platform]
+        self._platform_ordered = bool(getattr(factory, "ordered", False))
         stored = set(_buckets_for(descriptor["storage_services"], self.service_name))
         for bucket in sorted(stored - self.repos.keys()):
             self.repos[bucket] = factory()
@@ -58,6 +60,11 @@ class HostedDht:
         """AS: the service storing a bucket routed here; KeyError if the
         bucket is not routed here."""
         return self.storage_refs.owner(bucket)
+
+    def ordered(self) -> bool:
+        """Whether every repository here keeps its records in key order, so
+        that key ranges can be walked (the platform decides)."""
+        return self._platform_ordered and all(repo.ordered for repo in self.repos.values())
 
     def records(self) -> int:
         return sum(len(repo) for repo in self.repos.values())

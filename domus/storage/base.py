@@ -7,10 +7,15 @@ the opaque bytes of the protocol: a repository never decodes them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 
 class Repository(ABC):
     """The records of one bucket of one DHT."""
+
+    # True if the platform keeps records in the order of their key bytes and
+    # can walk a key range (``key_range``); RANGE requests need it.
+    ordered = False
 
     @abstractmethod
     def put(self, key: bytes, value: bytes) -> bool:
@@ -33,6 +38,17 @@ class Repository(ABC):
     @abstractmethod
     def key_snapshot(self) -> list[bytes]:
         """Every key at this moment, for a scan that may outlive changes."""
+
+    def key_range(self, low: bytes | None, high: bytes | None, *,
+                  inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
+                  items: bool = False) -> Iterator[bytes] | Iterator[tuple[bytes, bytes]]:
+        """Keys (or (key, value) pairs) from ``low`` to ``high`` (None:
+        unbounded) in bytewise key order, descending if ``reverse``;
+        ``inclusive`` says whether each bound belongs to the range.  Only
+        ordered platforms have it; the iterator must not outlive a change to
+        the repository."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no key order; "
+                                  f"it has no key ranges")
 
     def close(self) -> None:
         """Release what the repository holds (nothing, for RAM platforms)."""

@@ -75,6 +75,9 @@ class Garbage:
             return wire.encode_length(rid, cid, dht_id)
         if op == wire.OP_SCAN:
             return wire.encode_scan(rid, cid, dht_id, bucket, 0, 0)
+        if op == wire.OP_RANGE:
+            return wire.encode_range(rid, cid, wire.RangeQuery(dht_id, key, None,
+                                                               reverse=rng.random() < 0.5))
         if op == wire.OP_CONTROL:
             return wire.encode_control(rid, cid, {"op": "shutdown"})
         return wire.request_header(op, rid, cid)   # PING, STATS

@@ -451,7 +451,8 @@ def test_declines_of_every_kind_change_nothing(platform):
         wire.encode_scan(11, CLIENT_A, DHT_ID, 0, 0, 0),
         wire.request_header(wire.OP_PING, 12, CLIENT_A),
         wire.request_header(wire.OP_STATS, 13, CLIENT_A),
-        wire.request_header(0x0B, 14, CLIENT_A) + b"xx",
+        wire.request_header(0x0C, 14, CLIENT_A) + b"xx",
+        wire.encode_range(21, CLIENT_A, wire.RangeQuery(DHT_ID, None, None)),
         wire.encode_control(15, CLIENT_A, {"op": "stats"}),
         wire.encode_put_many(16, CLIENT_A, DHT_ID, [(0, b"\x03k", b"v")])[:-1],
         wire.encode_put_many(17, CLIENT_A, DHT_ID, [(0, b"\x03k", b"v")]) + b"\x00",
@@ -483,7 +484,7 @@ def test_a_malformed_cache_list_makes_c_decline_changes_but_not_reads():
 KEYS = [b"\x03a", b"\x03b", b"\x04\x00", b"\x01" + bytes(8), b"k" * 300]
 OPS = [wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS, wire.OP_PUT_MANY,
        wire.OP_GET_MANY, wire.OP_LENGTH, wire.OP_SCAN, wire.OP_PING, wire.OP_STATS,
-       wire.OP_CONTROL, 0x0B]
+       wire.OP_RANGE, wire.OP_CONTROL, 0x0C]
 keys = st.one_of(st.sampled_from(KEYS), st.binary(min_size=1, max_size=12))
 buckets = st.sampled_from([0, 1, 2, 3, 4, 7, 1 << 20, 0xFFFFFFFF])
 dht_ids = st.sampled_from([DHT_ID, DHT_ID, DHT_ID, DHT_ID, INACTIVE_ID, ODD_ID, UNKNOWN_ID])
@@ -512,6 +513,11 @@ def well_formed(draw):
         return wire.encode_length(request_id, client, dht)
     if op == wire.OP_SCAN:
         return wire.encode_scan(request_id, client, dht, draw(buckets), 0, 0)
+    if op == wire.OP_RANGE:
+        bound = st.one_of(st.none(), keys)
+        return wire.encode_range(request_id, client, wire.RangeQuery(
+            dht, draw(bound), draw(bound), draw(st.booleans()), draw(st.booleans()),
+            draw(st.booleans()), draw(st.booleans()), draw(st.sampled_from([0, 1, 2, 100]))))
     return wire.request_header(op, request_id, client) + draw(st.binary(max_size=8))
 
 
@@ -762,7 +768,7 @@ def test_serve_answers_over_real_sockets_and_falls_back_with_the_peer(family):
                     keyed(wire.OP_GET, b"\x03k", request_id=2),
                     keyed(wire.OP_GET, b"\x03none", request_id=3),
                     wire.encode_get_many(4, CLIENT_A, DHT_ID, [(0, b"\x03k"), (0, b"\x03k")]),
-                    wire.request_header(0x0B, 5, CLIENT_A),            # unknown op
+                    wire.request_header(0x0C, 5, CLIENT_A),            # unknown op
                     keyed(wire.OP_DELETE, b"\x03k", request_id=6)]
         for request in requests:
             client.send(request)

@@ -242,6 +242,7 @@ def test_scan_reply_round_trip(request_id, scan_id, next_offset, entries):
 @pytest.mark.parametrize("decode, data", [
     (wire.decode_get_many_reply, wire.encode_get_many_reply(1, [b"abc", None])),
     (wire.decode_scan_reply, wire.encode_scan_reply(1, 2, wire.SCAN_END, [(b"k", b"v")])),
+    (wire.decode_range_reply, wire.encode_range_reply(1, [(b"k", b"v"), (b"l", b"")], True)),
 ])
 def test_replies_reject_stray_bytes_and_truncation(decode, data):
     with pytest.raises(ProtocolError, match="stray"):
@@ -264,6 +265,10 @@ def valid_messages():
         st.builds(wire.encode_get_many, u32, u64, u32, st.lists(st.tuples(u32, key), max_size=6)),
         st.builds(wire.encode_length, u32, u64, u32),
         st.builds(wire.encode_scan, u32, u64, u32, u32, u32, u32),
+        st.builds(wire.encode_range, u32, u64,
+                  st.builds(wire.RangeQuery, u32, st.none() | key, st.none() | key,
+                            st.booleans(), st.booleans(), st.booleans(), st.booleans(),
+                            st.integers(0, 0xFFFF))),
         st.builds(wire.encode_control, u32, u64, control_body),
         st.builds(wire.request_header, st.sampled_from([wire.OP_PING, wire.OP_STATS]), u32, u64),
         st.builds(wire.reply, st.sampled_from(sorted(wire.STATUS_NAMES)), u32,
@@ -271,6 +276,9 @@ def valid_messages():
         st.builds(wire.encode_get_many_reply, u32, st.lists(st.none() | value, max_size=6)),
         st.builds(wire.encode_scan_reply, u32, u32, u32,
                   st.lists(st.tuples(key, value), max_size=6)),
+        st.builds(lambda request_id, entries: wire.encode_range_reply(
+            request_id, entries, bool(entries)), u32,
+            st.lists(st.tuples(key, value), max_size=6)),
     )
 
 
@@ -307,8 +315,9 @@ def mutated_messages(draw):
 
 DECODERS = [
     wire.decode_request_header, wire.decode_keyed, wire.decode_put, wire.decode_put_many,
-    wire.decode_get_many, wire.decode_length, wire.decode_scan, wire.decode_control,
-    wire.decode_reply_header, wire.decode_get_many_reply, wire.decode_scan_reply, wire.unpack,
+    wire.decode_get_many, wire.decode_length, wire.decode_scan, wire.decode_range,
+    wire.decode_control, wire.decode_reply_header, wire.decode_get_many_reply,
+    wire.decode_scan_reply, wire.decode_range_reply, wire.unpack,
 ]
 
 
