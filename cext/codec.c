@@ -16,6 +16,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -2155,6 +2156,9 @@ codec_get_many_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 enum { IO_REPLY, IO_TIMEOUT, IO_INTERRUPTED, IO_ERROR };
 
+/* The longest spin roundtrip() accepts. */
+#define MAX_SPIN_SECONDS 0.01
+
 /* Received datagrams land here; one buffer per thread, since the GIL is
  * released while a round trip waits. */
 static _Thread_local unsigned char recv_buffer[RECV_BUFFER_SIZE];
@@ -2180,6 +2184,45 @@ poll_timeout(double deadline)
     return milliseconds > 3600e3 ? 3600 * 1000 : (int)milliseconds;
 }
 
+/* Right after sending, poll the socket for the reply for up to `spin`
+ * seconds (never past the deadline), yielding the CPU between polls, before
+ * the caller goes to sleep in poll().  A reply that comes back within the
+ * spin then costs neither this process a sleep and a wake-up nor the
+ * service the work of waking it, which on virtual machines is a large part
+ * of a round trip (see docs/architecture.md, "Waiting for a reply").
+ * IO_REPLY, IO_INTERRUPTED, IO_ERROR, or IO_TIMEOUT when the spin ran out
+ * (stale replies read meanwhile are skipped, as in roundtrip_io). */
+static int
+spin_for_reply(int fd, const unsigned char *message, double deadline, double spin,
+               ssize_t *received, int *error)
+{
+    double until = monotonic_seconds() + spin;
+    if (until > deadline) {
+        until = deadline;
+    }
+    do {
+        ssize_t length = recv(fd, recv_buffer, RECV_BUFFER_SIZE, MSG_DONTWAIT);
+        if (length >= 0) {
+            if (length >= REPLY_HEADER_SIZE
+                && memcmp(recv_buffer + REQUEST_ID_OFFSET,
+                          message + REQUEST_ID_OFFSET, 4) == 0) {
+                *received = length;
+                return IO_REPLY;
+            }
+            continue;   /* a stale reply: look again at once */
+        }
+        if (errno == EINTR) {
+            return IO_INTERRUPTED;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            *error = errno;
+            return IO_ERROR;
+        }
+        sched_yield();
+    } while (monotonic_seconds() < until);
+    return IO_TIMEOUT;
+}
+
 /* Send the message (unless *sent) and receive datagrams until one carries
  * its request id (bytes 4..8; shorter ones and other ids are stale replies
  * to earlier requests, skipped) or the deadline passes.  Runs without the
@@ -2188,14 +2231,23 @@ poll_timeout(double deadline)
  * calls again) or IO_ERROR (*error set). */
 static int
 roundtrip_io(int fd, const unsigned char *message, size_t size, double deadline,
-             int *sent, ssize_t *received, int *error)
+             double spin, int *sent, ssize_t *received, int *error)
 {
     for (;;) {
         if (!*sent) {
             ssize_t written = send(fd, message, size, MSG_DONTWAIT);
             if (written >= 0) {
                 *sent = 1;
-                continue;
+                if (spin > 0) {
+                    int outcome = spin_for_reply(fd, message, deadline, spin, received, error);
+                    if (outcome != IO_TIMEOUT) {
+                        return outcome;
+                    }
+                    continue;   /* no reply yet: go and sleep for it */
+                }
+                /* The reply cannot be there yet: wait for it rather than
+                 * spend a recv on finding the socket empty. */
+                goto wait;
             }
             if (errno == EINTR) {
                 return IO_INTERRUPTED;
@@ -2229,6 +2281,7 @@ roundtrip_io(int fd, const unsigned char *message, size_t size, double deadline,
                 }
             }
         }
+    wait:;
         struct pollfd waiting = {fd, *sent ? POLLIN : POLLOUT, 0};
         int ready = poll(&waiting, 1, poll_timeout(deadline));
         if (ready < 0) {
@@ -2245,17 +2298,31 @@ roundtrip_io(int fd, const unsigned char *message, size_t size, double deadline,
 }
 
 PyDoc_STRVAR(roundtrip_doc,
-"roundtrip(fd, message, timeout, /)\n--\n\n"
+"roundtrip(fd, message, timeout, spin=0.0, /)\n--\n\n"
 "Send message on the connected UDP socket fd and wait up to timeout\n"
 "seconds (the GIL released) for the reply with its request id, skipping\n"
-"stale replies.  The reply, or None on timeout; OSError (e.g.\n"
-"ConnectionRefusedError) if the socket reports one.");
+"stale replies.  For the first spin seconds (at most 0.01) it polls the\n"
+"socket, yielding the CPU between polls, before it sleeps.  The reply, or\n"
+"None on timeout; OSError (e.g. ConnectionRefusedError) if the socket\n"
+"reports one.");
 
 static PyObject *
 codec_roundtrip(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("roundtrip", nargs, 3) < 0) {
+    if (nargs != 3 && nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "roundtrip() takes 3 or 4 arguments (%zd given)", nargs);
         return NULL;
+    }
+    double spin = 0.0;
+    if (nargs == 4) {
+        spin = PyFloat_AsDouble(args[3]);
+        if (spin == -1.0 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (!(spin >= 0.0) || spin > MAX_SPIN_SECONDS) {
+            PyErr_SetString(PyExc_ValueError, "spin must be in [0, 0.01] seconds");
+            return NULL;
+        }
     }
     uint64_t fd;
     if (unsigned_arg(args[0], INT_MAX, "fd", &fd) < 0 || bytes_arg(args[1], "message") < 0) {
@@ -2282,7 +2349,8 @@ codec_roundtrip(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         ssize_t received = 0;
         int error = 0, outcome;
         Py_BEGIN_ALLOW_THREADS
-        outcome = roundtrip_io((int)fd, data, size, deadline, &sent, &received, &error);
+        outcome = roundtrip_io((int)fd, data, size, deadline, sent ? 0.0 : spin, &sent,
+                               &received, &error);
         Py_END_ALLOW_THREADS
         switch (outcome) {
         case IO_REPLY:

@@ -12,8 +12,9 @@ reply of its first try was forgotten.  A connected UDP socket also learns at
 once (ECONNREFUSED) when nothing listens on the service's port.
 
 When the C codec is built, a request's first try is ``domus.codec.roundtrip``
-(send, poll, recv without the GIL); if it times out or is refused, the
-Python loop below carries on from there under the same rule.
+(send, spin briefly for the reply, then poll and recv; without the GIL); if
+it times out or is refused, the Python loop below carries on from there
+under the same rule.
 """
 
 from __future__ import annotations
@@ -48,6 +49,28 @@ READ_ONLY_CONTROL = frozenset({"ping", "open_dht", "dht_info", "list_dhts", "ser
 WINDOW = 4              # datagrams in flight per service in a pipelined batch
 RECV_BUFFER = 4 * 1024 * 1024
 _roundtrip = codec.roundtrip   # None without the C codec
+DEFAULT_SPIN_US = 30.0
+
+
+def spin_from_environment(environ: Any = os.environ) -> float:
+    """Seconds the C round trip polls for a reply before it sleeps:
+    ``DOMUS_CLIENT_SPIN_US`` microseconds (default 30; 0 sleeps at once;
+    at most 10000).  See docs/architecture.md, "Waiting for a reply"."""
+    text = environ.get("DOMUS_CLIENT_SPIN_US", "")
+    if not text.strip():
+        return DEFAULT_SPIN_US / 1e6
+    try:
+        microseconds = float(text)
+    except ValueError:
+        raise ValueError(f"DOMUS_CLIENT_SPIN_US must be a number of microseconds in "
+                         f"[0, 10000], not {text!r}") from None
+    if not 0 <= microseconds <= 10_000:
+        raise ValueError(f"DOMUS_CLIENT_SPIN_US must be a number of microseconds in "
+                         f"[0, 10000], not {text!r}")
+    return microseconds / 1e6
+
+
+SPIN = spin_from_environment()
 _TIMED_OUT = "timed out"       # how a first try made in C ended
 _REFUSED = "refused"
 
@@ -233,7 +256,7 @@ class ServiceChannel:
             return self._request_udp(message, dht, bucket, None)
         # The first try in C: send, poll, recv, without the GIL.
         try:
-            reply = _roundtrip(self._fd, message, self.first_timeout)
+            reply = _roundtrip(self._fd, message, self.first_timeout, SPIN)
         except ConnectionRefusedError:
             return self._request_udp(message, dht, bucket, _REFUSED)
         if reply is None:

@@ -733,46 +733,64 @@ def answer(service, replies_for):
     return thread
 
 
-def test_roundtrip_returns_the_reply():
+# Every round trip behaves the same whether it sleeps at once (no spin
+# argument, or 0) or first spins for the reply (what clients do by default).
+SPINS = [None, 0.0, 0.002, 0.01]
+
+
+def roundtrip(fd, message, timeout, spin):
+    if spin is None:
+        return C.roundtrip(fd, message, timeout)
+    return C.roundtrip(fd, message, timeout, spin)
+
+
+@pytest.mark.parametrize("spin", SPINS)
+def test_roundtrip_returns_the_reply(spin):
     service, client = udp_pair()
     with service, client:
         thread = answer(service, lambda data: [wire.reply(wire.ST_OK, 7, b"value")])
-        reply = C.roundtrip(client.fileno(), request(7), 2.0)
+        reply = roundtrip(client.fileno(), request(7), 2.0, spin)
         thread.join(5)
         assert reply == wire.reply(wire.ST_OK, 7, b"value")
 
 
-def test_roundtrip_skips_stale_replies():
+@pytest.mark.parametrize("spin", SPINS)
+def test_roundtrip_skips_stale_replies(spin):
     service, client = udp_pair()
     with service, client:
         thread = answer(service, lambda data: [b"\xd1\x01\x00", wire.reply(wire.ST_OK, 6),
                                                wire.reply(wire.ST_OK, 8, b"right")])
-        reply = C.roundtrip(client.fileno(), request(8), 2.0)
+        reply = roundtrip(client.fileno(), request(8), 2.0, spin)
         thread.join(5)
         assert reply == wire.reply(wire.ST_OK, 8, b"right")
 
 
-def test_roundtrip_times_out_with_none():
+@pytest.mark.parametrize("spin", SPINS)
+def test_roundtrip_times_out_with_none(spin):
     service, client = udp_pair()
     with service, client:
         started = time.monotonic()
-        assert C.roundtrip(client.fileno(), request(9), 0.1) is None
+        assert roundtrip(client.fileno(), request(9), 0.1, spin) is None
         assert 0.1 <= time.monotonic() - started < 1.0
         assert service.recv(100) == request(9)  # it was sent
-        assert C.roundtrip(client.fileno(), request(10), 0) is None
+        started = time.monotonic()
+        assert roundtrip(client.fileno(), request(10), 0, spin) is None
+        assert time.monotonic() - started < 0.5      # a spin never outlasts the timeout
 
 
-def test_roundtrip_times_out_even_under_a_stream_of_stale_replies():
+@pytest.mark.parametrize("spin", SPINS)
+def test_roundtrip_times_out_even_under_a_stream_of_stale_replies(spin):
     service, client = udp_pair()
     with service, client:
         thread = answer(service, lambda data: [wire.reply(wire.ST_OK, 1)] * 200)
         started = time.monotonic()
-        assert C.roundtrip(client.fileno(), request(2), 0.2) is None
+        assert roundtrip(client.fileno(), request(2), 0.2, spin) is None
         thread.join(5)
         assert time.monotonic() - started < 2.0
 
 
-def test_roundtrip_to_nothing_listening_is_refused():
+@pytest.mark.parametrize("spin", SPINS)
+def test_roundtrip_to_nothing_listening_is_refused(spin):
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     probe.bind(("127.0.0.1", 0))
     address = probe.getsockname()
@@ -781,7 +799,22 @@ def test_roundtrip_to_nothing_listening_is_refused():
     with client:
         client.connect(address)
         with pytest.raises(ConnectionRefusedError):
-            C.roundtrip(client.fileno(), request(1), 2.0)
+            roundtrip(client.fileno(), request(1), 2.0, spin)
+
+
+def test_roundtrip_spin_must_be_a_short_time():
+    service, client = udp_pair()
+    with service, client:
+        for bad in (-0.001, 0.0101, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="spin must be in"):
+                C.roundtrip(client.fileno(), request(1), 1.0, bad)
+        with pytest.raises(TypeError):
+            C.roundtrip(client.fileno(), request(1), 1.0, "fast")
+        with pytest.raises(TypeError):
+            C.roundtrip(client.fileno(), request(1), 1.0, 0.0, "extra")
+        service.settimeout(0.05)
+        with pytest.raises(OSError):
+            service.recv(100)                          # nothing was sent
 
 
 def test_roundtrip_argument_errors():

@@ -150,3 +150,19 @@ def test_nothing_listening_is_refused_three_times(first_try):
         assert time.monotonic() - started < 2.0  # 3 refusals, not the deadline
     finally:
         channel.close()
+
+
+# ------------------------------------------------------------ the spin
+
+def test_the_spin_comes_from_the_environment_in_microseconds():
+    assert transport.spin_from_environment({}) == transport.DEFAULT_SPIN_US / 1e6
+    assert transport.spin_from_environment({"DOMUS_CLIENT_SPIN_US": " "}) == 30e-6
+    assert transport.spin_from_environment({"DOMUS_CLIENT_SPIN_US": "0"}) == 0.0
+    assert transport.spin_from_environment({"DOMUS_CLIENT_SPIN_US": "250"}) == 250e-6
+    assert transport.spin_from_environment({"DOMUS_CLIENT_SPIN_US": "10000"}) == 0.01
+
+
+@pytest.mark.parametrize("text", ["-1", "10001", "fast", "nan", "1e9"])
+def test_a_bad_spin_setting_is_refused_naming_the_variable(text):
+    with pytest.raises(ValueError, match="DOMUS_CLIENT_SPIN_US must be a number"):
+        transport.spin_from_environment({"DOMUS_CLIENT_SPIN_US": text})
