@@ -21,7 +21,7 @@ from domus import address as addresses
 from domus.control import ControlError, MessageProtocol, RemoteControlError
 from domus.resources import LoadSampler, base_resources
 from domus.service.handler import RequestHandler
-from domus.service.udp import SOCKET_BUFFER, UdpServer, enlarge_buffers  # noqa: F401
+from domus.service.udp import UdpServer
 
 log = Logger(namespace="domus.service")
 
