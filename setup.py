@@ -44,6 +44,7 @@ setup(
         "msgpack>=1.0",
         "xxhash>=3.0",
         "psutil>=5.9",
+        "berkeleydb>=18.1",   # needs libdb-dev (make installs it)
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "redis>=5",

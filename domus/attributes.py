@@ -84,7 +84,7 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
                                    f"version; use one of {sorted(PLATFORMS)}")
         raise InvalidAttribute(f"storage platform {platform!r} is unknown; choose one of "
                                f"{sorted(PLATFORMS)}")
-    media, _factory = PLATFORMS[platform]
+    media = PLATFORMS[platform].media
     if medium not in media:
         raise InvalidAttribute(f"platform {platform!r} cannot store on {medium!r}; it supports "
                                f"{sorted(media)}")

@@ -63,8 +63,10 @@ class RequestFailed(Exception):
 
 class RequestHandler:
     def __init__(self, service_name: str, reply_cache: ReplyCache | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 data_dir: str | None = None) -> None:
         self.service_name = service_name
+        self.data_dir = data_dir      # where disk DHTs keep their files
         self.dhts: dict[int, HostedDht] = {}
         # (An empty cache is falsy: it has a length.)
         self.reply_cache = reply_cache if reply_cache is not None else ReplyCache(clock=clock)
@@ -335,7 +337,8 @@ class RequestHandler:
         if not hosted.ordered():
             raise RequestFailed(wire.ST_UNSUPPORTED,
                                 f"DHT {hosted.name!r} uses platform {hosted.platform}, which "
-                                f"keeps no key order; key ranges need domus-rbt")
+                                f"keeps no key order; key ranges need domus-rbt or "
+                                f"domus-bsddb-btree")
         inclusive = (query.low_inclusive, query.high_inclusive)
         keys_only = query.keys_only
         walks = [repo.key_range(query.low, query.high, inclusive=inclusive,
@@ -402,7 +405,7 @@ class RequestHandler:
         dht_id = descriptor["id"]
         hosted = self.dhts.get(dht_id)
         if hosted is None:
-            self.dhts[dht_id] = HostedDht(descriptor, self.service_name)
+            self.dhts[dht_id] = HostedDht(descriptor, self.service_name, self.data_dir)
             log.info("service {service}: now hosting DHT {dht!r} (id {id})",
                      service=self.service_name, dht=descriptor["name"], id=dht_id)
         else:
@@ -425,8 +428,20 @@ class RequestHandler:
             return False
         log.info("service {service}: dropping DHT {dht!r} ({records} records)",
                  service=self.service_name, dht=hosted.name, records=hosted.records())
-        hosted.close()
+        hosted.destroy()
         return True
+
+    def flush(self) -> None:
+        """Write what the DHTs hosted here have buffered to their media."""
+        for hosted in self.dhts.values():
+            hosted.flush()
+
+    def close(self) -> None:
+        """Close every DHT, keeping what its medium holds (the service stops)."""
+        for dht_id in list(self.dhts):
+            hosted = self.dhts.pop(dht_id)
+            self._update_fast_table(dht_id)
+            hosted.close()
 
     def sync(self, descriptors: list[dict[str, Any]]) -> None:
         """Make the hosted DHTs exactly those the supervisor lists."""

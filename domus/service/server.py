@@ -26,6 +26,7 @@ from domus.service.udp import UdpServer
 log = Logger(namespace="domus.service")
 
 HEARTBEAT_INTERVAL = 1.0
+FLUSH_INTERVAL = 1.0
 RECONNECT_MAX_DELAY = 2.0
 
 
@@ -41,7 +42,7 @@ class DomusService(Service):
         os.makedirs(data_dir, exist_ok=True)
         self.heartbeat_interval = heartbeat
         self.resources = base_resources(data_dir, **(resources or {}))
-        self.handler = RequestHandler(self.service_name)
+        self.handler = RequestHandler(self.service_name, data_dir=data_dir)
         self.sampler = LoadSampler()
         self.started = time.time()
         self.link: MessageProtocol | None = None
@@ -83,7 +84,11 @@ class DomusService(Service):
         expire.start(1.0, now=False)
         heartbeat = task.LoopingCall(self._heartbeat)
         heartbeat.start(self.heartbeat_interval, now=False)
-        self._timers += [expire, heartbeat]
+        # Disk DHTs without sync durability are flushed on this interval and
+        # when the service stops.
+        flush = task.LoopingCall(self._flush)
+        flush.start(FLUSH_INTERVAL, now=False)
+        self._timers += [expire, heartbeat, flush]
         self._connect_supervisor()
 
     def stopService(self) -> defer.Deferred:
@@ -98,9 +103,16 @@ class DomusService(Service):
         if self.udp is not None:
             self.udp.stop()
         stops = [defer.maybeDeferred(port.stopListening) for port in self._ports]
+        self.handler.close()      # flushes and closes every store; disk files stay
         log.info("service {name} stopping", name=self.service_name)
         super().stopService()
         return defer.DeferredList(stops)
+
+    def _flush(self) -> None:
+        try:
+            self.handler.flush()
+        except Exception:
+            log.failure("service {name}: flushing the disk DHTs failed", name=self.service_name)
 
     # -------------------------------------------------------------- supervisor link
     def _connect_supervisor(self) -> None:

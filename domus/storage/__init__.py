@@ -1,22 +1,51 @@
-"""Storage technologies: a medium (``ram`` or ``disk``) and a platform."""
+"""Storage technologies: a medium (``ram`` or ``disk``) and a platform.
+
+``PLATFORMS`` maps a platform's name to a ``Platform``: the media it can
+store on, whether it keeps records in key order, and how to open the store
+of one DHT on one service (``open_store(medium, home)``; ``home`` is a
+directory of the DHT's own under the service's data dir, used by disk
+media).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
-from domus.storage.base import Repository
+from domus.storage.base import RamStore, Repository, Store
 from domus.storage.pydict import DictRepository
 from domus.storage.rbt import RBTreeRepository
 
-# platform -> (media it supports, factory of one bucket's repository)
-PLATFORMS: dict[str, tuple[frozenset[str], Callable[[], Repository]]] = {
-    "python-dict": (frozenset({"ram"}), DictRepository),
-    "domus-rbt": (frozenset({"ram"}), RBTreeRepository),
+
+@dataclass(frozen=True)
+class Platform:
+    media: frozenset[str]
+    ordered: bool
+    open_store: Callable[[str, str | None], Store]
+
+
+def _ram_store(factory: Callable[[], Repository], _medium: str, _home: str | None) -> Store:
+    return RamStore(factory)
+
+
+def _berkeley_store(method: str, medium: str, home: str | None) -> Store:
+    from domus.storage.bsddb import BerkeleyStore  # imports Berkeley DB only when used
+
+    return BerkeleyStore(method, medium, home)
+
+
+BOTH = frozenset({"ram", "disk"})
+PLATFORMS: dict[str, Platform] = {
+    "python-dict": Platform(frozenset({"ram"}), False, partial(_ram_store, DictRepository)),
+    "domus-rbt": Platform(frozenset({"ram"}), True, partial(_ram_store, RBTreeRepository)),
+    "domus-bsddb-btree": Platform(BOTH, True, partial(_berkeley_store, "btree")),
+    "domus-bsddb-hash": Platform(BOTH, False, partial(_berkeley_store, "hash")),
 }
-MEDIA = frozenset({"ram", "disk"})
+MEDIA = BOTH
 # Platforms the design names that later work adds; asking for one gets a
 # message that says so rather than "unknown platform".
-PLANNED_PLATFORMS = frozenset({"domus-bsddb-btree", "domus-bsddb-hash"})
+PLANNED_PLATFORMS: frozenset[str] = frozenset()
 
-__all__ = ["PLATFORMS", "MEDIA", "PLANNED_PLATFORMS", "Repository", "DictRepository",
-           "RBTreeRepository"]
+__all__ = ["PLATFORMS", "MEDIA", "PLANNED_PLATFORMS", "Platform", "Repository", "Store",
+           "RamStore", "DictRepository", "RBTreeRepository"]

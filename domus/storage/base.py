@@ -7,7 +7,7 @@ the opaque bytes of the protocol: a repository never decodes them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 class Repository(ABC):
@@ -52,3 +52,52 @@ class Repository(ABC):
 
     def close(self) -> None:
         """Release what the repository holds (nothing, for RAM platforms)."""
+
+
+class Store(ABC):
+    """The repositories of one DHT on one service: opens a bucket's
+    repository, removes one (with its data), flushes and closes them all."""
+
+    @abstractmethod
+    def open(self, bucket: int) -> Repository:
+        """The repository of ``bucket``, with whatever the medium kept of it."""
+
+    @abstractmethod
+    def remove(self, bucket: int) -> None:
+        """Close ``bucket``'s repository and delete its data."""
+
+    def flush(self) -> None:
+        """Write what is buffered to the medium (nothing, for RAM platforms)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close every repository, keeping what the medium holds."""
+
+    def destroy(self) -> None:
+        """Close every repository and delete everything the store holds."""
+        self.close()
+
+
+class RamStore(Store):
+    """Repositories that are Python objects in the service's memory: a
+    factory's instances, one per bucket."""
+
+    def __init__(self, factory: Callable[[], Repository]) -> None:
+        self._factory = factory
+        self._repos: dict[int, Repository] = {}
+
+    def open(self, bucket: int) -> Repository:
+        if bucket in self._repos:
+            raise ValueError(f"bucket {bucket} is already open in this store")
+        repo = self._repos[bucket] = self._factory()
+        return repo
+
+    def remove(self, bucket: int) -> None:
+        repo = self._repos.pop(bucket, None)
+        if repo is not None:
+            repo.close()
+
+    def close(self) -> None:
+        for repo in self._repos.values():
+            repo.close()
+        self._repos.clear()

@@ -135,11 +135,21 @@ def test_domus_rbt_is_a_ram_platform():
         check_request("words", {"platform": "domus-rbt", "storage": "disk"})
 
 
-@pytest.mark.parametrize("platform", ["domus-bsddb-btree", "domus-bsddb-hash"])
-def test_planned_platforms_say_they_are_not_available_yet(platform):
-    with pytest.raises(InvalidAttribute, match="not available in this version") as raised:
-        check_request("words", {"platform": platform})
-    assert repr(platform) in str(raised.value)
+@pytest.mark.parametrize("platform, medium, possible", [
+    ("python-dict", "ram", True), ("python-dict", "disk", False),
+    ("domus-rbt", "ram", True), ("domus-rbt", "disk", False),
+    ("domus-bsddb-btree", "ram", True), ("domus-bsddb-btree", "disk", True),
+    ("domus-bsddb-hash", "ram", True), ("domus-bsddb-hash", "disk", True),
+])
+def test_every_platform_and_medium_is_accepted_or_refused_clearly(platform, medium, possible):
+    attributes = {"platform": platform, "storage": medium}
+    if possible:
+        checked = check_request("words", attributes)
+        assert (checked["platform"], checked["storage"]) == (platform, medium)
+        return
+    with pytest.raises(InvalidAttribute, match=f"{platform!r} cannot store on {medium!r}; "
+                                               f"it supports \\['ram'\\]"):
+        check_request("words", attributes)
 
 
 @pytest.mark.parametrize("lookup", ["D,C,R", "C,R", "R", "d, c, r", "c,r"])

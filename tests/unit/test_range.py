@@ -400,7 +400,7 @@ def test_a_range_on_an_unordered_platform_says_why_and_what_to_use():
     status, message = range_page(handler, RangeQuery(DHT_ID, None, None))
     assert status == wire.ST_UNSUPPORTED
     assert message.decode() == ("DHT 't' uses platform python-dict, which keeps no key order; "
-                                "key ranges need domus-rbt")
+                                "key ranges need domus-rbt or domus-bsddb-btree")
     assert handler.counters["errors"] == 1
     assert wire.STATUS_NAMES[wire.ST_UNSUPPORTED]
 
