@@ -82,12 +82,14 @@ def range_requests(cluster: domus.Cluster) -> dict[str, int]:
             for name, address in service_addresses(cluster).items()}
 
 
-@pytest.fixture
-def ordered(cluster):
-    """A domus-rbt DHT over the three services with 4000 mixed keys (values
+@pytest.fixture(params=[("domus-rbt", "ram"), ("domus-bsddb-btree", "disk")],
+                ids=["domus-rbt", "domus-bsddb-btree-disk"])
+def ordered(cluster, request):
+    """An ordered DHT over the three services with 4000 mixed keys (values
     of ~70 bytes: each service's part takes more than one datagram), and its
     model."""
-    dht = cluster.create_dht("ordered", platform="domus-rbt")
+    platform, medium = request.param
+    dht = cluster.create_dht("ordered", platform=platform, storage=medium)
     assert len(dht.descriptor["storage_services"]) == 3
     rng = random.Random(SEED)
     model = {key: [f"value of {key!r}"[:30], rng.randint(0, 99), "v" * rng.randint(20, 50)]

@@ -21,6 +21,7 @@ from domus import protocol as wire
 from domus.bucketmap import BucketMap
 from domus.errors import KeyTooLarge, KeyTypeError, ValueTooLarge, ValueTypeError
 from domus.lookup import DENSE_TABLE_LIMIT
+from domus.storage import PLATFORMS
 
 from .support import first_difference, same_value
 
@@ -221,11 +222,16 @@ class Workload:
                    self.model.setdefault(key, value))
 
 
+TECHNOLOGIES = [(platform, medium) for platform, spec in sorted(PLATFORMS.items())
+                for medium in sorted(spec.media)]
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("platform", ["python-dict", "domus-rbt"])
-def test_random_workload_matches_a_dict(cluster, platform):
-    dht = cluster.create_dht("workload", platform=platform)
-    assert dht.descriptor["platform"] == platform
+@pytest.mark.parametrize("platform, medium", TECHNOLOGIES,
+                         ids=[f"{platform}-{medium}" for platform, medium in TECHNOLOGIES])
+def test_random_workload_matches_a_dict(cluster, platform, medium):
+    dht = cluster.create_dht("workload", platform=platform, storage=medium)
+    assert (dht.descriptor["platform"], dht.descriptor["storage"]) == (platform, medium)
     workload = Workload(dht, SEED)
     started = time.monotonic()
     workload.run(20_000, whole_every=2_500)
