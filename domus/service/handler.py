@@ -35,7 +35,7 @@ from domus import protocol as wire
 from domus.errors import ProtocolError
 from domus.service.hosted import HostedDht
 from domus.service.replycache import ReplyCache
-from domus.storage import Repository
+from domus.storage import Repository, StorageFault
 
 log = Logger(namespace="domus.service")
 
@@ -74,7 +74,7 @@ class RequestHandler:
         self._requests = 0
         self.by_op = [0] * 256
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
-                                         "internal_errors": 0}
+                                         "internal_errors": 0, "storage_errors": 0}
         # scan id -> (expiry, dht id, bucket, key snapshot)
         self._scans: OrderedDict[int, tuple[float, int, int, list[bytes]]] = OrderedDict()
         self._scan_ids = itertools.count(1)
@@ -137,6 +137,11 @@ class RequestHandler:
         except RequestFailed as exc:
             self.counters["errors"] += 1
             answer = self._error(exc.status, request_id, exc.message)
+        except StorageFault as exc:
+            self.counters["storage_errors"] += 1
+            log.error("service {service}: {op} failed: {problem}", service=self.service_name,
+                      op=wire.OP_NAMES.get(op, op), problem=str(exc))
+            answer = self._error(wire.ST_STORAGE_ERROR, request_id, str(exc))
         except Exception as exc:  # a bug: report it, keep serving
             self.counters["internal_errors"] += 1
             log.failure("service {service}: internal error in {op}", service=self.service_name,
@@ -434,7 +439,12 @@ class RequestHandler:
     def flush(self) -> None:
         """Write what the DHTs hosted here have buffered to their media."""
         for hosted in self.dhts.values():
-            hosted.flush()
+            try:
+                hosted.flush()
+            except StorageFault as exc:
+                self.counters["storage_errors"] += 1
+                log.error("service {service}: flushing to disk failed: {problem}",
+                          service=self.service_name, problem=str(exc))
 
     def close(self) -> None:
         """Close every DHT, keeping what its medium holds (the service stops)."""

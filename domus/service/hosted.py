@@ -10,7 +10,7 @@ from twisted.logger import Logger
 
 from domus import assignment
 from domus.bucketmap import BucketMap
-from domus.storage import PLATFORMS, Repository, Store
+from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store
 
 log = Logger(namespace="domus.service")
 
@@ -37,7 +37,8 @@ class HostedDht:
                              f"data dir")
         self._platform_ordered = platform.ordered
         self.store: Store = platform.open_store(
-            self.medium, dht_home(data_dir, self.id) if data_dir is not None else None)
+            self.medium, dht_home(data_dir, self.id) if data_dir is not None else None,
+            f"DHT {self.name!r}")
         self.repos: dict[int, Repository] = {}
         # AS: the buckets routed here, and for each the name of the service
         # storing it (a floor map over ranges; see domus.bucketmap).
@@ -53,13 +54,21 @@ class HostedDht:
         self.active = descriptor.get("state", "active") == "active"
         stored = set(_buckets_for(descriptor["storage_services"], self.service_name))
         for bucket in sorted(stored - self.repos.keys()):
-            self.repos[bucket] = self.store.open(bucket)
+            try:
+                self.repos[bucket] = self.store.open(bucket)
+            except StorageFault as exc:
+                # This bucket answers STORAGE_ERROR; the others serve on.
+                log.error("service {service}: {problem}", service=self.service_name,
+                          problem=str(exc))
+                self.repos[bucket] = FailedRepository(str(exc))
         for bucket in sorted(self.repos.keys() - stored):
             dropped = self.repos.pop(bucket)
             log.warn("service {service}: DHT {dht!r} bucket {bucket} is no longer "
                      "stored here; dropping its {records} records",
                      service=self.service_name, dht=self.name, bucket=bucket,
                      records=len(dropped))
+            if isinstance(dropped, FailedRepository):
+                continue
             self.store.remove(bucket)
         storage = descriptor["storage_services"]
         layout = BucketMap.from_counts([entry["count"] for entry in storage],

@@ -2,9 +2,9 @@
 
 ``PLATFORMS`` maps a platform's name to a ``Platform``: the media it can
 store on, whether it keeps records in key order, and how to open the store
-of one DHT on one service (``open_store(medium, home)``; ``home`` is a
-directory of the DHT's own under the service's data dir, used by disk
-media).
+of one DHT on one service (``open_store(medium, home, label)``; ``home`` is
+a directory of the DHT's own under the service's data dir, used by disk
+media; ``label`` names the DHT in error messages).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from domus.storage.base import RamStore, Repository, Store
+from domus.storage.base import FailedRepository, RamStore, Repository, StorageFault, Store
 from domus.storage.pydict import DictRepository
 from domus.storage.rbt import RBTreeRepository
 
@@ -22,17 +22,18 @@ from domus.storage.rbt import RBTreeRepository
 class Platform:
     media: frozenset[str]
     ordered: bool
-    open_store: Callable[[str, str | None], Store]
+    open_store: Callable[[str, str | None, str], Store]
 
 
-def _ram_store(factory: Callable[[], Repository], _medium: str, _home: str | None) -> Store:
+def _ram_store(factory: Callable[[], Repository], _medium: str, _home: str | None,
+               _label: str = "") -> Store:
     return RamStore(factory)
 
 
-def _berkeley_store(method: str, medium: str, home: str | None) -> Store:
+def _berkeley_store(method: str, medium: str, home: str | None, label: str = "DHT") -> Store:
     from domus.storage.bsddb import BerkeleyStore  # imports Berkeley DB only when used
 
-    return BerkeleyStore(method, medium, home)
+    return BerkeleyStore(method, medium, home, label)
 
 
 BOTH = frozenset({"ram", "disk"})
@@ -48,4 +49,5 @@ MEDIA = BOTH
 PLANNED_PLATFORMS: frozenset[str] = frozenset()
 
 __all__ = ["PLATFORMS", "MEDIA", "PLANNED_PLATFORMS", "Platform", "Repository", "Store",
-           "RamStore", "DictRepository", "RBTreeRepository"]
+           "RamStore", "FailedRepository", "StorageFault", "DictRepository",
+           "RBTreeRepository"]

@@ -10,6 +10,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 
 
+class StorageFault(Exception):
+    """The medium under a repository failed (a Berkeley DB error, a full
+    disk, a file that cannot be opened).  The message names the DHT and the
+    bucket; the service answers STORAGE_ERROR and keeps serving the rest."""
+
+
 class Repository(ABC):
     """The records of one bucket of one DHT."""
 
@@ -76,6 +82,36 @@ class Store(ABC):
     def destroy(self) -> None:
         """Close every repository and delete everything the store holds."""
         self.close()
+
+
+class FailedRepository(Repository):
+    """What a bucket whose repository could not be opened is served by:
+    every request on it is a StorageFault saying why; the service's other
+    buckets are not affected."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def _fail(self) -> StorageFault:
+        return StorageFault(self.reason)
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        raise self._fail()
+
+    def get(self, key: bytes) -> bytes | None:
+        raise self._fail()
+
+    def delete(self, key: bytes) -> bool:
+        raise self._fail()
+
+    def contains(self, key: bytes) -> bool:
+        raise self._fail()
+
+    def __len__(self) -> int:
+        return 0
+
+    def key_snapshot(self) -> list[bytes]:
+        raise self._fail()
 
 
 class RamStore(Store):

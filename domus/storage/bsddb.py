@@ -30,7 +30,7 @@ import psutil
 from berkeleydb import db
 
 from domus.rbtree import RBTree
-from domus.storage.base import Repository, Store
+from domus.storage.base import Repository, StorageFault, Store
 
 # The environment's cache: Berkeley DB's pages of every database in it.  A
 # disk environment caches pages of its files.  RAM databases live in the
@@ -54,37 +54,55 @@ def _bucket_file(bucket: int) -> str:
 
 
 class BerkeleyRepository(Repository):
-    """One bucket's records in one Berkeley DB database."""
+    """One bucket's records in one Berkeley DB database.  A Berkeley DB
+    error (or its cache running out) is a StorageFault naming the bucket;
+    the database is left as Berkeley DB left it."""
 
-    def __init__(self, database: db.DB, ordered: bool, name: str) -> None:
+    def __init__(self, database: db.DB, ordered: bool, name: str, label: str) -> None:
         self._db = database
         self.ordered = ordered
         self.name = name
+        self.label = label
         # Counted once at open, then kept: DB->stat is a walk, or a guess.
         self._count = sum(1 for _ in self._keys())
 
+    def _fault(self, exc: BaseException) -> StorageFault:
+        detail = exc.args[1] if isinstance(exc, db.DBError) and len(exc.args) > 1 else exc
+        return StorageFault(f"{self.label}: Berkeley DB failed: {detail}")
+
     def put(self, key: bytes, value: bytes) -> bool:
         try:
-            self._db.put(key, value, flags=db.DB_NOOVERWRITE)
-        except db.DBKeyExistError:
-            self._db.put(key, value)
-            return False
+            try:
+                self._db.put(key, value, flags=db.DB_NOOVERWRITE)
+            except db.DBKeyExistError:
+                self._db.put(key, value)
+                return False
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
         self._count += 1
         return True
 
     def get(self, key: bytes) -> bytes | None:
-        return self._db.get(key)
+        try:
+            return self._db.get(key)
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
 
     def delete(self, key: bytes) -> bool:
         try:
             self._db.delete(key)
         except db.DBNotFoundError:
             return False
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
         self._count -= 1
         return True
 
     def contains(self, key: bytes) -> bool:
-        return bool(self._db.exists(key))
+        try:
+            return bool(self._db.exists(key))
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
 
     def __len__(self) -> int:
         return self._count
@@ -100,7 +118,10 @@ class BerkeleyRepository(Repository):
             cursor.close()
 
     def key_snapshot(self) -> list[bytes]:
-        return list(self._keys())
+        try:
+            return list(self._keys())
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
 
     def key_range(self, low: bytes | None, high: bytes | None, *,
                   inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
@@ -146,7 +167,10 @@ class BerkeleyRepository(Repository):
         return cursor.prev()
 
     def sync(self) -> None:
-        self._db.sync()
+        try:
+            self._db.sync()
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
 
     def close(self) -> None:
         if self._db is not None:
@@ -157,13 +181,14 @@ class BerkeleyRepository(Repository):
 class BerkeleyStore(Store):
     """A DHT's Berkeley DB environment on one service, and its databases."""
 
-    def __init__(self, method: str, medium: str, home: str | None) -> None:
+    def __init__(self, method: str, medium: str, home: str | None, label: str = "DHT") -> None:
         if method not in ("btree", "hash"):
             raise ValueError(f"Berkeley DB access method must be btree or hash, not {method!r}")
         if medium == "disk" and not home:
             raise ValueError("a disk store needs a home directory")
         self.method = method
         self.medium = medium
+        self.label = label
         self.home = home if medium == "disk" else None
         self._type = db.DB_BTREE if method == "btree" else db.DB_HASH
         self._repos: RBTree = RBTree()
@@ -179,15 +204,19 @@ class BerkeleyStore(Store):
             raise ValueError(f"bucket {bucket} is already open in this store")
         database = db.DB(self._env)
         name = _bucket_file(bucket)
+        label = f"{self.label} bucket {bucket}"
         try:
             if self.home is None:
                 database.open(None, name, self._type, db.DB_CREATE)   # in memory
             else:
                 database.open(name, None, self._type, db.DB_CREATE)
-        except db.DBError:
+        except (db.DBError, MemoryError) as exc:
             database.close()
-            raise
-        repo = BerkeleyRepository(database, self.method == "btree", name)
+            detail = exc.args[1] if isinstance(exc, db.DBError) and len(exc.args) > 1 else exc
+            where = os.path.join(self.home, name) if self.home is not None else "in memory"
+            raise StorageFault(f"{label}: cannot open its Berkeley DB database "
+                               f"({where}): {detail}") from exc
+        repo = BerkeleyRepository(database, self.method == "btree", name, label)
         self._repos[bucket] = repo
         return repo
 
@@ -202,8 +231,16 @@ class BerkeleyStore(Store):
                 os.remove(path)
 
     def flush(self) -> None:
+        """Sync every bucket; one that fails does not keep the others from
+        being synced.  A StorageFault names every bucket that failed."""
+        failures = []
         for repo in self._repos.values():
-            repo.sync()
+            try:
+                repo.sync()
+            except StorageFault as exc:
+                failures.append(str(exc))
+        if failures:
+            raise StorageFault("; ".join(failures))
 
     def close(self) -> None:
         if self._env is None:

@@ -1,0 +1,115 @@
+"""Storage faults: a bucket whose Berkeley DB file is corrupt, or a disk
+that fills up, gives STORAGE_ERROR naming the bucket; the service goes on
+serving its other buckets and loses nothing it had stored."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+
+import pytest
+
+from domus import protocol as wire
+from domus.keys import bucket_of, encode_key
+from domus.service.handler import RequestHandler
+from domus.service.hosted import dht_home
+
+DHT_ID = 1
+BUCKETS = 8
+
+
+def descriptor(platform="domus-bsddb-btree", storage="disk"):
+    return {
+        "id": DHT_ID, "name": "faulty", "buckets": BUCKETS, "hash": "xxh3",
+        "storage": storage, "platform": platform, "routing": "chord", "lookup": "D",
+        "state": "active",
+        "routing_services": [{"name": "s1", "address": "127.0.0.1:1", "count": BUCKETS}],
+        "storage_services": [{"name": "s1", "address": "127.0.0.1:1", "count": BUCKETS}],
+    }
+
+
+def key_in(bucket, prefix="k"):
+    number = 0
+    while True:
+        encoded = encode_key(f"{prefix}{number}")
+        if bucket_of(encoded, "xxh3", BUCKETS) == bucket:
+            return encoded
+        number += 1
+
+
+REQUEST_IDS = itertools.count(1)
+
+
+def request(op, key, value=b""):
+    return wire.encode_keyed(op, next(REQUEST_IDS), 7, DHT_ID, bucket_of(key, "xxh3", BUCKETS),
+                             key, value)
+
+
+def status_and_message(reply):
+    return reply[2], reply[wire.REPLY_HEADER_SIZE:]
+
+
+@pytest.mark.parametrize("platform", ["domus-bsddb-btree", "domus-bsddb-hash"])
+def test_a_corrupt_bucket_file_fails_that_bucket_only(tmp_path, platform):
+    home = dht_home(str(tmp_path), DHT_ID)
+    os.makedirs(home)
+    with open(os.path.join(home, "bucket-3.db"), "wb") as corrupt:
+        corrupt.write(b"this is not a Berkeley DB file" * 100)
+    handler = RequestHandler("s1", data_dir=str(tmp_path))
+    handler.assign(descriptor(platform))
+
+    bad, good = key_in(3), key_in(2)
+    for op in (wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS):
+        value = b"v" if op == wire.OP_PUT else b""
+        status, message = status_and_message(handler.handle(request(op, bad, value)))
+        assert status == wire.ST_STORAGE_ERROR
+        assert b"DHT 'faulty' bucket 3" in message and b"bucket-3.db" in message
+    assert handler.handle(request(wire.OP_PUT, good, b"v"))[2] == wire.ST_OK
+    assert handler.handle(request(wire.OP_GET, good))[wire.REPLY_HEADER_SIZE:] == b"v"
+    assert handler.counters["storage_errors"] == 4
+    assert handler.counters["internal_errors"] == 0
+    with open(os.path.join(home, "bucket-3.db"), "rb") as kept:   # left for inspection
+        assert kept.read().startswith(b"this is not")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs as a service's data dir (needs root)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+                       check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs here: {exc}")
+    try:
+        yield str(mount_point)
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk):
+    handler = RequestHandler("s1", data_dir=small_disk)
+    handler.assign(descriptor())
+    value = os.urandom(60_000)
+    stored = []
+    status = wire.ST_OK
+    for number in range(2_000):                        # 120 MB into 4 MiB
+        key = encode_key(number)
+        reply = handler.handle(request(wire.OP_PUT, key, value), wire.MAX_UDP_PAYLOAD)
+        status, message = status_and_message(reply)
+        if status != wire.ST_OK:
+            break
+        stored.append(key)
+        if number % 50 == 0:
+            handler.flush()
+    else:
+        pytest.fail("120 MB went into a 4 MiB disk without an error")
+    assert status == wire.ST_STORAGE_ERROR, message
+    assert b"DHT 'faulty' bucket" in message and b"Berkeley DB failed" in message
+    assert handler.counters["internal_errors"] == 0
+    # What was acknowledged before the disk filled is still there.
+    for key in stored[:40]:
+        reply = handler.handle(request(wire.OP_GET, key), 1 << 20)
+        assert status_and_message(reply) == (wire.ST_OK, value)
