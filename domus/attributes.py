@@ -30,7 +30,12 @@ DEFAULTS: dict[str, Any] = {
     "lookup": "D",
 }
 KNOWN = {"name", "buckets", "hash", "storage", "platform", "routing", "lookup",
-         "routing_services", "storage_services"}
+         "durability", "routing_services", "storage_services"}
+# Disk DHTs: "async" (the default) acknowledges a write once it is in the
+# cache and flushes every second and on a clean stop; "sync" acknowledges it
+# once the Berkeley DB log holding it is on stable storage.  RAM DHTs have
+# no durability ("none").
+DURABILITY = ("async", "sync")
 
 
 def default_bucket_count(service_count: int) -> int:
@@ -88,6 +93,16 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
     if medium not in media:
         raise InvalidAttribute(f"platform {platform!r} cannot store on {medium!r}; it supports "
                                f"{sorted(media)}")
+    durability = merged.get("durability")
+    if medium == "disk":
+        durability = "async" if durability is None else durability
+        if durability not in DURABILITY:
+            raise InvalidAttribute(f"durability {durability!r} is unknown; choose one of "
+                                   f"{list(DURABILITY)}")
+    elif durability not in (None, "none"):
+        raise InvalidAttribute(f"durability {durability!r} is for disk DHTs; a {medium!r} "
+                               f"DHT keeps nothing to make durable")
+    merged["durability"] = durability if medium == "disk" else "none"
     if merged["routing"] not in ROUTING_GRAPHS:
         raise InvalidAttribute(f"routing graph {merged['routing']!r} is unknown; choose one of "
                                f"{list(ROUTING_GRAPHS)}")

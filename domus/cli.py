@@ -191,7 +191,7 @@ def cmd_dht(args: argparse.Namespace) -> int:
             dht = cluster.create_dht(
                 args.name, buckets=args.buckets, hash=args.hash, storage=args.storage,
                 platform=args.platform, routing=args.routing, lookup=args.lookup,
-                routing_services=_names(args.routing_services),
+                durability=args.durability, routing_services=_names(args.routing_services),
                 storage_services=_names(args.storage_services))
             print(f"created DHT {dht.name!r} (id {dht.id}, {dht.bucket_count} buckets)")
         elif args.action == "list":
@@ -312,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--platform")
     create.add_argument("--routing", help="routing graph: chord or bruijn")
     create.add_argument("--lookup", help="lookup strategy")
+    create.add_argument("--durability", help="disk DHTs: async (default) or sync")
     create.add_argument("--routing-services", help="comma-separated service names")
     create.add_argument("--storage-services", help="comma-separated service names")
     listing = talks(actions.add_parser("list"))

@@ -126,6 +126,7 @@ class Cluster:
     def create_dht(self, name: str, *, buckets: int | None = None, hash: str | None = None,
                    storage: str | None = None, platform: str | None = None,
                    routing: str | None = None, lookup: str | None = None,
+                   durability: str | None = None,
                    routing_services: Iterable[str] | None = None,
                    storage_services: Iterable[str] | None = None) -> Dht:
         """Create a DHT and open it.  Attributes left out take their
@@ -133,7 +134,7 @@ class Cluster:
         service."""
         attributes = create_request(name, buckets=buckets, hash=hash, storage=storage,
                                     platform=platform, routing=routing, lookup=lookup,
-                                    routing_services=routing_services,
+                                    durability=durability, routing_services=routing_services,
                                     storage_services=storage_services)
         descriptor = self.supervisor.call("create_dht", name=name, attributes=attributes,
                                           timeout=max(self.timeout, 15.0))

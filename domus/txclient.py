@@ -587,6 +587,7 @@ class TxCluster:
     def create_dht(self, name: str, *, buckets: int | None = None, hash: str | None = None,
                    storage: str | None = None, platform: str | None = None,
                    routing: str | None = None, lookup: str | None = None,
+                   durability: str | None = None,
                    routing_services: Iterable[str] | None = None,
                    storage_services: Iterable[str] | None = None) -> defer.Deferred:
         """Create a DHT and open it: fires with a TxDht.  Attributes left out
@@ -594,6 +595,7 @@ class TxCluster:
         try:
             attributes = create_request(name, buckets=buckets, hash=hash, storage=storage,
                                         platform=platform, routing=routing, lookup=lookup,
+                                        durability=durability,
                                         routing_services=routing_services,
                                         storage_services=storage_services)
         except Exception:

@@ -309,7 +309,8 @@ class SupervisorService(Service):
         descriptor: dict[str, Any] = {
             "id": self.state.allocate_dht_id(), "name": name, "buckets": buckets,
             "hash": wanted["hash"], "storage": wanted["storage"], "platform": wanted["platform"],
-            "routing": wanted["routing"], "lookup": wanted["lookup"], "state": "active",
+            "routing": wanted["routing"], "lookup": wanted["lookup"],
+            "durability": wanted["durability"], "state": "active",
             "created": time.time(),
         }
         for role, role_name in (("routing_services", "routing"), ("storage_services", "storage")):

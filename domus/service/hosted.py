@@ -38,7 +38,7 @@ class HostedDht:
         self._platform_ordered = platform.ordered
         self.store: Store = platform.open_store(
             self.medium, dht_home(data_dir, self.id) if data_dir is not None else None,
-            f"DHT {self.name!r}")
+            f"DHT {self.name!r}", descriptor.get("durability") or "async")
         self.repos: dict[int, Repository] = {}
         # AS: the buckets routed here, and for each the name of the service
         # storing it (a floor map over ranges; see domus.bucketmap).

@@ -2,9 +2,10 @@
 
 ``PLATFORMS`` maps a platform's name to a ``Platform``: the media it can
 store on, whether it keeps records in key order, and how to open the store
-of one DHT on one service (``open_store(medium, home, label)``; ``home`` is
-a directory of the DHT's own under the service's data dir, used by disk
-media; ``label`` names the DHT in error messages).
+of one DHT on one service (``open_store(medium, home, label, durability)``;
+``home`` is a directory of the DHT's own under the service's data dir, used
+by disk media; ``label`` names the DHT in error messages; ``durability`` is
+the disk DHT's, see domus.attributes).
 """
 
 from __future__ import annotations
@@ -22,18 +23,19 @@ from domus.storage.rbt import RBTreeRepository
 class Platform:
     media: frozenset[str]
     ordered: bool
-    open_store: Callable[[str, str | None, str], Store]
+    open_store: Callable[..., Store]
 
 
 def _ram_store(factory: Callable[[], Repository], _medium: str, _home: str | None,
-               _label: str = "") -> Store:
+               _label: str = "", _durability: str = "none") -> Store:
     return RamStore(factory)
 
 
-def _berkeley_store(method: str, medium: str, home: str | None, label: str = "DHT") -> Store:
+def _berkeley_store(method: str, medium: str, home: str | None, label: str = "DHT",
+                    durability: str = "async") -> Store:
     from domus.storage.bsddb import BerkeleyStore  # imports Berkeley DB only when used
 
-    return BerkeleyStore(method, medium, home, label)
+    return BerkeleyStore(method, medium, home, label, durability)
 
 
 BOTH = frozenset({"ram", "disk"})

@@ -181,14 +181,20 @@ class BerkeleyRepository(Repository):
 class BerkeleyStore(Store):
     """A DHT's Berkeley DB environment on one service, and its databases."""
 
-    def __init__(self, method: str, medium: str, home: str | None, label: str = "DHT") -> None:
+    def __init__(self, method: str, medium: str, home: str | None, label: str = "DHT",
+                 durability: str = "async") -> None:
         if method not in ("btree", "hash"):
             raise ValueError(f"Berkeley DB access method must be btree or hash, not {method!r}")
         if medium == "disk" and not home:
             raise ValueError("a disk store needs a home directory")
+        if durability not in ("async", "sync"):
+            raise ValueError(f"durability must be async or sync, not {durability!r}")
         self.method = method
         self.medium = medium
         self.label = label
+        # sync: a transactional environment; every put and delete is its own
+        # transaction, and its commit returns once the log is on disk.
+        self.transactional = durability == "sync" and medium == "disk"
         self.home = home if medium == "disk" else None
         self._type = db.DB_BTREE if method == "btree" else db.DB_HASH
         self._repos: RBTree = RBTree()
@@ -197,7 +203,14 @@ class BerkeleyStore(Store):
         self._env.set_cachesize(cache // _GIGABYTE, cache % _GIGABYTE)
         if self.home is not None:
             os.makedirs(self.home, exist_ok=True)
-        self._env.open(self.home, db.DB_CREATE | db.DB_INIT_MPOOL | db.DB_PRIVATE)
+        flags = db.DB_CREATE | db.DB_INIT_MPOOL | db.DB_PRIVATE
+        if self.transactional:
+            # DB_RECOVER replays the log: after a crash, every committed
+            # write is back before the first request is served.
+            flags |= db.DB_INIT_TXN | db.DB_INIT_LOG | db.DB_INIT_LOCK | db.DB_RECOVER
+            self._env.log_set_config(db.DB_LOG_AUTO_REMOVE, 1)
+        self._env.open(self.home, flags)
+        self._open_flags = db.DB_CREATE | (db.DB_AUTO_COMMIT if self.transactional else 0)
 
     def open(self, bucket: int) -> BerkeleyRepository:
         if bucket in self._repos:
@@ -207,9 +220,9 @@ class BerkeleyStore(Store):
         label = f"{self.label} bucket {bucket}"
         try:
             if self.home is None:
-                database.open(None, name, self._type, db.DB_CREATE)   # in memory
+                database.open(None, name, self._type, self._open_flags)   # in memory
             else:
-                database.open(name, None, self._type, db.DB_CREATE)
+                database.open(name, None, self._type, self._open_flags)
         except (db.DBError, MemoryError) as exc:
             database.close()
             detail = exc.args[1] if isinstance(exc, db.DBError) and len(exc.args) > 1 else exc
@@ -225,15 +238,21 @@ class BerkeleyStore(Store):
         if repo is None:
             return
         repo.close()
-        if self.home is not None:
-            path = os.path.join(self.home, repo.name)
-            if os.path.exists(path):
-                os.remove(path)
+        if self.home is not None and os.path.exists(os.path.join(self.home, repo.name)):
+            self._env.dbremove(repo.name, None, None,
+                               db.DB_AUTO_COMMIT if self.transactional else 0)
 
     def flush(self) -> None:
         """Sync every bucket; one that fails does not keep the others from
         being synced.  A StorageFault names every bucket that failed."""
         failures = []
+        if self.transactional:
+            # Committed writes are in the log already; a checkpoint writes
+            # the pages and lets old log files go.
+            try:
+                self._env.txn_checkpoint()
+            except (db.DBError, MemoryError) as exc:
+                failures.append(f"{self.label}: Berkeley DB checkpoint failed: {exc}")
         for repo in self._repos.values():
             try:
                 repo.sync()

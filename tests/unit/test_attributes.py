@@ -16,7 +16,7 @@ from domus.keys import HASH_FUNCTIONS
 def test_defaults_are_filled_in():
     assert check_request("words", {}) == {
         "hash": "xxh3", "storage": "ram", "platform": "python-dict",
-        "routing": "chord", "lookup": "D",
+        "routing": "chord", "lookup": "D", "durability": "none",
     }
 
 
@@ -180,3 +180,25 @@ def test_default_bucket_count_examples():
     assert default_bucket_count(1) == 64
     assert default_bucket_count(2) == 128
     assert default_bucket_count(3) == 256
+
+
+@pytest.mark.parametrize("storage, platform, durability, expected", [
+    ("ram", "python-dict", None, "none"),
+    ("ram", "domus-bsddb-btree", "none", "none"),
+    ("disk", "domus-bsddb-btree", None, "async"),
+    ("disk", "domus-bsddb-hash", "async", "async"),
+    ("disk", "domus-bsddb-btree", "sync", "sync"),
+])
+def test_durability_defaults_to_async_on_disk_and_none_in_ram(storage, platform, durability,
+                                                              expected):
+    checked = check_request("words", {"storage": storage, "platform": platform,
+                                      "durability": durability})
+    assert checked["durability"] == expected
+
+
+def test_durability_is_refused_where_it_means_nothing_or_is_unknown():
+    with pytest.raises(InvalidAttribute, match="durability 'sync' is for disk DHTs"):
+        check_request("words", {"storage": "ram", "durability": "sync"})
+    with pytest.raises(InvalidAttribute, match="durability 'always' is unknown"):
+        check_request("words", {"storage": "disk", "platform": "domus-bsddb-btree",
+                                "durability": "always"})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,8 +21,8 @@ ORDERED = [(platform, medium) for platform, medium in TECHNOLOGIES
            if PLATFORMS[platform].ordered]
 
 
-def open_store(platform: str, medium: str, home: str):
-    return PLATFORMS[platform].open_store(medium, home)
+def open_store(platform: str, medium: str, home: str, durability: str = "async"):
+    return PLATFORMS[platform].open_store(medium, home, "DHT 't'", durability)
 
 
 @pytest.fixture(params=TECHNOLOGIES, ids=[f"{p}-{m}" for p, m in TECHNOLOGIES])
@@ -160,4 +161,44 @@ def test_a_ram_store_keeps_nothing_on_disk(tmp_path):
         assert not home.exists()
         store = open_store(platform, "ram", str(home))
         assert store.open(0).get(b"k") is None            # RAM: gone with the store
+        store.destroy()
+
+
+@pytest.mark.parametrize("platform", ["domus-bsddb-btree", "domus-bsddb-hash"])
+def test_sync_durability_keeps_every_acknowledged_write_through_a_kill(platform, tmp_path):
+    """A child process writes to a sync disk store and tells the parent of
+    each put as it returns; the parent kills it with SIGKILL mid-stream,
+    opens the store again (Berkeley DB recovers from its log) and finds
+    every acknowledged write."""
+    home = str(tmp_path / "dht")
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:                                        # the writer
+        try:
+            os.close(read_end)
+            store = open_store(platform, "disk", home, durability="sync")
+            repo = store.open(1)
+            for number in range(1_000_000):
+                repo.put(b"key-%d" % number, b"value-%d" % number)
+                os.write(write_end, number.to_bytes(4, "big"))
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    acknowledged = []
+    with os.fdopen(read_end, "rb") as acks:
+        while len(acknowledged) < 300:
+            acknowledged.append(int.from_bytes(acks.read(4), "big"))
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        while chunk := acks.read(4):
+            if len(chunk) == 4:
+                acknowledged.append(int.from_bytes(chunk, "big"))
+    store = open_store(platform, "disk", home, durability="sync")
+    try:
+        repo = store.open(1)
+        assert len(repo) >= len(acknowledged)
+        missing = [number for number in acknowledged
+                   if repo.get(b"key-%d" % number) != b"value-%d" % number]
+        assert not missing, f"{len(missing)} acknowledged writes lost, e.g. {missing[:5]}"
+    finally:
         store.destroy()
