@@ -187,8 +187,8 @@ class BerkeleyStore(Store):
             raise ValueError(f"Berkeley DB access method must be btree or hash, not {method!r}")
         if medium == "disk" and not home:
             raise ValueError("a disk store needs a home directory")
-        if durability not in ("async", "sync"):
-            raise ValueError(f"durability must be async or sync, not {durability!r}")
+        if durability not in ("none", "async", "sync"):
+            raise ValueError(f"durability must be none, async or sync, not {durability!r}")
         self.method = method
         self.medium = medium
         self.label = label

@@ -21,7 +21,11 @@ ORDERED = [(platform, medium) for platform, medium in TECHNOLOGIES
            if PLATFORMS[platform].ordered]
 
 
-def open_store(platform: str, medium: str, home: str, durability: str = "async"):
+def open_store(platform: str, medium: str, home: str, durability: str | None = None):
+    """A store as a service opens it: durability as domus.attributes fills it
+    in (none in RAM, async on disk) unless given."""
+    if durability is None:
+        durability = "async" if medium == "disk" else "none"
     return PLATFORMS[platform].open_store(medium, home, "DHT 't'", durability)
 
 
