@@ -60,6 +60,24 @@ class Repository(ABC):
         """Release what the repository holds (nothing, for RAM platforms)."""
 
 
+class MappingRepository(Repository):
+    """A Repository that is also a mutable mapping of bytes to bytes (a dict
+    or an RBTree subclass): the writes in mapping terms.  ``get`` and
+    ``contains`` are left to the concrete class, which binds the mapping's
+    own C methods."""
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        created = key not in self  # type: ignore[operator]
+        self[key] = value  # type: ignore[index]
+        return created
+
+    def delete(self, key: bytes) -> bool:
+        return self.pop(key, None) is not None  # type: ignore[attr-defined]
+
+    def key_snapshot(self) -> list[bytes]:
+        return list(self)  # type: ignore[call-overload]
+
+
 class Store(ABC):
     """The repositories of one DHT on one service: opens a bucket's
     repository, removes one (with its data), flushes and closes them all."""

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from domus.rbtree import RBTree
-from domus.storage.base import Repository
+from domus.storage.base import MappingRepository
 
 
-class RBTreeRepository(RBTree, Repository):  # type: ignore[misc]
+class RBTreeRepository(RBTree, MappingRepository):  # type: ignore[misc]
     """An RBTree that is a Repository.  ``get`` and ``contains`` are the
     tree's own C methods; the service's C hot path reaches the tree through
     its C API without calling these at all."""
@@ -25,16 +25,6 @@ class RBTreeRepository(RBTree, Repository):  # type: ignore[misc]
     get = RBTree.get
     contains = RBTree.__contains__
 
-    def put(self, key: bytes, value: bytes) -> bool:
-        created = key not in self
-        self[key] = value
-        return created
-
-    def delete(self, key: bytes) -> bool:
-        return self.pop(key, None) is not None
-
-    def key_snapshot(self) -> list[bytes]:
-        return list(self)
 
     def key_range(self, low: bytes | None, high: bytes | None, *,
                   inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
