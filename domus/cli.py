@@ -145,10 +145,11 @@ def format_status(status: dict[str, Any]) -> str:
                      _megabytes(load.get("rss", 0)) if up else "-"))
     lines += _table(rows)
     lines.append("")
-    dht_rows = [("DHT", "ID", "BUCKETS", "HASH", "STORAGE", "ROUTING", "LOOKUP",
+    dht_rows = [("DHT", "ID", "STATE", "BUCKETS", "HASH", "STORAGE", "ROUTING", "LOOKUP",
                  "ROUTING SERVICES", "STORAGE SERVICES")]
     for dht in status["dhts"]:
-        dht_rows.append((dht["name"], str(dht["id"]), str(dht["buckets"]), dht["hash"],
+        dht_rows.append((dht["name"], str(dht["id"]), dht.get("state", "active"),
+                         str(dht["buckets"]), dht["hash"],
                          f"{dht['storage']}/{dht['platform']}", dht["routing"], dht["lookup"],
                          ",".join(dht["routing_services"]), ",".join(dht["storage_services"])))
     lines += _table(dht_rows) if status["dhts"] else ["no DHTs"]
@@ -201,8 +202,8 @@ def cmd_dht(args: argparse.Namespace) -> int:
             elif not dhts:
                 print("no DHTs")
             else:
-                rows = [("DHT", "ID", "BUCKETS", "STORAGE", "ROUTING", "LOOKUP")]
-                rows += [(d["name"], str(d["id"]), str(d["buckets"]),
+                rows = [("DHT", "ID", "STATE", "BUCKETS", "STORAGE", "ROUTING", "LOOKUP")]
+                rows += [(d["name"], str(d["id"]), d.get("state", "active"), str(d["buckets"]),
                           f"{d['storage']}/{d['platform']}", d["routing"], d["lookup"])
                          for d in dhts]
                 print("\n".join(_table(rows)))
@@ -211,7 +212,20 @@ def cmd_dht(args: argparse.Namespace) -> int:
         elif args.action == "destroy":
             cluster.destroy_dht(args.name)
             print(f"destroyed DHT {args.name!r}")
+        elif args.action == "deactivate":
+            kept = cluster.deactivate_dht(args.name)
+            print(f"deactivated DHT {args.name!r}: {sum(kept.values())} records kept "
+                  f"({_per_service(kept)}); `domus dht activate {args.name}` brings it back")
+        elif args.action == "activate":
+            loaded = cluster.activate_dht(args.name)
+            print(f"activated DHT {args.name!r}"
+                  + (f": {sum(loaded.values())} saved records loaded ({_per_service(loaded)})"
+                     if any(loaded.values()) else ""))
     return 0
+
+
+def _per_service(counts: dict[str, int]) -> str:
+    return ", ".join(f"{service}: {count}" for service, count in sorted(counts.items()))
 
 
 def _names(text: str | None) -> list[str] | None:
@@ -302,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
 
-    dht = commands.add_parser("dht", help="create, list, inspect and destroy DHTs")
+    dht = commands.add_parser("dht", help="create, list, inspect, deactivate, activate and "
+                              "destroy DHTs")
     actions = dht.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = talks(actions.add_parser("create"))
     create.add_argument("name")
@@ -319,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true")
     talks(actions.add_parser("info")).add_argument("name")
     talks(actions.add_parser("destroy")).add_argument("name")
+    talks(actions.add_parser("deactivate", help="take a DHT offline, keeping its records (RAM "
+                             "DHTs are saved to the services' data dirs)")).add_argument("name")
+    talks(actions.add_parser("activate", help="bring a deactivated DHT back")) \
+        .add_argument("name")
     dht.set_defaults(func=cmd_dht)
 
     for name, helptext in (("put", "store a value"), ("get", "print a value"),

@@ -32,6 +32,7 @@ from domus import batch, codec
 from domus import protocol as wire
 from domus.attributes import create_request
 from domus.errors import (
+    DhtInactive,
     DomusError,
     InvalidAttribute,
     RemoteError,
@@ -46,6 +47,9 @@ from domus.lookup import DirectLookup
 from domus.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
 
 DEFAULT_TIMEOUT = 5.0
+# Deactivation saves every record of a RAM DHT, activation loads them: the
+# supervisor gives the services 600 s; the client waits a little longer.
+STATE_CHANGE_TIMEOUT = 620.0
 _MISSING = object()
 _PUT = wire.OP_PUT
 _GET = wire.OP_GET
@@ -83,6 +87,10 @@ def reply_error(dht: str, reply: bytes, channel: Any, bucket: int | None) -> Dom
         return WrongService(f"{where}: {text}", status)
     if status == wire.ST_STORAGE_ERROR:
         return StorageError(f"{where}, bucket {bucket}: {text}", status)
+    if status == wire.ST_INACTIVE:
+        return DhtInactive(f"DHT {dht!r} is inactive: its records are kept, and served again "
+                           f"once it is activated (cluster.activate_dht({dht!r}) or "
+                           f"`domus dht activate {dht}`)", status)
     if status == wire.ST_TOO_LARGE:
         return ValueTooLarge(f"{where} refused the request: {text}")
     name = wire.STATUS_NAMES.get(status, f"status 0x{status:02x}")
@@ -158,6 +166,24 @@ class Cluster:
 
     def destroy_dht(self, name: str) -> None:
         self.supervisor.call("destroy_dht", name=name)
+
+    def deactivate_dht(self, name: str) -> dict[str, int]:
+        """Take a DHT offline on every service, keeping its records: a RAM
+        DHT's are saved under the services' data dirs, then its memory is
+        freed; a disk DHT's files are flushed and closed.  Requests to it
+        raise DhtInactive until ``activate_dht``.  Returns the records kept
+        per storage service.  All or nothing: if a service cannot (a full
+        disk, a service down) the DHT stays active and SupervisorError says
+        why."""
+        return self.supervisor.call("deactivate_dht", name=name,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))["records"]
+
+    def activate_dht(self, name: str) -> dict[str, int]:
+        """Bring a deactivated DHT back with every record; returns the
+        records loaded per storage service (0 for disk DHTs, whose files are
+        simply opened).  Activating an active DHT does nothing."""
+        return self.supervisor.call("activate_dht", name=name,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))["records"]
 
     def services(self) -> list[dict[str, Any]]:
         """Every registered service: name, address, state ("up",

@@ -77,6 +77,12 @@ class StorageError(RemoteError):
     """The service's repository failed (disk full, database error)."""
 
 
+class DhtInactive(RemoteError):
+    """The DHT is deactivated: its records are kept, but nothing is served
+    until it is activated again (``Cluster.activate_dht`` or
+    ``domus dht activate NAME``)."""
+
+
 class KeyTypeError(DomusError, TypeError):
     """Keys must be int, str or bytes."""
 

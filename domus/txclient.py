@@ -46,7 +46,7 @@ from domus import address as addresses
 from domus import batch, codec
 from domus import protocol as wire
 from domus.attributes import create_request
-from domus.client import DEFAULT_TIMEOUT, reply_error
+from domus.client import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, reply_error
 from domus.control import MessageProtocol, RemoteControlError
 from domus.errors import (
     SUPERVISOR_ERRORS,
@@ -625,6 +625,18 @@ class TxCluster:
 
     def destroy_dht(self, name: str) -> defer.Deferred:
         return self.call("destroy_dht", name=name).addCallback(lambda _: None)
+
+    def deactivate_dht(self, name: str) -> defer.Deferred:
+        """As Cluster.deactivate_dht: fires with the records kept per
+        storage service."""
+        return self.call("deactivate_dht", name=name, timeout=STATE_CHANGE_TIMEOUT) \
+            .addCallback(lambda answer: answer["records"])
+
+    def activate_dht(self, name: str) -> defer.Deferred:
+        """As Cluster.activate_dht: fires with the records loaded per
+        storage service."""
+        return self.call("activate_dht", name=name, timeout=STATE_CHANGE_TIMEOUT) \
+            .addCallback(lambda answer: answer["records"])
 
 
 class TxDht(DirectLookup[TxChannel]):

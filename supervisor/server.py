@@ -33,6 +33,8 @@ log = Logger(namespace="domus.supervisor")
 
 DOWN_AFTER = 5.0       # seconds without a heartbeat before a service is down
 PUSH_TIMEOUT = 10.0    # seconds a service has to acknowledge an assignment
+# Deactivating a RAM DHT writes every record it holds; activating reads them.
+STATE_CHANGE_TIMEOUT = 600.0
 
 
 class SupervisorService(Service):
@@ -44,6 +46,7 @@ class SupervisorService(Service):
         self.links: dict[str, MessageProtocol] = {}
         self.live: dict[str, dict[str, Any]] = {}   # name -> last_seen, load, stats
         self._creating: set[str] = set()
+        self._changing: set[str] = set()      # DHTs being activated or deactivated
         self._port: Any = None
         self._watch: task.LoopingCall | None = None
         self.started = time.time()
@@ -332,6 +335,9 @@ class SupervisorService(Service):
 
     def op_destroy_dht(self, link: MessageProtocol, *, name: str) -> defer.Deferred:
         descriptor = self._find(name)
+        if name in self._changing:
+            raise ControlError("SupervisorError", f"DHT {name!r} is being activated or "
+                               f"deactivated; destroy it once that has finished")
         del self.state.dhts[name]
         self.state.save()
         drops = []
@@ -347,6 +353,68 @@ class SupervisorService(Service):
         # Answer once the services have dropped it (or failed to say so): a
         # request sent after destroy_dht returns must not find it still served.
         return defer.DeferredList(drops).addCallback(lambda _: {"destroyed": name})
+
+    # -------------------------------------------------------------- activation
+    def op_deactivate_dht(self, link: MessageProtocol, *, name: str) -> defer.Deferred:
+        return self._change_state(name, "inactive")
+
+    def op_activate_dht(self, link: MessageProtocol, *, name: str) -> defer.Deferred:
+        return self._change_state(name, "active")
+
+    @defer.inlineCallbacks
+    def _change_state(self, name: str, state: str) -> Any:
+        """Take a DHT offline (its RAM records saved by each service, its
+        memory freed) or bring it back, on every service it involves.
+
+        All or nothing: every involved service must be up and must
+        acknowledge; if one fails, those that changed are told to change
+        back, and the DHT keeps its state.  The state is saved only once
+        every service has changed, so a supervisor restart re-applies the
+        state it knew, and a service that re-registers meanwhile is told it."""
+        descriptor = self._find(name)
+        verb = "deactivate" if state == "inactive" else "activate"
+        if descriptor.get("state", "active") == state:
+            return {"name": name, "state": state, "changed": False, "records": {}}
+        if name in self._changing:
+            raise ControlError("SupervisorError", f"DHT {name!r} is being activated or "
+                               f"deactivated already; wait for that to finish")
+        involved = self._involved(descriptor)
+        down = [service for service in involved if self.service_state(service) != "up"]
+        if down:
+            raise ControlError("SupervisorError", f"cannot {verb} DHT {name!r}: service(s) "
+                               f"{down} are not up; start them (`domus status` shows them) "
+                               f"and try again")
+        changed = dict(descriptor, state=state)
+        self._changing.add(name)
+        try:
+            answers = yield defer.DeferredList(
+                [self.links[service].call("assign", dht=changed, timeout=STATE_CHANGE_TIMEOUT)
+                 for service in involved], consumeErrors=True)
+            failed = {service: failure.getErrorMessage()
+                      for service, (ok, failure) in zip(involved, answers) if not ok}
+            if failed:
+                for service, (ok, _answer) in zip(involved, answers):
+                    if ok and service in self.links:
+                        self.links[service].call("assign", dht=descriptor,
+                                                 timeout=STATE_CHANGE_TIMEOUT).addErrback(
+                            lambda failure, s=service: log.warn(
+                                "service {service} did not undo the change of DHT {name!r}: "
+                                "{error}; it will when it next registers", service=s,
+                                name=name, error=failure.getErrorMessage()))
+                problems = "; ".join(f"{service}: {message}"
+                                     for service, message in sorted(failed.items()))
+                raise ControlError("SupervisorError", f"could not {verb} DHT {name!r}, which "
+                                   f"stays {descriptor.get('state', 'active')}: {problems}")
+            self.state.dhts[name] = changed
+            self.state.save()
+        finally:
+            self._changing.discard(name)
+        records = {service: answer.get("records", 0)
+                   for service, (_ok, answer) in zip(involved, answers)}
+        log.info("{verb}d DHT {name!r}: {records} records {how}", verb=verb, name=name,
+                 records=sum(records.values()),
+                 how="saved or closed on disk" if state == "inactive" else "back in service")
+        return {"name": name, "state": state, "changed": True, "records": records}
 
     # -------------------------------------------------------------- status
     def op_status(self, link: MessageProtocol) -> dict[str, Any]:

@@ -179,8 +179,10 @@ class RequestHandler:
                                 f"service {self.service_name} holds no DHT with id {dht_id} "
                                 f"(destroyed, or never created); reopen it by name")
         if not hosted.active:
+            if hosted.problem is not None:
+                raise RequestFailed(wire.ST_STORAGE_ERROR, hosted.problem)
             raise RequestFailed(wire.ST_INACTIVE, f"DHT {hosted.name!r} is inactive; "
-                                f"activate it first")
+                                f"activate it (`domus dht activate {hosted.name}`) to use it")
         return hosted
 
     def _repo(self, dht_id: int, bucket: int) -> Repository:
@@ -399,23 +401,33 @@ class RequestHandler:
             "reply_cache": len(self.reply_cache),
             "reply_cache_evicted_early": self.reply_cache.evicted_early,
             "dhts": {hosted.name: {"records": hosted.records(),
+                                   "active": hosted.active,
                                    "storage_buckets": len(hosted.repos),
                                    "routing_buckets": len(hosted.routing_buckets)}
                      for hosted in self.dhts.values()},
         }
 
     # ------------------------------------------------------------ assignment
-    def assign(self, descriptor: dict[str, Any]) -> None:
-        """Host (or re-host) a DHT as the supervisor describes it."""
+    def assign(self, descriptor: dict[str, Any]) -> dict[str, Any]:
+        """Host (or re-host) a DHT as the supervisor describes it, active or
+        inactive.  Returns its state here and the records a change of state
+        saved or loaded; a change that fails raises StorageFault and leaves
+        the DHT as it was."""
         dht_id = descriptor["id"]
         hosted = self.dhts.get(dht_id)
-        if hosted is None:
-            self.dhts[dht_id] = HostedDht(descriptor, self.service_name, self.data_dir)
-            log.info("service {service}: now hosting DHT {dht!r} (id {id})",
-                     service=self.service_name, dht=descriptor["name"], id=dht_id)
-        else:
-            hosted.apply(descriptor)
-        self._update_fast_table(dht_id)
+        try:
+            if hosted is None:
+                hosted = HostedDht(descriptor, self.service_name, self.data_dir)
+                self.dhts[dht_id] = hosted
+                moved = hosted.apply(descriptor)
+                log.info("service {service}: now hosting DHT {dht!r} (id {id}, {state})",
+                         service=self.service_name, dht=descriptor["name"], id=dht_id,
+                         state="active" if hosted.active else "inactive")
+            else:
+                moved = hosted.apply(descriptor)
+        finally:
+            self._update_fast_table(dht_id)
+        return {"state": "active" if hosted.active else "inactive", "records": moved}
 
     def _update_fast_table(self, dht_id: int) -> None:
         """The C path sees a DHT's repositories while, and only while, the DHT
@@ -454,10 +466,17 @@ class RequestHandler:
             hosted.close()
 
     def sync(self, descriptors: list[dict[str, Any]]) -> None:
-        """Make the hosted DHTs exactly those the supervisor lists."""
+        """Make the hosted DHTs exactly those the supervisor lists.  A DHT
+        whose change of state fails is logged and left as it was; the
+        others are still synced."""
         wanted = {descriptor["id"] for descriptor in descriptors}
         for dht_id in list(self.dhts):
             if dht_id not in wanted:
                 self.drop(dht_id)
         for descriptor in descriptors:
-            self.assign(descriptor)
+            try:
+                self.assign(descriptor)
+            except StorageFault as exc:
+                self.counters["storage_errors"] += 1
+                log.error("service {service}: {problem}", service=self.service_name,
+                          problem=str(exc))

@@ -3,14 +3,17 @@ storage references) and the SS part (one repository per stored bucket)."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import shutil
 from typing import Any
 
 from twisted.logger import Logger
 
 from domus import assignment
 from domus.bucketmap import BucketMap
-from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store
+from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store, snapshot
 
 log = Logger(namespace="domus.service")
 
@@ -21,10 +24,25 @@ def dht_home(data_dir: str, dht_id: int) -> str:
 
 
 class HostedDht:
+    """One DHT on one service, created inactive; ``apply`` (with the
+    supervisor's descriptor) makes it what the supervisor says: active (its
+    store open, its buckets served) or inactive (nothing open, nothing in
+    memory; requests get INACTIVE).
+
+    Deactivation keeps every record: a disk DHT's are in its files already;
+    a RAM DHT's are first saved to a snapshot in its directory under the data
+    dir (domus.storage.snapshot), and only once the snapshot is complete on
+    disk is the memory let go.  Activation opens the store again and loads
+    the snapshot, if there is one, before a request is served; the snapshot
+    is deleted once its records are back.  So a snapshot on disk always
+    holds exactly the records of a DHT that has served nothing since; a
+    service that finds one at start loads it."""
+
     def __init__(self, descriptor: dict[str, Any], service_name: str,
                  data_dir: str | None = None) -> None:
         self.id: int = descriptor["id"]
         self.name: str = descriptor["name"]
+        self.label = f"DHT {self.name!r}"
         self.service_name = service_name
         self.platform: str = descriptor["platform"]
         self.medium: str = descriptor.get("storage", "ram")
@@ -35,23 +53,48 @@ class HostedDht:
         if self.medium == "disk" and data_dir is None:
             raise ValueError(f"DHT {self.name!r} stores on disk, and this service has no "
                              f"data dir")
-        self._platform_ordered = platform.ordered
-        self.store: Store = platform.open_store(
-            self.medium, dht_home(data_dir, self.id) if data_dir is not None else None,
-            f"DHT {self.name!r}", descriptor.get("durability") or "async")
+        self._platform = platform
+        self.home = dht_home(data_dir, self.id) if data_dir is not None else None
+        self.durability: str = descriptor.get("durability") or "async"
+        self.store: Store | None = None
+        self.active = False
         self.repos: dict[int, Repository] = {}
         # AS: the buckets routed here, and for each the name of the service
         # storing it (a floor map over ranges; see domus.bucketmap).
         self.routing_buckets = range(0)
         self.storage_refs: BucketMap[str] = BucketMap(max(descriptor["buckets"], 1))
-        self.descriptor: dict[str, Any] = {}
-        self.apply(descriptor)
-
-    def apply(self, descriptor: dict[str, Any]) -> None:
-        """Take a (new) descriptor from the supervisor: create repositories
-        for buckets now stored here, drop the ones no longer stored here."""
+        # Why the last activation failed, while the supervisor still wants
+        # the DHT active: requests are told this rather than "inactive".
+        self.problem: str | None = None
         self.descriptor = descriptor
-        self.active = descriptor.get("state", "active") == "active"
+        self._route(descriptor)
+
+    def apply(self, descriptor: dict[str, Any]) -> int:
+        """Take a (new) descriptor from the supervisor: activate or
+        deactivate as its state says, create repositories for buckets now
+        stored here, drop the ones no longer stored here.  Returns the
+        records saved or loaded by a change of state (0 if none).  A change
+        of state that fails raises StorageFault and leaves the DHT as it
+        was."""
+        moved = 0
+        wanted = descriptor.get("state", "active") == "active"
+        if wanted and not self.active:
+            try:
+                moved = self._activate(descriptor)
+            except StorageFault as exc:
+                self.problem = str(exc)
+                raise
+        elif wanted:
+            self._place(descriptor)
+        elif self.active:
+            moved = self._deactivate()
+        self.problem = None
+        self.descriptor = descriptor
+        self._route(descriptor)
+        return moved
+
+    def _place(self, descriptor: dict[str, Any]) -> None:
+        assert self.store is not None
         stored = set(_buckets_for(descriptor["storage_services"], self.service_name))
         for bucket in sorted(stored - self.repos.keys()):
             try:
@@ -70,6 +113,8 @@ class HostedDht:
             if isinstance(dropped, FailedRepository):
                 continue
             self.store.remove(bucket)
+
+    def _route(self, descriptor: dict[str, Any]) -> None:
         storage = descriptor["storage_services"]
         layout = BucketMap.from_counts([entry["count"] for entry in storage],
                                        [entry["name"] for entry in storage],
@@ -81,6 +126,54 @@ class HostedDht:
             refs.assign(first, end, name)
         self.storage_refs = refs
 
+    def _activate(self, descriptor: dict[str, Any]) -> int:
+        """Open the store and the buckets stored here, and load the RAM
+        snapshot if there is one.  All or nothing: on failure everything
+        opened is closed again and the snapshot stays."""
+        self.store = self._platform.open_store(self.medium, self.home, self.label,
+                                               self.durability)
+        loaded = 0
+        try:
+            self._place(descriptor)
+            if self.medium == "ram" and snapshot.exists(self.home):
+                assert self.home is not None
+                loaded = snapshot.load(self.home, self.id, self.repos, self.label)
+        except BaseException:
+            self._release()
+            raise
+        if loaded:
+            snapshot.remove(self.home)  # type: ignore[arg-type]
+            log.info("service {service}: DHT {dht!r}: loaded {records} saved records",
+                     service=self.service_name, dht=self.name, records=loaded)
+        self.active = True
+        return loaded
+
+    def _deactivate(self) -> int:
+        """Save a RAM DHT's records (all or nothing), flush a disk DHT, then
+        close everything and give the memory back."""
+        saved = 0
+        if self.medium == "ram":
+            if self.home is None:
+                raise StorageFault(f"{self.label}: service {self.service_name} has no data "
+                                   f"dir to save the records of a RAM DHT in; it stays active")
+            saved = snapshot.save(self.home, self.id, self.repos, self.label)
+        else:
+            assert self.store is not None
+            self.store.flush()
+            saved = self.records()
+        self._release()
+        self.active = False
+        release_memory()
+        log.info("service {service}: DHT {dht!r} deactivated; {records} records kept on "
+                 "disk", service=self.service_name, dht=self.name, records=saved)
+        return saved
+
+    def _release(self) -> None:
+        self.repos.clear()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
     def storage_service(self, bucket: int) -> str:
         """AS: the service storing a bucket routed here; KeyError if the
         bucket is not routed here."""
@@ -89,26 +182,46 @@ class HostedDht:
     def ordered(self) -> bool:
         """Whether every repository here keeps its records in key order, so
         that key ranges can be walked (the platform decides)."""
-        return self._platform_ordered and all(repo.ordered for repo in self.repos.values())
+        return self._platform.ordered and all(repo.ordered for repo in self.repos.values())
 
     def records(self) -> int:
         return sum(len(repo) for repo in self.repos.values())
 
     def flush(self) -> None:
         """Write buffered records to the medium (disk platforms)."""
-        self.store.flush()
+        if self.store is not None:
+            self.store.flush()
 
     def close(self) -> None:
         """Close every repository, keeping what the medium holds (a service
-        that stops)."""
-        self.repos.clear()
-        self.store.close()
+        that stops).  A RAM DHT's records are gone; an inactive one's
+        snapshot stays."""
+        self._release()
 
     def destroy(self) -> None:
-        """Close every repository and delete its data (the DHT is no longer
-        hosted here)."""
+        """Close every repository and delete its data, snapshot included
+        (the DHT is no longer hosted here)."""
+        store, self.store = self.store, None
         self.repos.clear()
-        self.store.destroy()
+        if store is not None:
+            store.destroy()
+        if self.home is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+
+def release_memory() -> None:
+    """Hand memory freed by a deactivation back to the operating system:
+    glibc keeps freed small blocks in its arenas otherwise, and the point of
+    deactivating is a smaller service."""
+    try:
+        _libc().malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
 
 
 def _buckets_for(entries: list[dict[str, Any]], service_name: str) -> range:

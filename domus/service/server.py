@@ -22,6 +22,7 @@ from domus.control import ControlError, MessageProtocol, RemoteControlError
 from domus.resources import LoadSampler, base_resources
 from domus.service.handler import RequestHandler
 from domus.service.udp import UdpServer
+from domus.storage import StorageFault
 
 log = Logger(namespace="domus.service")
 
@@ -179,8 +180,11 @@ class DomusService(Service):
     def _supervisor_control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
         op = body["op"]
         if op == "assign":
-            self.handler.assign(body["dht"])
-            return {"ok": True}
+            try:
+                return {"ok": True, **self.handler.assign(body["dht"])}
+            except StorageFault as exc:
+                raise ControlError("StorageError", f"service {self.service_name}: {exc}") \
+                    from None
         if op == "drop":
             return {"dropped": self.handler.drop(body["id"])}
         if op == "sync":

@@ -45,6 +45,11 @@ class Repository(ABC):
     def key_snapshot(self) -> list[bytes]:
         """Every key at this moment, for a scan that may outlive changes."""
 
+    @abstractmethod
+    def records(self) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, value) pair, for saving the bucket; the iterator must
+        not outlive a change to the repository."""
+
     def key_range(self, low: bytes | None, high: bytes | None, *,
                   inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
                   items: bool = False) -> Iterator[bytes] | Iterator[tuple[bytes, bytes]]:
@@ -76,6 +81,9 @@ class MappingRepository(Repository):
 
     def key_snapshot(self) -> list[bytes]:
         return list(self)  # type: ignore[call-overload]
+
+    def records(self) -> Iterator[tuple[bytes, bytes]]:
+        return iter(self.items())  # type: ignore[attr-defined]
 
 
 class Store(ABC):
@@ -129,6 +137,9 @@ class FailedRepository(Repository):
         return 0
 
     def key_snapshot(self) -> list[bytes]:
+        raise self._fail()
+
+    def records(self) -> Iterator[tuple[bytes, bytes]]:
         raise self._fail()
 
 

@@ -108,20 +108,22 @@ class BerkeleyRepository(Repository):
         return self._count
 
     def _keys(self) -> Iterator[bytes]:
+        return (record[0] for record in self.records())
+
+    def key_snapshot(self) -> list[bytes]:
+        return list(self._keys())
+
+    def records(self) -> Iterator[tuple[bytes, bytes]]:
         cursor = self._db.cursor()
         try:
             record = cursor.first()
             while record is not None:
-                yield record[0]
+                yield record
                 record = cursor.next()
-        finally:
-            cursor.close()
-
-    def key_snapshot(self) -> list[bytes]:
-        try:
-            return list(self._keys())
         except (db.DBError, MemoryError) as exc:
             raise self._fault(exc) from exc
+        finally:
+            cursor.close()
 
     def key_range(self, low: bytes | None, high: bytes | None, *,
                   inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
@@ -229,7 +231,11 @@ class BerkeleyStore(Store):
             where = os.path.join(self.home, name) if self.home is not None else "in memory"
             raise StorageFault(f"{label}: cannot open its Berkeley DB database "
                                f"({where}): {detail}") from exc
-        repo = BerkeleyRepository(database, self.method == "btree", name, label)
+        try:
+            repo = BerkeleyRepository(database, self.method == "btree", name, label)
+        except StorageFault:
+            database.close()
+            raise
         self._repos[bucket] = repo
         return repo
 

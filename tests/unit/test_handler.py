@@ -40,8 +40,8 @@ class FakeClock:
         return self.now
 
 
-def make_handler(clock=None, **changes):
-    handler = RequestHandler("s1", clock=clock or FakeClock())
+def make_handler(clock=None, data_dir=None, **changes):
+    handler = RequestHandler("s1", clock=clock or FakeClock(), data_dir=data_dir)
     handler.assign(descriptor(**changes))
     return handler
 
@@ -296,14 +296,15 @@ def test_an_unknown_dht_id_is_reported_for_every_operation(name):
     assert all_records(handler) == {}
 
 
-def test_an_inactive_dht_refuses_requests_and_keeps_its_records():
-    handler = make_handler()
+def test_an_inactive_dht_refuses_requests_and_keeps_its_records(tmp_path):
+    handler = make_handler(data_dir=str(tmp_path))
     key = key_in(0)
     put(handler, key, b"v")
     handler.assign(descriptor(state="inactive"))
     assert get(handler, key)[0] == wire.ST_INACTIVE
     assert put(handler, key, b"w")[0] == wire.ST_INACTIVE
     assert call(handler, wire.encode_length(next_id(), CLIENT_A, DHT_ID))[0] == wire.ST_INACTIVE
+    assert handler.dhts[DHT_ID].records() == 0      # nothing held in memory
     handler.assign(descriptor(state="active"))
     assert get(handler, key) == (wire.ST_OK, b"v")
 
@@ -728,7 +729,8 @@ def test_stats_report_requests_records_and_counters():
     assert stats["requests"] == 4
     assert stats["by_op"] == {"put": 1, "get": 1, "stats": 1}
     assert stats["malformed"] == 1
-    assert stats["dhts"] == {"t": {"records": 1, "storage_buckets": 4, "routing_buckets": 8}}
+    assert stats["dhts"] == {"t": {"records": 1, "active": True, "storage_buckets": 4,
+                                   "routing_buckets": 8}}
 
 
 # ------------------------------------------------------------ hostile requests

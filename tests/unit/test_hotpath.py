@@ -83,6 +83,9 @@ class ListRepository(Repository):
     def key_snapshot(self):
         return [key for key, _value in self.items]
 
+    def records(self):
+        return iter(self.items)
+
 
 class CountingRepository(DictRepository):
     """A dict subclass with state beside the dict: C must leave it to Python."""

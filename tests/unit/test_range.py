@@ -149,12 +149,12 @@ def test_malformed_replies_do_not_decode(data):
 
 # ------------------------------------------------------------ the handler
 
-def range_handler(platform="domus-rbt", records=300, seed=7):
+def range_handler(platform="domus-rbt", records=300, seed=7, data_dir=None):
     """A handler storing buckets 0..3 of an 8-bucket DHT, filled through PUT
     requests with ``records`` records of mixed keys (ints of both signs and
     beyond 64 bits, str, bytes) and values of 0..400 bytes; and the records
     (encoded key -> value)."""
-    handler = RequestHandler("s1")
+    handler = RequestHandler("s1", data_dir=data_dir)
     handler.assign(descriptor(platform=platform))
     rng = random.Random(seed)
     stored = {}
@@ -411,8 +411,8 @@ def test_a_range_on_an_unknown_dht_is_unknown_dht():
     assert b"no DHT with id 99" in message
 
 
-def test_a_range_on_an_inactive_dht_is_inactive():
-    handler, _records = range_handler(records=5)
+def test_a_range_on_an_inactive_dht_is_inactive(tmp_path):
+    handler, _records = range_handler(records=5, data_dir=str(tmp_path))
     handler.assign(descriptor(platform="domus-rbt", state="inactive"))
     status, message = range_page(handler, RangeQuery(DHT_ID, None, None))
     assert status == wire.ST_INACTIVE

@@ -14,6 +14,7 @@ from domus import protocol as wire
 from domus.keys import bucket_of, encode_key
 from domus.service.handler import RequestHandler
 from domus.service.hosted import dht_home
+from domus.storage import StorageFault
 
 DHT_ID = 1
 BUCKETS = 8
@@ -111,5 +112,23 @@ def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk)
     assert handler.counters["internal_errors"] == 0
     # What was acknowledged before the disk filled is still there.
     for key in stored[:40]:
+        reply = handler.handle(request(wire.OP_GET, key), 1 << 20)
+        assert status_and_message(reply) == (wire.ST_OK, value)
+
+
+def test_deactivating_a_ram_dht_onto_a_full_disk_keeps_it_active_and_whole(small_disk):
+    handler = RequestHandler("s1", data_dir=small_disk)
+    handler.assign(descriptor("python-dict", "ram"))
+    value = os.urandom(60_000)
+    keys = [encode_key(number) for number in range(200)]          # 12 MB, a 4 MiB disk
+    for key in keys:
+        assert handler.handle(request(wire.OP_PUT, key, value))[2] == wire.ST_OK
+    inactive = dict(descriptor("python-dict", "ram"), state="inactive")
+    with pytest.raises(StorageFault, match="cannot save its records") as failure:
+        handler.assign(inactive)
+    assert "No space left on device" in str(failure.value)
+    assert handler.dhts[DHT_ID].active
+    assert os.listdir(dht_home(small_disk, DHT_ID)) == []          # no partial snapshot
+    for key in keys:
         reply = handler.handle(request(wire.OP_GET, key), 1 << 20)
         assert status_and_message(reply) == (wire.ST_OK, value)
