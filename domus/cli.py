@@ -224,6 +224,43 @@ def cmd_dht(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deployment(args: argparse.Namespace) -> int:
+    from domus import launch
+    from domus.errors import SupervisorUnreachable
+
+    state_dir = getattr(args, "data_dir", None)
+    try:
+        cluster = _cluster(args)
+    except SupervisorUnreachable:
+        if args.action == "shutdown" or not state_dir:
+            raise
+        print(f"no supervisor answers at {addresses.supervisor_address(args.supervisor)}; "
+              f"starting the deployment from {state_dir}")
+    else:
+        summary = launch.shutdown(cluster, save_ram=not args.discard_ram)
+        _print_shutdown(summary)
+        if args.action == "shutdown":
+            return 0
+        state_dir = state_dir or summary["data_dir"]
+    failures = launch.restart(os.path.abspath(state_dir), launcher=args.launcher,
+                              timeout=args.wait)
+    return 1 if failures else 0
+
+
+def _print_shutdown(summary: dict[str, Any]) -> None:
+    stopped = summary["stopped"]
+    print(f"stopped {len(stopped)} services ({', '.join(stopped) or 'none'}) and the "
+          f"supervisor")
+    if summary["not_stopped"]:
+        print(f"did not confirm they stopped: {', '.join(summary['not_stopped'])}",
+              file=sys.stderr)
+    if summary["down"]:
+        print(f"were down already: {', '.join(summary['down'])}")
+    for name, records in sorted(summary["saved_ram_dhts"].items()):
+        print(f"RAM DHT {name!r}: {records} records saved; active again after the restart")
+    print(f"restart with: domus deployment restart --data-dir {summary['data_dir']}")
+
+
 def _per_service(counts: dict[str, int]) -> str:
     return ", ".join(f"{service}: {count}" for service, count in sorted(counts.items()))
 
@@ -339,6 +376,27 @@ def build_parser() -> argparse.ArgumentParser:
     talks(actions.add_parser("activate", help="bring a deactivated DHT back")) \
         .add_argument("name")
     dht.set_defaults(func=cmd_dht)
+
+    deployment = commands.add_parser("deployment", help="shut a whole deployment down, or "
+                                     "restart it with every disk (and saved RAM) DHT")
+    stages = deployment.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, helptext in (
+            ("shutdown", "stop every service (disk DHTs flushed, RAM DHTs saved) and the "
+                         "supervisor"),
+            ("restart", "shut down if running, then start the supervisor and every service "
+                        "again from the supervisor's state")):
+        stage = talks(stages.add_parser(action, help=helptext))
+        stage.add_argument("--discard-ram", action="store_true",
+                           help="do not save RAM DHTs: they come back empty")
+        if action == "restart":
+            stage.add_argument("--data-dir", metavar="DIR",
+                               help="the supervisor's data dir (needed when it is not running)")
+            stage.add_argument("--launcher", metavar="TEMPLATE",
+                               help="how to run a command on a service's host, e.g. "
+                                    "'ssh {host}' (services on this host start directly)")
+            stage.add_argument("--wait", type=float, default=60.0,
+                               help="seconds to wait for the processes to come up (default 60)")
+    deployment.set_defaults(func=cmd_deployment)
 
     for name, helptext in (("put", "store a value"), ("get", "print a value"),
                            ("del", "delete a key")):

@@ -22,7 +22,7 @@ from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
 
-from domus import __version__, assignment
+from domus import __version__, assignment, launch
 from domus import address as addresses
 from domus.attributes import check_request, default_bucket_count
 from domus.control import ControlError, MessageProtocol
@@ -35,13 +35,18 @@ DOWN_AFTER = 5.0       # seconds without a heartbeat before a service is down
 PUSH_TIMEOUT = 10.0    # seconds a service has to acknowledge an assignment
 # Deactivating a RAM DHT writes every record it holds; activating reads them.
 STATE_CHANGE_TIMEOUT = 600.0
+SHUTDOWN_WAIT = 30.0   # seconds a service has to stop when the deployment shuts down
 
 
 class SupervisorService(Service):
     def __init__(self, *, listen: str, data_dir: str, down_after: float = DOWN_AFTER) -> None:
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
+        data_dir = os.path.abspath(data_dir)
         self.state = SupervisorState(data_dir)
+        self.state.launch = launch.record("supervisor", listen, [
+            "supervisor", "--listen", listen, "--data-dir", data_dir], data_dir)
+        self._shutting_down = False
         self.down_after = down_after
         self.links: dict[str, MessageProtocol] = {}
         self.live: dict[str, dict[str, Any]] = {}   # name -> last_seen, load, stats
@@ -66,6 +71,7 @@ class SupervisorService(Service):
 
         factory.buildProtocol = build
         self._port = reactor.listenTCP(self.listen_port, factory, interface=self.listen_host)
+        self.state.save()     # with this process's launch record
         self._watch = task.LoopingCall(self._watch_services)
         self._watch.start(1.0, now=False)
         log.info("supervisor listening on {address}; state in {path} ({services} services, "
@@ -107,9 +113,13 @@ class SupervisorService(Service):
 
     def op_register(self, link: MessageProtocol, *, name: str, address: str,
                     resources: dict[str, Any], held: dict[str, Any] | None = None,
-                    version: str = "", pid: int = 0) -> dict[str, Any]:
+                    version: str = "", pid: int = 0,
+                    launch: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self._shutting_down:
+            raise ControlError("SupervisorError", "the deployment is shutting down; start "
+                               "this service again after `domus deployment restart`")
         if not (isinstance(name, str) and name and isinstance(address, str)
-                and isinstance(resources, dict)):
+                and isinstance(resources, dict) and isinstance(launch, dict | None)):
             raise ControlError("SupervisorError", "register needs a non-empty string name, "
                                "a HOST:PORT address and a map of resources")
         try:
@@ -118,8 +128,8 @@ class SupervisorService(Service):
                 float(resources.get(field) or 0)
             # The record is saved as JSON: refuse what would not save, rather
             # than poison the state (and every later save) with it.
-            json.dumps({"resources": resources, "version": version, "pid": pid},
-                       sort_keys=True)
+            json.dumps({"resources": resources, "version": version, "pid": pid,
+                        "launch": launch}, sort_keys=True)
         except (TypeError, ValueError) as exc:
             raise ControlError("SupervisorError", f"cannot register service {name!r}: "
                                f"{exc}") from None
@@ -138,7 +148,8 @@ class SupervisorService(Service):
             old.transport.loseConnection()
         record = {"name": name, "address": address, "resources": resources,
                   "registered": known["registered"] if known else time.time(),
-                  "last_registered": time.time(), "version": version, "pid": pid}
+                  "last_registered": time.time(), "version": version, "pid": pid,
+                  "launch": launch or (known or {}).get("launch")}
         self.state.services[name] = record
         moved = known is not None and known["address"] != address
         if moved:
@@ -179,6 +190,24 @@ class SupervisorService(Service):
                 log.warn("service {name} has sent no heartbeat for {seconds:.1f}s",
                          name=name,
                          seconds=time.monotonic() - self.live.get(name, {}).get("last_seen", 0))
+        self._resume_dhts()
+
+    def _resume_dhts(self) -> None:
+        """Activate again each RAM DHT a deployment shutdown saved, as soon
+        as every service it involves is back up."""
+        if self._shutting_down:
+            return
+        for name, descriptor in list(self.state.dhts.items()):
+            if (not descriptor.get("resume") or name in self._changing
+                    or any(self.service_state(service) != "up"
+                           for service in self._involved(descriptor))):
+                continue
+            log.info("activating DHT {name!r} again: the deployment was restarted", name=name)
+            self._change_state(name, "active").addErrback(
+                lambda failure, dht=name: log.error(
+                    "could not activate DHT {name!r} after the restart: {error}; it stays "
+                    "inactive (`domus dht activate {name}` tries again)", name=dht,
+                    error=failure.getErrorMessage()))
 
     def op_services(self, link: MessageProtocol) -> list[dict[str, Any]]:
         return [self._service_view(name) for name in sorted(self.state.services)]
@@ -251,6 +280,7 @@ class SupervisorService(Service):
         return {key: descriptor[key] for key in ("name", "id", "buckets", "hash", "storage",
                                                  "platform", "routing", "lookup", "state",
                                                  "created")} | {
+            "resume": descriptor.get("resume", False),
             "routing_services": [entry["name"] for entry in descriptor["routing_services"]],
             "storage_services": [entry["name"] for entry in descriptor["storage_services"]]}
 
@@ -362,7 +392,7 @@ class SupervisorService(Service):
         return self._change_state(name, "active")
 
     @defer.inlineCallbacks
-    def _change_state(self, name: str, state: str) -> Any:
+    def _change_state(self, name: str, state: str, resume: bool = False) -> Any:
         """Take a DHT offline (its RAM records saved by each service, its
         memory freed) or bring it back, on every service it involves.
 
@@ -385,6 +415,11 @@ class SupervisorService(Service):
                                f"{down} are not up; start them (`domus status` shows them) "
                                f"and try again")
         changed = dict(descriptor, state=state)
+        # ``resume``: deactivated by a deployment shutdown, to be activated
+        # again once its services are back (see _resume_dhts).
+        changed.pop("resume", None)
+        if resume:
+            changed["resume"] = True
         self._changing.add(name)
         try:
             answers = yield defer.DeferredList(
@@ -415,6 +450,67 @@ class SupervisorService(Service):
                  records=sum(records.values()),
                  how="saved or closed on disk" if state == "inactive" else "back in service")
         return {"name": name, "state": state, "changed": True, "records": records}
+
+    # -------------------------------------------------------------- shutdown
+    @defer.inlineCallbacks
+    def op_shutdown_deployment(self, link: MessageProtocol, *, save_ram: bool = True) -> Any:
+        """Stop every service cleanly (disk DHTs flushed and closed), then
+        this supervisor; its state and the services' launch records stay, for
+        ``domus deployment restart``.
+
+        With ``save_ram`` (the default) every active RAM DHT is first
+        deactivated (its records saved under the services' data dirs) and
+        marked to be activated again once its services are back, so a
+        restart brings every DHT back as it was.  If one cannot be saved,
+        nothing is stopped and the error says which.  Without it, RAM DHTs
+        come back empty."""
+        if self._shutting_down:
+            raise ControlError("SupervisorError", "the deployment is already shutting down")
+        saved: dict[str, int] = {}
+        if save_ram:
+            for name, descriptor in list(self.state.dhts.items()):
+                if descriptor["storage"] != "ram" or descriptor.get("state") == "inactive":
+                    continue
+                try:
+                    answer = yield self._change_state(name, "inactive", resume=True)
+                except ControlError as exc:
+                    raise ControlError("SupervisorError", f"nothing was stopped: RAM DHT "
+                                       f"{name!r} could not be saved ({exc.message}); fix "
+                                       f"that, or shut down with --discard-ram") from None
+                saved[name] = sum(answer["records"].values())
+        self._shutting_down = True
+        stopping = {name: link_to for name, link_to in self.links.items() if link_to.connected}
+        for link_to in stopping.values():
+            link_to.call("shutdown", timeout=PUSH_TIMEOUT).addErrback(lambda _failure: None)
+        gone = yield defer.DeferredList([self._gone(link_to) for link_to in stopping.values()])
+        stopped = sorted(name for name, (_ok, went) in zip(stopping, gone) if went)
+        still = sorted(set(stopping) - set(stopped))
+        log.info("deployment shutdown: services {stopped} stopped{still}; the supervisor stops "
+                 "now", stopped=stopped, still=f", {still} did not" if still else "")
+        from twisted.internet import reactor
+
+        reactor.callLater(0.2, reactor.stop)
+        return {"stopped": stopped, "not_stopped": still,
+                "down": sorted(set(self.state.services) - set(stopping)),
+                "saved_ram_dhts": saved, "data_dir": self.state.data_dir}
+
+    @staticmethod
+    def _gone(link_to: MessageProtocol) -> defer.Deferred:
+        """Fires True once the service closes its link (it has stopped),
+        False if it has not within SHUTDOWN_WAIT."""
+        from twisted.internet import reactor
+
+        waited: defer.Deferred = defer.Deferred()
+        timer = reactor.callLater(SHUTDOWN_WAIT, lambda: waited.called or waited.callback(False))
+
+        def closed(_: Any) -> None:
+            if timer.active():
+                timer.cancel()
+            if not waited.called:
+                waited.callback(True)
+
+        link_to.lost.addCallback(closed)
+        return waited
 
     # -------------------------------------------------------------- status
     def op_status(self, link: MessageProtocol) -> dict[str, Any]:

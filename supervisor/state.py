@@ -27,6 +27,9 @@ class SupervisorState:
         self.dhts: dict[str, dict[str, Any]] = {}
         self.next_dht_id = 1
         self.created = time.time()
+        # How to start this supervisor again (domus.launch); services'
+        # launch records are in their entries of ``services``.
+        self.launch: dict[str, Any] = {}
         os.makedirs(data_dir, exist_ok=True)
         if os.path.exists(self.path):
             self._load()
@@ -41,10 +44,11 @@ class SupervisorState:
         self.dhts = saved["dhts"]
         self.next_dht_id = saved["next_dht_id"]
         self.created = saved.get("created", self.created)
+        self.launch = saved.get("launch", {})
 
     def save(self) -> None:
         snapshot = {"format": FORMAT, "created": self.created, "next_dht_id": self.next_dht_id,
-                    "services": self.services, "dhts": self.dhts}
+                    "services": self.services, "dhts": self.dhts, "launch": self.launch}
         temporary = self.path + ".tmp"
         with open(temporary, "w", encoding="utf-8") as target:
             json.dump(snapshot, target, indent=1, sort_keys=True)

@@ -16,7 +16,7 @@ from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
 
-from domus import __version__
+from domus import __version__, launch
 from domus import address as addresses
 from domus.control import ControlError, MessageProtocol, RemoteControlError
 from domus.resources import LoadSampler, base_resources
@@ -39,10 +39,17 @@ class DomusService(Service):
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
         self.service_name = name or self.address
-        self.data_dir = data_dir
+        self.data_dir = os.path.abspath(data_dir)
         os.makedirs(data_dir, exist_ok=True)
         self.heartbeat_interval = heartbeat
         self.resources = base_resources(data_dir, **(resources or {}))
+        declared = [argument for field, value in sorted((resources or {}).items())
+                    for argument in (f"--{field}", str(value))]
+        self.launch = launch.record("service", self.address, [
+            "service", "--name", self.service_name,
+            "--supervisor", supervisor, "--listen", self.address,
+            "--data-dir", self.data_dir, "--heartbeat", str(heartbeat), *declared],
+            self.data_dir)
         self.handler = RequestHandler(self.service_name, data_dir=data_dir)
         self.sampler = LoadSampler()
         self.started = time.time()
@@ -131,7 +138,7 @@ class DomusService(Service):
         held = {str(dht_id): sorted(hosted.repos) for dht_id, hosted in self.handler.dhts.items()}
         registering = link.call("register", name=self.service_name, address=self.address,
                                 resources=self.resources, version=__version__, held=held,
-                                pid=os.getpid())
+                                pid=os.getpid(), launch=self.launch)
         registering.addCallbacks(self._registered, self._register_failed, errbackArgs=(link,))
 
     def _registered(self, answer: dict[str, Any]) -> None:
