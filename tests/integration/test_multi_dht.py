@@ -96,10 +96,10 @@ def test_records_land_only_on_the_storage_set(cluster):
     addresses = service_addresses(cluster)
     stats = {name: service_stats(address) for name, address in addresses.items()}
     assert records_held(stats["s1"], "alpha") == 0
-    assert stats["s1"]["dhts"]["alpha"] == {"records": 0, "storage_buckets": 0,
-                                            "routing_buckets": 64}
-    assert stats["s1"]["dhts"]["beta"] == {"records": 300, "storage_buckets": 32,
-                                           "routing_buckets": 0}
+    assert stats["s1"]["dhts"]["alpha"] == {"records": 0, "active": True,
+                                            "storage_buckets": 0, "routing_buckets": 64}
+    assert stats["s1"]["dhts"]["beta"] == {"records": 300, "active": True,
+                                           "storage_buckets": 32, "routing_buckets": 0}
     for name in ("s2", "s3"):
         assert records_held(stats[name], "beta") == 0
         assert stats[name]["dhts"]["beta"]["storage_buckets"] == 0
