@@ -79,6 +79,7 @@ async def job(reactor: Any, supervisor: str) -> dict[str, Any]:
     from domus import txclient
     from domus.errors import (
         DhtExists,
+        DhtInactive,
         InvalidAttribute,
         KeyTypeError,
         SupervisorUnreachable,
@@ -172,6 +173,15 @@ async def job(reactor: Any, supervisor: str) -> dict[str, Any]:
                            InvalidAttribute)
     await check.fails_with("bad lookup", cluster.open_dht("tx_model", lookup="C,R"),
                            InvalidAttribute)
+    napping = await cluster.create_dht("tx_napping", buckets=8, platform="domus-rbt")
+    await napping.put_many({number: number for number in range(200)})
+    kept = await cluster.deactivate_dht("tx_napping")
+    check("deactivation keeps every record", sum(kept.values()) == 200, kept)
+    await check.fails_with("use an inactive DHT", napping.get(7), DhtInactive)
+    loaded = await cluster.activate_dht("tx_napping")
+    check("activation loads them back", loaded == kept, loaded)
+    check("records back after activation", await napping.get(199) == 199)
+    await cluster.destroy_dht("tx_napping")
     doomed_dht = await cluster.create_dht("tx_doomed", buckets=8)
     await doomed_dht.put("k", 1)
     await cluster.destroy_dht("tx_doomed")
