@@ -440,12 +440,18 @@ class SupervisorService(Service):
                                      for service, message in sorted(failed.items()))
                 raise ControlError("SupervisorError", f"could not {verb} DHT {name!r}, which "
                                    f"stays {descriptor.get('state', 'active')}: {problems}")
+            records = {service: answer.get("records", 0)
+                       for service, (_ok, answer) in zip(involved, answers)}
+            # ``saved``: what each service wrote to its RAM snapshot, so that
+            # activation can tell a missing or short snapshot from an empty
+            # one.  Kept while inactive, sent with the activation, then gone.
+            changed.pop("saved", None)
+            if state == "inactive" and descriptor["storage"] == "ram":
+                changed["saved"] = records
             self.state.dhts[name] = changed
             self.state.save()
         finally:
             self._changing.discard(name)
-        records = {service: answer.get("records", 0)
-                   for service, (_ok, answer) in zip(involved, answers)}
         log.info("{verb}d DHT {name!r}: {records} records {how}", verb=verb, name=name,
                  records=sum(records.values()),
                  how="saved or closed on disk" if state == "inactive" else "back in service")

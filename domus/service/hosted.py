@@ -133,11 +133,20 @@ class HostedDht:
         self.store = self._platform.open_store(self.medium, self.home, self.label,
                                                self.durability)
         loaded = 0
+        # What this service saved when the DHT was deactivated (the
+        # supervisor remembers it): a snapshot missing or short of it is an
+        # error, never an empty or partial DHT.
+        expected = (descriptor.get("saved") or {}).get(self.service_name)
         try:
             self._place(descriptor)
             if self.medium == "ram" and snapshot.exists(self.home):
                 assert self.home is not None
                 loaded = snapshot.load(self.home, self.id, self.repos, self.label)
+            if expected is not None and loaded != expected and self.medium == "ram":
+                where = snapshot.snapshot_path(self.home) if self.home else "no data dir"
+                raise StorageFault(f"{self.label}: service {self.service_name} saved "
+                                   f"{expected} records when the DHT was deactivated, but "
+                                   f"{loaded} are in {where}; the DHT stays inactive")
         except BaseException:
             self._release()
             raise

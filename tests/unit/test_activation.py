@@ -164,3 +164,22 @@ def test_snapshots_hold_large_values_and_many_chunks(tmp_path, monkeypatch):
     handler.assign(descriptor(platform="domus-rbt", state="inactive"))
     handler.assign(descriptor(platform="domus-rbt", state="active"))
     assert_serves(handler, stored)
+
+
+def test_a_missing_snapshot_is_an_error_not_an_empty_dht(tmp_path):
+    handler = handler_with(tmp_path)
+    stored = fill(handler, per_bucket=5)
+    saved = handler.assign(descriptor(state="inactive"))["records"]
+    os.unlink(snapshot.snapshot_path(dht_home(str(tmp_path), DHT_ID)))   # a wiped disk
+    with pytest.raises(StorageFault, match=f"saved {saved} records .* but 0 are in"):
+        handler.assign(descriptor(state="active", saved={"s1": saved}))
+    assert not handler.dhts[DHT_ID].active
+    assert get(handler, next(iter(stored)))[0] == wire.ST_STORAGE_ERROR
+
+
+def test_the_count_saved_is_checked_on_activation(tmp_path):
+    handler = handler_with(tmp_path)
+    fill(handler, per_bucket=5)
+    saved = handler.assign(descriptor(state="inactive"))["records"]
+    answer = handler.assign(descriptor(state="active", saved={"s1": saved, "s2": 99}))
+    assert answer == {"state": "active", "records": saved}
