@@ -9,11 +9,18 @@ requests (random 64-bit int key and value, one request per round trip) for
 T seconds, then single gets of the keys they stored, in the same order,
 for T seconds.  Then
 ``--records`` records (int key, 8-byte value) go into a fresh DHT of that
-technology with put_many, and the bytes per record are what the service
-process's RSS grew by (RAM media) or what the DHT's files take on disk after
-a flush (disk media; RAM Berkeley DB is not measured: its pages land in a
-cache region reserved up front).  Prints a table and the ratio the storage issue sets
-a target for: disk domus-bsddb-btree put1 / ram python-dict put1.
+technology with put_many, and the bytes per record are measured one of three
+ways, which the table names:
+
+- ``rss``: what the service process's RSS grew by (RAM python-dict and
+  domus-rbt);
+- ``files``: what the DHT's files take on disk after a flush (disk media);
+- ``pages``: the DHT's ``storage_bytes`` in the service's stats, Berkeley DB's
+  pages x page size (RAM Berkeley DB, whose pages land in a cache region
+  reserved up front, so RSS does not show them one by one).
+
+Prints a table and the ratio the storage issue sets a target for: disk
+domus-bsddb-btree put1 / ram python-dict put1.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -31,6 +39,8 @@ from typing import Any
 import psutil
 
 from benchmarks.put1 import INT64, _run_clients
+from domus import address as addresses
+from domus import protocol as wire
 from domus.deploy import LocalDeployment, free_port_block
 from domus.service.hosted import dht_home
 from domus.storage import PLATFORMS
@@ -62,6 +72,24 @@ def _timed(operation: Any, seconds: float, seed: int) -> tuple[int, float]:
         if time.perf_counter() >= end:
             break
     return count, time.perf_counter() - started
+
+
+def _service_stats(address: str) -> dict[str, Any]:
+    """A service's own stats (OP_STATS over UDP; asked again if lost)."""
+    host, port = addresses.parse(address)
+    request = wire.request_header(wire.OP_STATS, 1, random.getrandbits(63))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(2.0)
+        for _attempt in range(5):
+            sock.sendto(request, (host, port))
+            try:
+                reply = sock.recv(65536)
+            except TimeoutError:
+                continue
+            if reply[2] != wire.ST_OK:
+                raise RuntimeError(f"service {address} refused its stats: {reply[8:]!r}")
+            return wire.unpack(reply[wire.REPLY_HEADER_SIZE:])
+    raise RuntimeError(f"service {address} did not answer OP_STATS")
 
 
 def _put_worker(target: Any, seconds: float, seed: int, barrier: Any, results: Any) -> None:
@@ -97,18 +125,24 @@ def measure(clients: int, seconds: float, records: int) -> dict[str, dict[str, f
                                         for _ in range(min(10_000, records - start))})
                     size: float | None
                     if medium == "disk":
+                        method = "files"
                         time.sleep(2.5)                       # the service flushes every second
                         home = dht_home(os.path.join(data_dir, "s1"), sized.id)
                         size = sum(entry.stat().st_size for entry in os.scandir(home))
                     elif platform.startswith("domus-bsddb"):
                         # Pages land in a cache region reserved when the DHT
-                        # was created: RSS does not show them one by one.
-                        size = None
+                        # was created: RSS does not show them one by one, the
+                        # service's count of the DHT's pages does.
+                        method = "pages"
+                        stats = _service_stats(deployment.service_address(0))
+                        size = stats["dhts"][name + "-size"].get("storage_bytes")
                     else:
+                        method = "rss"
                         size = service.memory_info().rss - before
                     results[f"{medium} {platform}"] = {
                         "put1": put, "get": get,
-                        "bytes_per_record": None if size is None else size / records}
+                        "bytes_per_record": None if size is None else size / records,
+                        "bytes_method": method}
                     print(f"  {medium} {platform}: put1 {put:,.0f}/s get {get:,.0f}/s",
                           file=sys.stderr)
     finally:
@@ -140,11 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     results = measure(args.clients, args.seconds, args.records)
     print(f"one service, K = {args.clients} clients, {args.seconds:g} s per point, "
           f"{os.cpu_count()} cores")
-    print(f"{'technology':>26} {'put1 ops/s':>12} {'get ops/s':>12} {'bytes/record':>13}")
+    print(f"{'technology':>26} {'put1 ops/s':>12} {'get ops/s':>12} {'bytes/record':>13}  "
+          f"measured by")
     for name, row in results.items():
         size = row["bytes_per_record"]
         print(f"{name:>26} {row['put1']:>12,.0f} {row['get']:>12,.0f} "
-              + (f"{size:>13,.0f}" if size is not None else f"{'n/a':>13}"))
+              + (f"{size:>13,.0f}" if size is not None else f"{'n/a':>13}")
+              + f"  {row['bytes_method']}")
+    print("bytes/record measured by: rss = service RSS growth, files = the DHT's files "
+          "after a flush, pages = Berkeley DB pages x page size (service stats)")
     base = results["ram python-dict"]
     disk = results["disk domus-bsddb-btree"]
     ratio = disk["put1"] / base["put1"]

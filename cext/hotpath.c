@@ -21,16 +21,28 @@
  *                ReplyCache rotates it in place.
  * A repository is driven directly when its type is exactly dict or the
  * `dict_type` given (DictRepository, a dict subclass whose methods mean
- * exactly the dict's), or when it is an instance of the C RBTree type (through
- * the capsule API of domus._rbtree).  Such a repository's Python-level methods
- * are not called, so an RBTree subclass must not give put/get/delete/contains
- * another meaning.  Other dict subclasses may keep state beside the dict's
- * (an index, a counter), so they are declined.
+ * exactly the dict's), when it is an instance of the C RBTree type (through
+ * the capsule API of domus._rbtree), or when it is an instance of
+ * DatabaseRepository, defined here (BerkeleyRepository): a repository whose
+ * records sit in a database object with Berkeley DB's calling conventions,
+ * whose bound get/put/exists/delete methods are C functions that C calls
+ * directly, and whose record count C keeps.  Such a repository's
+ * Python-level methods are not called, so an RBTree or DatabaseRepository
+ * subclass must not give put/get/delete/contains another meaning.  Other
+ * dict subclasses may keep state beside the dict's (an index, a counter), so
+ * they are declined.
+ *
+ * A database call that fails (a Berkeley DB error: a full disk, a corrupt
+ * page, a cache out of room) is not an error of the C path: C undoes what
+ * the request changed, clears the exception and declines, and the Python
+ * handler meets the failure again and answers STORAGE_ERROR.
  *
  * No Python code runs while a request is handled (bytes keys hash and
- * compare in C), but every object used across a call that allocates is held
- * by a strong reference anyway.  Functions return HANDLED (1), DECLINED (0)
- * or -1 with an exception set.
+ * compare in C; berkeleydb's methods are C and run no Python code, though
+ * they release the GIL around each call into libdb, which a service, having
+ * no other threads, does not notice), but every object used across a call
+ * that allocates is held by a strong reference anyway.  Functions return
+ * HANDLED (1), DECLINED (0) or -1 with an exception set.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -76,6 +88,27 @@
 
 #define HANDLED 1
 #define DECLINED 0
+/* What a repository function returns when a database call failed: its
+ * exception is cleared, and that call changed nothing. */
+#define FAILED (-2)
+
+/* A repository whose records are in a database object (a Berkeley DB DB):
+ * its bound methods, the conventions they follow, and its record count.
+ * The methods, or all of them, are NULL until __init__ has run; such a
+ * repository is declined. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *get;              /* get(key) -> bytes or None */
+    PyObject *put;              /* put(key, value[, txn, flags]) */
+    PyObject *exists;           /* exists(key) -> bool */
+    PyObject *remove;           /* delete(key) */
+    PyObject *no_overwrite;     /* the flags that make put refuse a key */
+    PyObject *key_exists;       /* what put raises when it refuses */
+    PyObject *not_found;        /* what delete raises for an absent key */
+    Py_ssize_t record_count;
+} DatabaseRepository;
+
+static PyTypeObject DatabaseRepositoryType;
 
 typedef struct {
     PyObject_HEAD
@@ -94,7 +127,9 @@ typedef struct {
     unsigned long long by_op[256];
 } FastPath;
 
-typedef enum { REPO_UNSUPPORTED, REPO_DICT, REPO_TREE } RepoKind;
+typedef enum {
+    REPO_UNSUPPORTED, REPO_DICT, REPO_TREE, REPO_DATABASE
+} RepoKind;
 
 /* A bucket's repository, with a strong reference. */
 typedef struct {
@@ -191,6 +226,10 @@ repo_kind(FastPath *self, PyObject *repo)
                                                      self->tree_api->type)) {
         return REPO_TREE;
     }
+    if (PyObject_TypeCheck(repo, &DatabaseRepositoryType)
+            && ((DatabaseRepository *)repo)->get != NULL) {
+        return REPO_DATABASE;
+    }
     return REPO_UNSUPPORTED;
 }
 
@@ -242,11 +281,113 @@ find_repo(FastPath *self, PyObject *buckets, uint32_t bucket, Repo *repo)
     return HANDLED;
 }
 
-/* 1 with a borrowed reference in *value, 0 if absent, -1 on error. */
+/* Calls one of a database's methods (holding it across the call, which
+ * releases the GIL): a new reference, or NULL with the exception set. */
+static PyObject *
+database_call(PyObject *method, PyObject *const *args, size_t count)
+{
+    Py_INCREF(method);
+    PyObject *result = PyObject_Vectorcall(method, args, count, NULL);
+    Py_DECREF(method);
+    return result;
+}
+
+/* 1 with a new reference in *value, 0 if absent, FAILED. */
+static int
+database_get(DatabaseRepository *db, PyObject *key, PyObject **value)
+{
+    PyObject *found = database_call(db->get, &key, 1);
+    if (found == NULL) {
+        PyErr_Clear();
+        return FAILED;
+    }
+    if (found == Py_None) {
+        Py_DECREF(found);
+        return 0;
+    }
+    *value = found;
+    return 1;
+}
+
+/* 1 if present, 0 if absent, FAILED. */
+static int
+database_contains(DatabaseRepository *db, PyObject *key)
+{
+    PyObject *answer = database_call(db->exists, &key, 1);
+    if (answer == NULL) {
+        PyErr_Clear();
+        return FAILED;
+    }
+    int present = PyObject_IsTrue(answer);
+    Py_DECREF(answer);
+    if (present < 0) {
+        PyErr_Clear();
+        return FAILED;
+    }
+    return present;
+}
+
+/* BerkeleyRepository.put: a put that refuses an existing key, then, if it
+ * did, one that overwrites it.  1 if the key was new (counted), 0 if its
+ * value was replaced, FAILED (nothing changed).  With `previous`, a
+ * replaced value is read before it is overwritten and handed back in
+ * *previous (a new reference), so that the change can be undone. */
+static int
+database_put(DatabaseRepository *db, PyObject *key, PyObject *value,
+             PyObject **previous)
+{
+    PyObject *args[4] = {key, value, Py_None, db->no_overwrite};
+    PyObject *done = database_call(db->put, args, 4);
+    if (done != NULL) {
+        Py_DECREF(done);
+        db->record_count++;
+        return 1;
+    }
+    int refused = PyErr_ExceptionMatches(db->key_exists);
+    PyErr_Clear();
+    if (!refused) {
+        return FAILED;
+    }
+    PyObject *old = NULL;
+    if (previous != NULL && database_get(db, key, &old) != 1) {
+        return FAILED;      /* (absent: only another writer could do that) */
+    }
+    done = database_call(db->put, args, 2);
+    if (done == NULL) {
+        PyErr_Clear();
+        Py_XDECREF(old);
+        return FAILED;
+    }
+    Py_DECREF(done);
+    if (previous != NULL) {
+        *previous = old;
+    }
+    return 0;
+}
+
+/* 1 if removed (counted), 0 if absent, FAILED (nothing changed). */
+static int
+database_remove(DatabaseRepository *db, PyObject *key)
+{
+    PyObject *done = database_call(db->remove, &key, 1);
+    if (done != NULL) {
+        Py_DECREF(done);
+        db->record_count--;
+        return 1;
+    }
+    int absent = PyErr_ExceptionMatches(db->not_found);
+    PyErr_Clear();
+    return absent ? 0 : FAILED;
+}
+
+/* 1 with a new reference in *value, 0 if absent, -1 on error, FAILED. */
 static int
 repo_get(FastPath *self, Repo repo, PyObject *key, PyObject **value)
 {
     PyObject *found;
+    if (repo.kind == REPO_DATABASE) {
+        return database_get((DatabaseRepository *)repo.object, key, value);
+    }
     if (repo.kind == REPO_DICT) {
         found = PyDict_GetItemWithError(repo.object, key);
     }
@@ -256,25 +397,34 @@ repo_get(FastPath *self, Repo repo, PyObject *key, PyObject **value)
     if (found == NULL) {
         return PyErr_Occurred() ? -1 : 0;
     }
+    Py_INCREF(found);
     *value = found;
     return 1;
 }
 
-/* 1 if present, 0 if absent, -1 on error. */
+/* 1 if present, 0 if absent, -1 on error, FAILED. */
 static int
 repo_contains(FastPath *self, Repo repo, PyObject *key)
 {
+    if (repo.kind == REPO_DATABASE) {
+        return database_contains((DatabaseRepository *)repo.object, key);
+    }
     if (repo.kind == REPO_DICT) {
         return PyDict_Contains(repo.object, key);
     }
     return self->tree_api->contains(repo.object, key);
 }
 
-/* 1 if the key was new, 0 if its value was replaced, -1 on error (nothing
- * changed). */
+/* 1 if the key was new, 0 if its value was replaced, -1 on error or FAILED
+ * (nothing changed).  `previous` as for database_put, which alone uses it. */
 static int
-repo_put(FastPath *self, Repo repo, PyObject *key, PyObject *value)
+repo_put(FastPath *self, Repo repo, PyObject *key, PyObject *value,
+         PyObject **previous)
 {
+    if (repo.kind == REPO_DATABASE) {
+        return database_put((DatabaseRepository *)repo.object, key, value,
+                            previous);
+    }
     if (repo.kind == REPO_DICT) {
         /* One lookup: storing a new key is what grows the dict. */
         Py_ssize_t before = PyDict_GET_SIZE(repo.object);
@@ -286,10 +436,14 @@ repo_put(FastPath *self, Repo repo, PyObject *key, PyObject *value)
     return self->tree_api->put(repo.object, key, value);
 }
 
-/* 1 if removed, 0 if absent, -1 on error. */
+/* 1 if removed, 0 if absent, -1 on error or FAILED (nothing changed).
+ * Dicts and trees are asked only for a key they hold. */
 static int
 repo_remove(FastPath *self, Repo repo, PyObject *key)
 {
+    if (repo.kind == REPO_DATABASE) {
+        return database_remove((DatabaseRepository *)repo.object, key);
+    }
     if (repo.kind == REPO_DICT) {
         return PyDict_DelItem(repo.object, key) < 0 ? -1 : 1;
     }
@@ -337,6 +491,19 @@ cache_lookup(PyObject *current, PyObject *previous, PyObject *token)
         cached = PyDict_GetItemWithError(previous, token);
     }
     return cached;
+}
+
+/* Takes the reply cached under `token` back out (its change failed),
+ * keeping any exception that is set. */
+static void
+uncache(PyObject *current, PyObject *token)
+{
+    PyObject *type, *exc, *traceback;
+    PyErr_Fetch(&type, &exc, &traceback);
+    if (PyDict_DelItem(current, token) < 0) {
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, exc, traceback);
 }
 
 /* ------------------------------------------------------------ single keys */
@@ -408,20 +575,17 @@ handle_read(FastPath *self, int op, const unsigned char *data,
         PyObject *value = NULL;
         present = repo_get(self, repo, key, &value);
         if (present == 1) {
-            if (!PyBytes_Check(value)) {
-                result = DECLINED;
+            if (!PyBytes_Check(value)
+                    || PyBytes_GET_SIZE(value) + REPLY_HEADER_SIZE > limit) {
+                Py_DECREF(value);
+                result = DECLINED;  /* not bytes, or REPLY_TOO_LARGE */
                 goto done;
             }
-            if (PyBytes_GET_SIZE(value) + REPLY_HEADER_SIZE > limit) {
-                result = DECLINED;  /* REPLY_TOO_LARGE */
-                goto done;
-            }
-            Py_INCREF(value);
             reply->value = value;
         }
     }
     if (present < 0) {
-        result = -1;
+        result = present == FAILED ? DECLINED : -1;
         goto done;
     }
     write_reply_header(reply->head, present ? ST_OK : ST_NOT_FOUND, data);
@@ -435,7 +599,7 @@ done:
 /* PUT.  The reply enters the cache before the record changes and leaves it
  * again if the change fails, so a change and its cached reply go together;
  * the `created` byte is written once the change is made, before anything
- * else can see the reply. */
+ * else can see the reply.  A failed database put is declined. */
 static int
 change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
            PyObject *current, PyObject *token, Reply *reply)
@@ -467,15 +631,10 @@ change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
         result = -1;
         goto done;
     }
-    int created = repo_put(self, repo, key, value);
+    int created = repo_put(self, repo, key, value, NULL);
     if (created < 0) {
-        PyObject *type, *exc, *traceback;
-        PyErr_Fetch(&type, &exc, &traceback);
-        if (PyDict_DelItem(current, token) < 0) {
-            PyErr_Clear();
-        }
-        PyErr_Restore(type, exc, traceback);
-        result = -1;
+        uncache(current, token);
+        result = created == FAILED ? DECLINED : -1;
         goto done;
     }
     PyBytes_AS_STRING(answer)[REPLY_HEADER_SIZE] = (char)created;
@@ -490,7 +649,10 @@ done:
     return result;
 }
 
-/* DELETE.  Cache and change go together, as for PUT. */
+/* DELETE.  Cache and change go together, as for PUT.  A dict or tree is
+ * read first (a value that is not bytes is the Python handler's to judge);
+ * a database is asked to delete the key straight away, and whether it was
+ * there written into the reply afterwards. */
 static int
 change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
               PyObject *current, PyObject *token, Reply *reply)
@@ -511,30 +673,36 @@ change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
         result = -1;
         goto done;
     }
-    PyObject *value = NULL;
-    int present = repo_get(self, repo, key, &value);
-    if (present < 0) {
-        result = -1;
-        goto done;
-    }
-    if (present && !PyBytes_Check(value)) {
-        result = DECLINED;      /* the Python handler decides what that means */
-        goto done;
+    int present = 1;
+    if (repo.kind != REPO_DATABASE) {
+        PyObject *value = NULL;
+        present = repo_get(self, repo, key, &value);
+        if (present < 0) {
+            result = -1;
+            goto done;
+        }
+        int odd = present && !PyBytes_Check(value);
+        Py_XDECREF(value);
+        if (odd) {
+            result = DECLINED;  /* the Python handler decides what that means */
+            goto done;
+        }
     }
     answer = new_reply(present ? ST_OK : ST_NOT_FOUND, data, 0);
     if (answer == NULL || PyDict_SetItem(current, token, answer) < 0) {
         result = -1;
         goto done;
     }
-    if (present && repo_remove(self, repo, key) < 0) {
-        PyObject *type, *exc, *traceback;
-        PyErr_Fetch(&type, &exc, &traceback);
-        if (PyDict_DelItem(current, token) < 0) {
-            PyErr_Clear();
+    if (present) {
+        int removed = repo_remove(self, repo, key);
+        if (removed < 0) {
+            uncache(current, token);
+            result = removed == FAILED ? DECLINED : -1;
+            goto done;
         }
-        PyErr_Restore(type, exc, traceback);
-        result = -1;
-        goto done;
+        if (!removed) {
+            PyBytes_AS_STRING(answer)[2] = (char)ST_NOT_FOUND;
+        }
     }
     reply->whole = answer;
     answer = NULL;
@@ -548,11 +716,14 @@ done:
 
 /* ------------------------------------------------------------ batches */
 
-/* One entry of a PUT_MANY or GET_MANY, with strong references. */
+/* One entry of a PUT_MANY or GET_MANY, with strong references.  `created`
+ * and `previous` say how a PUT_MANY changed a database, to undo it. */
 typedef struct {
     Repo repo;
     PyObject *key;
     PyObject *value;
+    PyObject *previous;         /* the value a put replaced, or NULL */
+    int created;
 } Entry;
 
 static void
@@ -562,6 +733,7 @@ entries_free(Entry *entries, Py_ssize_t count)
         Py_XDECREF(entries[i].repo.object);
         Py_XDECREF(entries[i].key);
         Py_XDECREF(entries[i].value);
+        Py_XDECREF(entries[i].previous);
     }
     PyMem_Free(entries);
 }
@@ -569,7 +741,10 @@ entries_free(Entry *entries, Py_ssize_t count)
 /* Parses every entry of a PUT_MANY (`put` true) or GET_MANY body, checking
  * it whole -- lengths, limits, buckets, trailing bytes -- and making the key
  * (and value) objects before anything is changed.  HANDLED with *out (the
- * entries, to free with entries_free) and *count; DECLINED; or -1. */
+ * entries, to free with entries_free) and *count; DECLINED; or -1.  A
+ * PUT_MANY that would write to database repositories and to others is
+ * declined (a DHT has one platform), so that one whose database fails can
+ * always be undone whole. */
 static int
 parse_batch(FastPath *self, const unsigned char *data, Py_ssize_t size,
             int put, Entry **out, Py_ssize_t *count)
@@ -599,6 +774,7 @@ parse_batch(FastPath *self, const unsigned char *data, Py_ssize_t size,
     uint64_t offset = BATCH_END;
     uint32_t last_bucket = 0;
     Repo last = {NULL, REPO_UNSUPPORTED};
+    int databases = 0, others = 0;
     Py_ssize_t made = 0;
     for (; made < total; made++) {
         if (offset + entry_size > end) {
@@ -629,6 +805,12 @@ parse_batch(FastPath *self, const unsigned char *data, Py_ssize_t size,
                 goto fail;
             }
             last_bucket = bucket;
+            if (last.kind == REPO_DATABASE) {
+                databases = 1;
+            }
+            else {
+                others = 1;
+            }
         }
         Entry *entry = &entries[made];
         Py_INCREF(last.object);
@@ -649,8 +831,8 @@ parse_batch(FastPath *self, const unsigned char *data, Py_ssize_t size,
         }
         offset = value_end;
     }
-    if (offset != end) {
-        result = DECLINED;      /* stray bytes after the entries */
+    if (offset != end || (put && databases && others)) {
+        result = DECLINED;      /* stray bytes after the entries; a mix */
         goto fail;
     }
     Py_XDECREF(last.object);
@@ -665,10 +847,42 @@ fail:
     return result;
 }
 
+/* Undoes the database puts of the first `applied` entries of a PUT_MANY,
+ * last first (so a key put twice gets its first value back, then goes): a
+ * created key is deleted, a replaced value put back.  Best effort: a
+ * database that fails now keeps what it has.  Keeps any exception set. */
+static void
+undo_puts(Entry *entries, Py_ssize_t applied)
+{
+    PyObject *type, *exc, *traceback;
+    PyErr_Fetch(&type, &exc, &traceback);
+    for (Py_ssize_t i = applied - 1; i >= 0; i--) {
+        Entry *entry = &entries[i];
+        if (entry->repo.kind != REPO_DATABASE) {
+            continue;
+        }
+        DatabaseRepository *db = (DatabaseRepository *)entry->repo.object;
+        if (entry->created) {
+            (void)database_remove(db, entry->key);
+        }
+        else if (entry->previous != NULL) {
+            PyObject *args[2] = {entry->key, entry->previous};
+            PyObject *done = database_call(db->put, args, 2);
+            if (done == NULL) {
+                PyErr_Clear();
+            }
+            Py_XDECREF(done);
+        }
+    }
+    PyErr_Restore(type, exc, traceback);
+}
+
 /* PUT_MANY: every entry is checked and made before the first is applied.
- * If applying one fails (memory), the entries before it stay applied and
- * the reply leaves the cache: the Python handler then applies the whole
- * request again, which stores the same values. */
+ * If a database put fails, the entries before it are undone and the
+ * request is declined.  If applying an entry to a dict or tree fails
+ * (memory), the entries before it stay applied and the reply leaves the
+ * cache: the Python handler then applies the whole request again, which
+ * stores the same values. */
 static int
 change_put_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
                 PyObject *current, PyObject *token, Reply *reply)
@@ -686,18 +900,16 @@ change_put_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
     }
     unsigned created = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
-        int new_key = repo_put(self, entries[i].repo, entries[i].key,
-                               entries[i].value);
+        Entry *entry = &entries[i];
+        int new_key = repo_put(self, entry->repo, entry->key, entry->value,
+                               &entry->previous);
         if (new_key < 0) {
-            PyObject *type, *exc, *traceback;
-            PyErr_Fetch(&type, &exc, &traceback);
-            if (PyDict_DelItem(current, token) < 0) {
-                PyErr_Clear();
-            }
-            PyErr_Restore(type, exc, traceback);
-            result = -1;
+            undo_puts(entries, i);
+            uncache(current, token);
+            result = new_key == FAILED ? DECLINED : -1;
             goto done;
         }
+        entry->created = new_key;
         created += (unsigned)new_key;
     }
     unsigned char *body = (unsigned char *)PyBytes_AS_STRING(answer)
@@ -732,18 +944,19 @@ handle_get_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
         PyObject *value = NULL;
         int present = repo_get(self, entry->repo, entry->key, &value);
         if (present < 0) {
-            result = -1;
+            result = present == FAILED ? DECLINED : -1;
             goto done;
         }
         if (present && !PyBytes_Check(value)) {
+            Py_DECREF(value);
             result = DECLINED;
             goto done;
         }
         reply_size += 4 + (present ? (long long)PyBytes_GET_SIZE(value) : 0);
         if (reply_size > (long long)limit) {
+            Py_XDECREF(value);
             break;      /* the client asks again for the rest */
         }
-        Py_XINCREF(value);
         entry->value = value;
     }
     if (count > 0 && answered == 0) {
@@ -881,6 +1094,158 @@ handle_request(FastPath *self, const unsigned char *data, Py_ssize_t size,
     }
     return result;
 }
+
+/* ------------------------------------------------------------ DatabaseRepository
+ *
+ * The C part of a repository kept in a database object: the database's
+ * bound methods, which C calls, and the record count, which both C and the
+ * Python subclass keep (C never counts a change it did not make, so the
+ * count is right whichever path changed the database).  The Python
+ * subclass (domus.storage.bsddb.BerkeleyRepository) does everything else,
+ * and its put/get/delete/contains are the Python handler's reference.
+ */
+
+/* The bound method `name` of `database`, if it is a C function. */
+static PyObject *
+database_method(PyObject *database, const char *name)
+{
+    PyObject *method = PyObject_GetAttrString(database, name);
+    if (method != NULL && !PyCFunction_Check(method)) {
+        PyErr_Format(PyExc_TypeError,
+                     "DatabaseRepository needs %.100s.%s to be a method "
+                     "written in C (a berkeleydb DB's), not %.100s",
+                     Py_TYPE(database)->tp_name, name,
+                     Py_TYPE(method)->tp_name);
+        Py_CLEAR(method);
+    }
+    return method;
+}
+
+static int
+is_exception_class(PyObject *candidate)
+{
+    return PyType_Check(candidate)
+           && PyType_IsSubtype((PyTypeObject *)candidate,
+                               (PyTypeObject *)PyExc_BaseException);
+}
+
+static int
+DatabaseRepository_init(DatabaseRepository *self, PyObject *args,
+                        PyObject *kwds)
+{
+    static char *kwlist[] = {"database", "no_overwrite", "key_exists",
+                             "not_found", NULL};
+    PyObject *database, *no_overwrite = NULL;
+    PyObject *key_exists = NULL, *not_found = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds,
+                                     "O|$O!OO:DatabaseRepository", kwlist,
+                                     &database, &PyLong_Type, &no_overwrite,
+                                     &key_exists, &not_found)) {
+        return -1;
+    }
+    if (no_overwrite == NULL || key_exists == NULL || not_found == NULL) {
+        PyErr_SetString(PyExc_TypeError, "DatabaseRepository() needs the "
+                        "keyword arguments no_overwrite, key_exists and "
+                        "not_found");
+        return -1;
+    }
+    if (!is_exception_class(key_exists) || !is_exception_class(not_found)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "key_exists and not_found must be exception classes");
+        return -1;
+    }
+    PyObject *get = database_method(database, "get");
+    PyObject *put = get ? database_method(database, "put") : NULL;
+    PyObject *exists = put ? database_method(database, "exists") : NULL;
+    PyObject *remove = exists ? database_method(database, "delete") : NULL;
+    if (remove == NULL) {
+        Py_XDECREF(get);
+        Py_XDECREF(put);
+        Py_XDECREF(exists);
+        return -1;
+    }
+    Py_XSETREF(self->get, get);
+    Py_XSETREF(self->put, put);
+    Py_XSETREF(self->exists, exists);
+    Py_XSETREF(self->remove, remove);
+    Py_INCREF(no_overwrite);
+    Py_XSETREF(self->no_overwrite, no_overwrite);
+    Py_INCREF(key_exists);
+    Py_XSETREF(self->key_exists, key_exists);
+    Py_INCREF(not_found);
+    Py_XSETREF(self->not_found, not_found);
+    self->record_count = 0;
+    return 0;
+}
+
+static int
+DatabaseRepository_traverse(DatabaseRepository *self, visitproc visit,
+                            void *arg)
+{
+    Py_VISIT(self->get);
+    Py_VISIT(self->put);
+    Py_VISIT(self->exists);
+    Py_VISIT(self->remove);
+    Py_VISIT(self->no_overwrite);
+    Py_VISIT(self->key_exists);
+    Py_VISIT(self->not_found);
+    return 0;
+}
+
+static int
+DatabaseRepository_clear(DatabaseRepository *self)
+{
+    Py_CLEAR(self->get);
+    Py_CLEAR(self->put);
+    Py_CLEAR(self->exists);
+    Py_CLEAR(self->remove);
+    Py_CLEAR(self->no_overwrite);
+    Py_CLEAR(self->key_exists);
+    Py_CLEAR(self->not_found);
+    return 0;
+}
+
+static void
+DatabaseRepository_dealloc(DatabaseRepository *self)
+{
+    PyObject_GC_UnTrack(self);
+    DatabaseRepository_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef DatabaseRepository_members[] = {
+    {"record_count", T_PYSSIZET, offsetof(DatabaseRepository, record_count),
+     0, "records in the database; C counts the keys it creates and deletes, "
+        "the Python subclass the ones it does"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+PyDoc_STRVAR(DatabaseRepository_doc,
+"DatabaseRepository(database, *, no_overwrite, key_exists, not_found)\n\n"
+"Base of a repository whose records are in `database`, an object with\n"
+"Berkeley DB's calling conventions whose methods are written in C:\n"
+"get(key) -> bytes or None; put(key, value, txn, flags), which with\n"
+"flags=no_overwrite raises `key_exists` rather than replace a value;\n"
+"exists(key) -> bool; delete(key), which raises `not_found` for an absent\n"
+"key.  FastPath answers requests on such a repository by calling those\n"
+"methods directly, not the subclass's put/get/delete/contains, which must\n"
+"therefore mean exactly that (BerkeleyRepository's do).  A failed call\n"
+"makes FastPath undo the request's changes and decline it.\n"
+"`record_count` starts at 0; whoever changes the database keeps it.");
+
+static PyTypeObject DatabaseRepositoryType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "domus._hotpath.DatabaseRepository",
+    .tp_basicsize = sizeof(DatabaseRepository),
+    .tp_dealloc = (destructor)DatabaseRepository_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = DatabaseRepository_doc,
+    .tp_traverse = (traverseproc)DatabaseRepository_traverse,
+    .tp_clear = (inquiry)DatabaseRepository_clear,
+    .tp_members = DatabaseRepository_members,
+    .tp_init = (initproc)DatabaseRepository_init,
+    .tp_new = PyType_GenericNew,
+};
 
 /* ------------------------------------------------------------ the type */
 
@@ -1260,9 +1625,10 @@ PyDoc_STRVAR(FastPath_doc,
 "The C data path of a service.  `dhts` maps each active DHT's id to its\n"
 "dict of bucket -> repository; `generations` is the reply cache's\n"
 "[current, previous] list.  Both stay owned (and updated) by Python.\n"
-"Repositories that are exactly dicts or `dict_type`, or instances of\n"
-"`rbtree_type` (driven through domus._rbtree's C API), are handled in C;\n"
-"others are declined.\n"
+"Repositories that are exactly dicts or `dict_type`, instances of\n"
+"`rbtree_type` (driven through domus._rbtree's C API) or of\n"
+"DatabaseRepository (driven through their database's methods) are handled\n"
+"in C; others are declined.\n"
 "A change that would grow the current generation past `current_limit`\n"
 "is declined, so the Python cache can rotate early.");
 
@@ -1292,7 +1658,8 @@ static struct PyModuleDef hotpath_module = {
 PyMODINIT_FUNC
 PyInit__hotpath(void)
 {
-    if (PyType_Ready(&FastPathType) < 0) {
+    if (PyType_Ready(&FastPathType) < 0
+            || PyType_Ready(&DatabaseRepositoryType) < 0) {
         return NULL;
     }
     PyObject *module = PyModule_Create(&hotpath_module);
@@ -1309,10 +1676,8 @@ PyInit__hotpath(void)
         Py_DECREF(module);
         return NULL;
     }
-    Py_INCREF(&FastPathType);
-    if (PyModule_AddObject(module, "FastPath",
-                           (PyObject *)&FastPathType) < 0) {
-        Py_DECREF(&FastPathType);
+    if (PyModule_AddType(module, &FastPathType) < 0
+            || PyModule_AddType(module, &DatabaseRepositoryType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -400,12 +400,20 @@ class RequestHandler:
             "hot_path_fallbacks": fast.fallbacks if fast is not None else 0,
             "reply_cache": len(self.reply_cache),
             "reply_cache_evicted_early": self.reply_cache.evicted_early,
-            "dhts": {hosted.name: {"records": hosted.records(),
-                                   "active": hosted.active,
-                                   "storage_buckets": len(hosted.repos),
-                                   "routing_buckets": len(hosted.routing_buckets)}
-                     for hosted in self.dhts.values()},
+            "dhts": {hosted.name: self._dht_stats(hosted) for hosted in self.dhts.values()},
         }
+
+    @staticmethod
+    def _dht_stats(hosted: HostedDht) -> dict[str, Any]:
+        """A DHT's part of the stats; ``storage_bytes`` (what its records
+        occupy here) only where its platform can tell."""
+        stats: dict[str, Any] = {"records": hosted.records(), "active": hosted.active,
+                                 "storage_buckets": len(hosted.repos),
+                                 "routing_buckets": len(hosted.routing_buckets)}
+        storage_bytes = hosted.storage_bytes()
+        if storage_bytes is not None:
+            stats["storage_bytes"] = storage_bytes
+        return stats
 
     # ------------------------------------------------------------ assignment
     def assign(self, descriptor: dict[str, Any]) -> dict[str, Any]:

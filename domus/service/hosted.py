@@ -196,6 +196,17 @@ class HostedDht:
     def records(self) -> int:
         return sum(len(repo) for repo in self.repos.values())
 
+    def storage_bytes(self) -> int | None:
+        """The bytes the DHT's records occupy here, as its platform counts
+        them (Berkeley DB: its databases' pages); None when the platform
+        cannot tell, or a bucket's storage fails to; 0 while inactive."""
+        if self.store is None:
+            return 0
+        try:
+            return self.store.storage_bytes()
+        except StorageFault:
+            return None
+
     def flush(self) -> None:
         """Write buffered records to the medium (disk platforms)."""
         if self.store is not None:

@@ -101,6 +101,11 @@ class Store(ABC):
     def flush(self) -> None:
         """Write what is buffered to the medium (nothing, for RAM platforms)."""
 
+    def storage_bytes(self) -> int | None:
+        """The bytes the store's repositories occupy, as the platform counts
+        them; None when the platform cannot tell (Python objects in RAM)."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Close every repository, keeping what the medium holds."""

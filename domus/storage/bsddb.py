@@ -29,6 +29,7 @@ from collections.abc import Iterator
 import psutil
 from berkeleydb import db
 
+from domus.hotpath import DatabaseRepository
 from domus.rbtree import RBTree
 from domus.storage.base import Repository, StorageFault, Store
 
@@ -53,18 +54,27 @@ def _bucket_file(bucket: int) -> str:
     return f"bucket-{bucket}.db"
 
 
-class BerkeleyRepository(Repository):
+class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
     """One bucket's records in one Berkeley DB database.  A Berkeley DB
     error (or its cache running out) is a StorageFault naming the bucket;
-    the database is left as Berkeley DB left it."""
+    the database is left as Berkeley DB left it.
+
+    These methods are what the Python handler calls.  The service's C hot
+    path calls the database's own get/put/exists/delete instead (see
+    DatabaseRepository in cext/hotpath.c) and does exactly what they do
+    here, so they must keep meaning that: a put that refuses an existing
+    key, then one that replaces it; NOTFOUND from delete for an absent key;
+    ``record_count`` changed by whoever created or deleted a key."""
 
     def __init__(self, database: db.DB, ordered: bool, name: str, label: str) -> None:
+        super().__init__(database, no_overwrite=db.DB_NOOVERWRITE,
+                         key_exists=db.DBKeyExistError, not_found=db.DBNotFoundError)
         self._db = database
         self.ordered = ordered
         self.name = name
         self.label = label
         # Counted once at open, then kept: DB->stat is a walk, or a guess.
-        self._count = sum(1 for _ in self._keys())
+        self.record_count = sum(1 for _ in self._keys())
 
     def _fault(self, exc: BaseException) -> StorageFault:
         detail = exc.args[1] if isinstance(exc, db.DBError) and len(exc.args) > 1 else exc
@@ -79,7 +89,7 @@ class BerkeleyRepository(Repository):
                 return False
         except (db.DBError, MemoryError) as exc:
             raise self._fault(exc) from exc
-        self._count += 1
+        self.record_count += 1
         return True
 
     def get(self, key: bytes) -> bytes | None:
@@ -95,7 +105,7 @@ class BerkeleyRepository(Repository):
             return False
         except (db.DBError, MemoryError) as exc:
             raise self._fault(exc) from exc
-        self._count -= 1
+        self.record_count -= 1
         return True
 
     def contains(self, key: bytes) -> bool:
@@ -105,7 +115,7 @@ class BerkeleyRepository(Repository):
             raise self._fault(exc) from exc
 
     def __len__(self) -> int:
-        return self._count
+        return self.record_count
 
     def _keys(self) -> Iterator[bytes]:
         return (record[0] for record in self.records())
@@ -114,7 +124,10 @@ class BerkeleyRepository(Repository):
         return list(self._keys())
 
     def records(self) -> Iterator[tuple[bytes, bytes]]:
-        cursor = self._db.cursor()
+        try:
+            cursor = self._db.cursor()
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
         try:
             record = cursor.first()
             while record is not None:
@@ -173,6 +186,17 @@ class BerkeleyRepository(Repository):
             self._db.sync()
         except (db.DBError, MemoryError) as exc:
             raise self._fault(exc) from exc
+
+    def storage_bytes(self) -> int:
+        """The bytes of the database's pages: its file's size on disk, or
+        what it holds of the cache in RAM.  Deleting records does not
+        shrink it (Berkeley DB keeps the pages they free for reuse).  Read
+        from Berkeley DB's fast statistics: the meta page, not a walk."""
+        try:
+            stat = self._db.stat(db.DB_FAST_STAT)
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
+        return stat["pagecnt"] * stat["pagesize"]
 
     def close(self) -> None:
         if self._db is not None:
@@ -266,6 +290,12 @@ class BerkeleyStore(Store):
                 failures.append(str(exc))
         if failures:
             raise StorageFault("; ".join(failures))
+
+    def storage_bytes(self) -> int:
+        """The bytes of every open database's pages (see
+        BerkeleyRepository.storage_bytes); a StorageFault if one cannot
+        tell."""
+        return sum(repo.storage_bytes() for repo in self._repos.values())
 
     def close(self) -> None:
         if self._env is None:

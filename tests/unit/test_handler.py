@@ -733,6 +733,37 @@ def test_stats_report_requests_records_and_counters():
                                    "routing_buckets": 8}}
 
 
+@pytest.mark.parametrize("platform", ["domus-bsddb-btree", "domus-bsddb-hash"])
+def test_stats_report_the_storage_bytes_of_each_dht_whose_platform_can_tell(platform):
+    handler = make_handler()                                     # python-dict: cannot tell
+    handler.assign(descriptor(id=2, name="bdb", platform=platform))
+    try:
+        def storage_bytes():
+            status, body = call(handler, wire.request_header(wire.OP_STATS, next_id(), CLIENT_A))
+            assert status == wire.ST_OK
+            dhts = wire.unpack(body)["dhts"]
+            assert "storage_bytes" not in dhts["t"]
+            assert dhts["bdb"]["records"] == stored_records
+            return dhts["bdb"]["storage_bytes"]
+
+        stored_records = 0
+        empty = storage_bytes()
+        assert empty > 0                    # each bucket's database has its first pages
+        sizes = [empty]
+        for batch in range(3):
+            for key in keys_in(0, 1000, prefix=f"b{batch}-") + keys_in(2, 1000, f"b{batch}-"):
+                put(handler, key, b"v" * 100, dht=2)
+            stored_records += 2000
+            sizes.append(storage_bytes())
+        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+        # 2,000 records of ~110 bytes take at least 220 kB of pages.
+        assert sizes[-1] - sizes[0] >= 6000 * 110
+        put(handler, key_in(0), b"v", dht=1)
+        assert "storage_bytes" not in handler.stats()["dhts"]["t"]
+    finally:
+        handler.close()
+
+
 # ------------------------------------------------------------ hostile requests
 
 def expected_changes(data, seen_tokens):

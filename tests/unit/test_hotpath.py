@@ -4,8 +4,10 @@ Two handlers are set up identically; every request goes to the Python one
 (``RequestHandler.handle``, the reference) and to the C ``FastPath`` of the
 other (falling back to its Python handler when C declines).  The replies must
 be the same bytes, a declined request must have changed nothing, and in the
-end both handlers must hold the same records, the same reply cache and the
-same counters.
+end both handlers must hold the same records (and record counts), the same
+reply cache and the same counters.  This holds on every storage technology C
+drives: dicts, RBTrees, and Berkeley DB databases (btree and hash, in RAM and
+on disk, with async and sync durability).
 """
 
 import errno
@@ -13,8 +15,10 @@ import gc
 import importlib
 import os
 import random
+import shutil
 import socket
 import sys
+import tempfile
 import time
 
 import pytest
@@ -33,7 +37,7 @@ if hotpath.PURE_PYTHON:
 from domus import protocol as wire  # noqa: E402
 from domus.service.handler import RequestHandler  # noqa: E402
 from domus.service.replycache import DEFAULT_MAX_ENTRIES, ReplyCache  # noqa: E402
-from domus.storage import DictRepository, Repository  # noqa: E402
+from domus.storage import DictRepository, Repository, StorageFault  # noqa: E402
 
 DHT_ID = 1          # active, buckets 0..3 stored here
 INACTIVE_ID = 2     # inactive
@@ -99,31 +103,70 @@ class CountingRepository(DictRepository):
         return super().put(key, value)
 
 
-def descriptor(dht_id, platform, state="active"):
+# What a test names as its `platform`: a storage technology, as
+# (platform, medium, durability).
+TECHNOLOGIES = {
+    "python-dict": ("python-dict", "ram", None),
+    "domus-rbt": ("domus-rbt", "ram", None),
+    "bsddb-btree-ram": ("domus-bsddb-btree", "ram", "none"),
+    "bsddb-btree-disk": ("domus-bsddb-btree", "disk", "async"),
+    "bsddb-btree-disk-sync": ("domus-bsddb-btree", "disk", "sync"),
+    "bsddb-hash-ram": ("domus-bsddb-hash", "ram", "none"),
+    "bsddb-hash-disk": ("domus-bsddb-hash", "disk", "async"),
+}
+BERKELEY = [name for name in TECHNOLOGIES if name.startswith("bsddb")]
+
+
+def descriptor(dht_id, platform, state="active", storage="ram", durability=None):
     return {
         "id": dht_id, "name": f"t{dht_id}", "buckets": BUCKETS, "hash": "xxh3",
-        "storage": "ram", "platform": platform, "routing": "chord", "lookup": "D",
-        "state": state,
+        "storage": storage, "platform": platform, "routing": "chord", "lookup": "D",
+        "state": state, "durability": durability,
         "routing_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 8}],
         "storage_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 4},
                              {"name": "s2", "address": "127.0.0.1:2", "count": 4}],
     }
 
 
+# Handlers whose stores hold Berkeley DB environments (and data dirs) until
+# the test ends; see close_handlers.
+OPEN_HANDLERS = []
+
+
 def make_handler(platform="python-dict", max_entries=DEFAULT_MAX_ENTRIES):
+    platform_name, medium, durability = TECHNOLOGIES[platform]
     clock = FakeClock()
+    data_dir = tempfile.mkdtemp(prefix="domus-hotpath-") if medium == "disk" else None
     handler = RequestHandler("s1", reply_cache=ReplyCache(max_entries=max_entries, clock=clock),
-                             clock=clock)
-    handler.assign(descriptor(DHT_ID, platform))
-    handler.assign(descriptor(INACTIVE_ID, platform, state="inactive"))
-    handler.assign(descriptor(ODD_ID, platform))
+                             clock=clock, data_dir=data_dir)
+    OPEN_HANDLERS.append((handler, data_dir))
+    for dht_id, dht_state in ((DHT_ID, "active"), (INACTIVE_ID, "inactive"), (ODD_ID, "active")):
+        handler.assign(descriptor(dht_id, platform_name, dht_state, medium, durability))
     odd = handler.dhts[ODD_ID].repos
     odd[0] = ListRepository()
     odd[1] = CountingRepository()
     return handler
 
 
-@pytest.fixture(params=["python-dict", "domus-rbt"])
+def close_handler(handler):
+    """Close the handler's stores and remove its data dir."""
+    for index, (opened, data_dir) in enumerate(OPEN_HANDLERS):
+        if opened is handler:
+            del OPEN_HANDLERS[index]
+            handler.close()
+            if data_dir is not None:
+                shutil.rmtree(data_dir, ignore_errors=True)
+            return
+
+
+@pytest.fixture(autouse=True)
+def close_handlers():
+    yield
+    while OPEN_HANDLERS:
+        close_handler(OPEN_HANDLERS[-1][0])
+
+
+@pytest.fixture(params=list(TECHNOLOGIES))
 def platform(request):
     if request.param == "domus-rbt" and hotpath.rbtree_type() is None:
         pytest.skip("domus._rbtree (the C RBTree) is not built yet, so RBTree "
@@ -132,10 +175,21 @@ def platform(request):
 
 
 def records(handler):
-    """{dht id: {bucket: {key: value}}} for every hosted DHT."""
-    return {dht_id: {bucket: {key: repo.get(key) for key in repo.key_snapshot()}
-                     for bucket, repo in hosted.repos.items()}
+    """{dht id: {bucket: (record count, {key: value})}} for every hosted DHT;
+    a bucket whose database fails shows the failure instead."""
+    def contents(repo):
+        try:
+            return len(repo), {key: repo.get(key) for key in repo.key_snapshot()}
+        except StorageFault as exc:
+            return "failed", str(exc)
+
+    return {dht_id: {bucket: contents(repo) for bucket, repo in hosted.repos.items()}
             for dht_id, hosted in handler.dhts.items()}
+
+
+def bucket_records(handler, dht_id, bucket):
+    """{key: value} of one bucket."""
+    return records(handler)[dht_id][bucket][1]
 
 
 def state(handler):
@@ -179,6 +233,10 @@ class Pair:
     def check(self):
         assert state(self.accelerated) == state(self.reference)
         assert counters(self.accelerated) == counters(self.reference)
+
+    def close(self):
+        close_handler(self.reference)
+        close_handler(self.accelerated)
 
 
 def is_stats(data):
@@ -322,7 +380,7 @@ def test_a_retry_of_a_refused_change_gets_the_python_refusal_from_c():
     assert refusal[2] == wire.ST_INACTIVE
     handler.assign(descriptor(INACTIVE_ID, "python-dict"))
     assert handler.fast.handle(request) == refusal
-    assert records(handler)[INACTIVE_ID][0] == {}
+    assert bucket_records(handler, INACTIVE_ID, 0) == {}
 
 
 def test_a_put_many_with_one_bad_entry_changes_nothing_and_python_refuses_it(platform):
@@ -339,7 +397,7 @@ def test_a_put_many_with_one_bad_entry_changes_nothing_and_python_refuses_it(pla
             assert pair.send(request)[2] in (wire.ST_NOT_OWNER, wire.ST_TOO_LARGE,
                                              wire.ST_MALFORMED)
     assert pair.handled_in_c == 1               # the first put_many only
-    assert records(pair.accelerated)[DHT_ID][0] == {b"\x03a": b"old"}
+    assert bucket_records(pair.accelerated, DHT_ID, 0) == {b"\x03a": b"old"}
     pair.check()
 
 
@@ -482,6 +540,147 @@ def test_a_malformed_cache_list_makes_c_decline_changes_but_not_reads():
     assert _hotpath.FastPath(table, [{}, {}]).handle(keyed(wire.OP_GET, b"k")) is None
 
 
+# ------------------------------------------------------------ Berkeley DB
+
+@pytest.mark.parametrize("platform", BERKELEY)
+def test_berkeley_db_buckets_are_served_in_c_and_keep_their_record_count(platform):
+    handler = make_handler(platform)
+    fast = handler.fast
+    repo = handler.dhts[DHT_ID].repos[0]
+    assert isinstance(repo, _hotpath.DatabaseRepository)
+    for number in range(20):
+        key = b"\x03k%d" % (number % 15)
+        assert fast.handle(keyed(wire.OP_PUT, key, b"v%d" % number, request_id=number)) == \
+            wire.reply(wire.ST_OK, number, b"\x01" if number < 15 else b"\x00")
+    assert len(repo) == 15
+    for number in range(10):
+        assert fast.handle(keyed(wire.OP_DELETE, b"\x03k%d" % number, request_id=100 + number)) \
+            == wire.reply(wire.ST_OK, 100 + number)
+    assert fast.handle(keyed(wire.OP_DELETE, b"\x03k0", request_id=200)) == \
+        wire.reply(wire.ST_NOT_FOUND, 200)
+    batch = wire.encode_put_many(300, CLIENT_A, DHT_ID, [
+        (0, b"\x03k0", b"a"), (0, b"\x03k14", b"b"), (0, b"\x03k0", b"c")])
+    assert fast.handle(batch) == wire.reply(wire.ST_OK, 300, wire.U16X2.pack(3, 1))
+    assert len(repo) == 6
+    assert len(repo.key_snapshot()) == 6
+    assert repo.get(b"\x03k0") == b"c"
+    assert fast.fallbacks == 0
+    assert handler.stats()["dhts"]["t1"]["records"] == 6
+
+
+def close_database(handler, bucket):
+    """Make every Berkeley DB call on a bucket fail, as a broken medium
+    would: its database handle is closed under the repository."""
+    handler.dhts[DHT_ID].repos[bucket]._db.close()
+
+
+@pytest.mark.parametrize("platform", BERKELEY)
+def test_a_failing_database_is_left_to_python_which_reports_a_storage_error(platform):
+    pair = Pair(platform)
+    pair.send(keyed(wire.OP_PUT, b"\x03k", b"v", bucket=2, request_id=1))
+    pair.send(keyed(wire.OP_PUT, b"\x03k", b"v", bucket=0, request_id=2))
+    for handler in (pair.reference, pair.accelerated):
+        close_database(handler, 2)
+    handled = pair.handled_in_c
+    request_ids = iter(range(10, 100))
+    for request in [
+            keyed(wire.OP_PUT, b"\x03k", b"w", bucket=2, request_id=next(request_ids)),
+            keyed(wire.OP_PUT, b"\x03new", b"w", bucket=2, request_id=next(request_ids)),
+            keyed(wire.OP_GET, b"\x03k", bucket=2),
+            keyed(wire.OP_CONTAINS, b"\x03k", bucket=2),
+            keyed(wire.OP_DELETE, b"\x03k", bucket=2, request_id=next(request_ids)),
+            wire.encode_get_many(3, CLIENT_A, DHT_ID, [(0, b"\x03k"), (2, b"\x03k")]),
+            wire.encode_put_many(next(request_ids), CLIENT_A, DHT_ID, [(2, b"\x03k", b"w")])]:
+        reply = pair.send(request)
+        assert reply[2] == wire.ST_STORAGE_ERROR
+        assert b"DHT 't1' bucket 2: Berkeley DB failed" in reply
+    assert pair.handled_in_c == handled
+    assert pair.send(keyed(wire.OP_GET, b"\x03k", bucket=0, request_id=4)) == \
+        wire.reply(wire.ST_OK, 4, b"v")
+    assert pair.handled_in_c == handled + 1
+    assert pair.accelerated.counters["storage_errors"] == 7
+    assert pair.accelerated.counters["internal_errors"] == 0
+    pair.check()
+
+
+@pytest.mark.parametrize("platform", BERKELEY)
+def test_a_put_many_whose_database_fails_is_undone_and_left_to_python(platform):
+    pair = Pair(platform)
+    pair.send(wire.encode_put_many(1, CLIENT_A, DHT_ID, [
+        (0, b"\x03old", b"0"), (1, b"\x03old", b"1"), (2, b"\x03old", b"2")]))
+    for handler in (pair.reference, pair.accelerated):
+        close_database(handler, 2)
+    before = records(pair.accelerated)[DHT_ID]
+    assert before[0] == (1, {b"\x03old": b"0"})
+    # Created, replaced, put twice, and a last entry whose database fails:
+    # C undoes the first ones, and Python applies them until the failure.
+    request = wire.encode_put_many(2, CLIENT_A, DHT_ID, [
+        (0, b"\x03new", b"a"), (0, b"\x03old", b"b"), (1, b"\x03twice", b"c"),
+        (1, b"\x03twice", b"d"), (1, b"\x03old", b"e"), (2, b"\x03x", b"f")])
+    assert pair.accelerated.fast.handle(request) is None
+    assert records(pair.accelerated)[DHT_ID] == before
+    assert pair.send(request)[2] == wire.ST_STORAGE_ERROR
+    assert records(pair.accelerated)[DHT_ID][0] == (2, {b"\x03old": b"b", b"\x03new": b"a"})
+    assert records(pair.accelerated)[DHT_ID][1] == (
+        2, {b"\x03old": b"e", b"\x03twice": b"d"})
+    pair.check()
+
+
+def test_a_put_many_mixing_databases_with_other_repositories_is_left_to_python():
+    pair = Pair("bsddb-btree-ram")
+    for handler in (pair.reference, pair.accelerated):
+        handler.dhts[DHT_ID].repos[3] = DictRepository()
+    request = wire.encode_put_many(1, CLIENT_A, DHT_ID, [(0, b"\x03a", b"x"), (3, b"\x03b", b"y")])
+    assert pair.send(request) == wire.reply(wire.ST_OK, 1, wire.U16X2.pack(2, 2))
+    assert pair.handled_in_c == 0
+    pair.send(wire.encode_get_many(2, CLIENT_A, DHT_ID, [(0, b"\x03a"), (3, b"\x03b")]))
+    assert pair.handled_in_c == 1           # reads may mix
+    pair.check()
+
+
+class NotCDatabase:
+    """Berkeley DB's method names, written in Python."""
+
+    def get(self, key):
+        return None
+
+    put = exists = delete = get
+
+
+def test_database_repositories_need_c_methods_and_their_conventions():
+    from berkeleydb import db
+
+    conventions = {"no_overwrite": db.DB_NOOVERWRITE, "key_exists": db.DBKeyExistError,
+                   "not_found": db.DBNotFoundError}
+    with pytest.raises(TypeError, match="NotCDatabase.get to be a method written in C"):
+        _hotpath.DatabaseRepository(NotCDatabase(), **conventions)
+    environment = db.DBEnv()
+    environment.open(None, db.DB_CREATE | db.DB_INIT_MPOOL | db.DB_PRIVATE)
+    database = db.DB(environment)
+    database.open(None, None, db.DB_BTREE, db.DB_CREATE)
+    try:
+        with pytest.raises(TypeError, match="keyword arguments"):
+            _hotpath.DatabaseRepository(database)
+        with pytest.raises(TypeError, match="exception classes"):
+            _hotpath.DatabaseRepository(database, **dict(conventions, not_found="oops"))
+        repo = _hotpath.DatabaseRepository(database, **conventions)
+        assert repo.record_count == 0
+        # One whose __init__ never ran is declined, not driven.
+        table = {DHT_ID: {0: repo, 1: _hotpath.DatabaseRepository.__new__(
+            _hotpath.DatabaseRepository)}}
+        fast = _hotpath.FastPath(table, [{}, {}])
+        assert fast.handle(keyed(wire.OP_PUT, b"k", b"v", bucket=0)) == \
+            wire.reply(wire.ST_OK, 1, b"\x01")
+        assert repo.record_count == 1
+        assert database.get(b"k") == b"v"
+        assert fast.handle(keyed(wire.OP_PUT, b"k", b"v", bucket=1, request_id=2)) is None
+        referents = gc.get_referents(repo)
+        assert any(getattr(r, "__self__", None) is database for r in referents)
+    finally:
+        database.close()
+        environment.close()
+
+
 # ------------------------------------------------------------ random requests
 
 KEYS = [b"\x03a", b"\x03b", b"\x04\x00", b"\x01" + bytes(8), b"k" * 300]
@@ -576,25 +775,39 @@ def test_random_requests_on_rbtree_repositories():
     run()
 
 
+@pytest.mark.parametrize("platform", BERKELEY)
+def test_random_requests_on_berkeley_db_repositories(platform):
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.data())
+    def run(data):
+        run_random_requests(data, platform)
+
+    run()
+
+
 def run_random_requests(data, platform):
     pair = Pair(platform, max_entries=data.draw(st.sampled_from([8, DEFAULT_MAX_ENTRIES])))
-    history = []
-    for _ in range(data.draw(st.integers(1, 30))):
-        if history and data.draw(st.integers(0, 9)) == 0:
-            request = data.draw(st.sampled_from(history))          # a retry, byte for byte
-        else:
-            request = data.draw(requests)
-            history.append(request)
-        pair.send(request, data.draw(limits))
-        if data.draw(st.integers(0, 19)) == 0:
-            for handler in (pair.reference, pair.accelerated):
-                handler.reply_cache.rotate()
-    pair.check()
+    try:
+        history = []
+        for _ in range(data.draw(st.integers(1, 30))):
+            if history and data.draw(st.integers(0, 9)) == 0:
+                request = data.draw(st.sampled_from(history))      # a retry, byte for byte
+            else:
+                request = data.draw(requests)
+                history.append(request)
+            pair.send(request, data.draw(limits))
+            if data.draw(st.integers(0, 19)) == 0:
+                for handler in (pair.reference, pair.accelerated):
+                    handler.reply_cache.rotate()
+        pair.check()
+    finally:
+        pair.close()
 
 
-def test_10000_seeded_requests_get_identical_replies_and_effects():
+@pytest.mark.parametrize("platform", ["python-dict", "bsddb-btree-disk"])
+def test_10000_seeded_requests_get_identical_replies_and_effects(platform):
     rng = random.Random(0xD0D0)
-    pair = Pair()
+    pair = Pair(platform)
     history = []
     for _ in range(10_000):
         if history and rng.random() < 0.1:
@@ -639,8 +852,9 @@ def seeded_request(rng):
 
 @pytest.mark.skipif(os.environ.get("PYTHONMALLOC", "").startswith("malloc"),
                     reason="sys.getallocatedblocks() counts nothing under PYTHONMALLOC=malloc")
-def test_handling_requests_leaks_no_memory():
-    handler = make_handler()
+@pytest.mark.parametrize("platform", ["python-dict", "bsddb-btree-ram"])
+def test_handling_requests_leaks_no_memory(platform):
+    handler = make_handler(platform)
     fast = handler.fast
     big = b"x" * 70_000
     fast.handle(keyed(wire.OP_PUT, b"\x03big", big, request_id=0), wire.MAX_FRAME_BYTES)

@@ -155,6 +155,34 @@ def test_a_disk_store_keeps_its_buckets_across_close_and_open(platform, tmp_path
     assert not os.path.exists(home)
 
 
+def test_berkeley_db_stores_count_the_bytes_of_their_pages(technology, tmp_path):
+    platform, medium = technology
+    home = str(tmp_path / "dht")
+    store = open_store(platform, medium, home)
+    try:
+        if not platform.startswith("domus-bsddb"):
+            store.open(0).put(b"k", b"v")
+            assert store.storage_bytes() is None            # Python objects: cannot tell
+            return
+        assert store.storage_bytes() == 0                   # no database open yet
+        repos = [store.open(0), store.open(1)]
+        sizes = [store.storage_bytes()]
+        for batch in range(3):
+            for number in range(3000):
+                repos[number % 2].put(b"key-%d-%d" % (batch, number), b"v" * 50)
+            sizes.append(store.storage_bytes())
+        assert sizes[0] > 0 and sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+        assert sizes[-1] - sizes[0] >= 9000 * 60            # the records' bytes, at least
+        if medium == "disk":
+            store.flush()
+            on_disk = sum(entry.stat().st_size for entry in os.scandir(home))
+            assert store.storage_bytes() == on_disk
+        store.remove(1)
+        assert store.storage_bytes() == repos[0].storage_bytes() < sizes[-1]
+    finally:
+        store.destroy()
+
+
 def test_a_ram_store_keeps_nothing_on_disk(tmp_path):
     home = tmp_path / "dht"
     for platform in ("domus-bsddb-btree", "domus-bsddb-hash"):

@@ -1,6 +1,8 @@
-"""Storage faults: a bucket whose Berkeley DB file is corrupt, or a disk
-that fills up, gives STORAGE_ERROR naming the bucket; the service goes on
-serving its other buckets and loses nothing it had stored."""
+"""Storage faults: a bucket whose Berkeley DB file is corrupt, a disk that
+fills up, or a RAM Berkeley DB whose cache is full, gives STORAGE_ERROR naming
+the bucket; the service goes on serving its other buckets and loses nothing
+it had stored.  Through the C hot path too: it declines what fails, and the
+Python handler reports it."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import subprocess
 
 import pytest
 
+from domus import hotpath
 from domus import protocol as wire
 from domus.keys import bucket_of, encode_key
 from domus.service.handler import RequestHandler
 from domus.service.hosted import dht_home
-from domus.storage import StorageFault
+from domus.storage import StorageFault, bsddb
 
 DHT_ID = 1
 BUCKETS = 8
@@ -49,6 +52,19 @@ def request(op, key, value=b""):
 
 def status_and_message(reply):
     return reply[2], reply[wire.REPLY_HEADER_SIZE:]
+
+
+@pytest.fixture(params=["python", "c"])
+def answer(request):
+    """How a test's handler answers: ``handle`` (the Python handler) or
+    ``handle_fast`` (the C hot path first), as transports call it."""
+    if request.param == "c" and hotpath.FastPath is None:
+        pytest.skip("the C hot path is off (DOMUS_PURE_PYTHON=1, or domus._hotpath not built)")
+    return request.param
+
+
+def answering(handler, path):
+    return handler.handle if path == "python" else handler.handle_fast
 
 
 @pytest.mark.parametrize("platform", ["domus-bsddb-btree", "domus-bsddb-hash"])
@@ -90,15 +106,16 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk):
+def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk, answer):
     handler = RequestHandler("s1", data_dir=small_disk)
     handler.assign(descriptor())
+    handle = answering(handler, answer)
     value = os.urandom(60_000)
     stored = []
     status = wire.ST_OK
     for number in range(2_000):                        # 120 MB into 4 MiB
         key = encode_key(number)
-        reply = handler.handle(request(wire.OP_PUT, key, value), wire.MAX_UDP_PAYLOAD)
+        reply = handle(request(wire.OP_PUT, key, value), wire.MAX_UDP_PAYLOAD)
         status, message = status_and_message(reply)
         if status != wire.ST_OK:
             break
@@ -110,10 +127,50 @@ def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk)
     assert status == wire.ST_STORAGE_ERROR, message
     assert b"DHT 'faulty' bucket" in message and b"Berkeley DB failed" in message
     assert handler.counters["internal_errors"] == 0
+    if answer == "c":
+        assert handler.fast.requests >= len(stored) and handler.fast.fallbacks >= 1
     # What was acknowledged before the disk filled is still there.
     for key in stored[:40]:
-        reply = handler.handle(request(wire.OP_GET, key), 1 << 20)
+        reply = handle(request(wire.OP_GET, key), 1 << 20)
         assert status_and_message(reply) == (wire.ST_OK, value)
+    assert handler.stats()["dhts"]["faulty"]["records"] == len(stored)
+
+
+def test_a_full_ram_cache_gives_a_storage_error_and_keeps_what_was_stored(monkeypatch, answer):
+    # (Berkeley DB looks for room for 4 s before it fails a put; the C path
+    # declines such a put, and the Python handler tries it again.)
+    monkeypatch.setattr(bsddb, "ram_cache_bytes", lambda: 1 << 20)
+    handler = RequestHandler("s1")
+    handler.assign(descriptor(storage="ram"))
+    handle = answering(handler, answer)
+    value = os.urandom(1_000)
+    stored = []
+    try:
+        for number in range(5_000):                    # 5 MB into a 1 MiB cache
+            key = encode_key(number)
+            status, message = status_and_message(handle(request(wire.OP_PUT, key, value)))
+            if status != wire.ST_OK:
+                break
+            stored.append(key)
+        else:
+            pytest.fail("5 MB went into a 1 MiB cache without an error")
+        assert status == wire.ST_STORAGE_ERROR, message
+        assert b"DHT 'faulty' bucket" in message and b"Berkeley DB failed" in message
+        assert b"Cannot allocate memory" in message
+        assert handler.counters == dict(handler.counters, storage_errors=1, internal_errors=0)
+        batch = wire.encode_put_many(next(REQUEST_IDS), 7, DHT_ID, [
+            (bucket_of(key, "xxh3", BUCKETS), key, value) for key in
+            [encode_key(f"more{number}") for number in range(50)]])
+        assert handle(batch)[2] == wire.ST_STORAGE_ERROR
+        if answer == "c":
+            assert handler.fast.requests == len(stored)
+            assert handler.fast.fallbacks == 2
+        for key in stored:
+            assert status_and_message(handle(request(wire.OP_GET, key))) == (wire.ST_OK, value)
+        assert handle(request(wire.OP_DELETE, stored[0]))[2] == wire.ST_OK
+        assert handler.stats()["dhts"]["faulty"]["records"] >= len(stored) - 1
+    finally:
+        handler.close()
 
 
 def test_deactivating_a_ram_dht_onto_a_full_disk_keeps_it_active_and_whole(small_disk):
