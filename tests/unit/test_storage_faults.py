@@ -12,7 +12,6 @@ import subprocess
 
 import pytest
 
-from domus import hotpath
 from domus import protocol as wire
 from domus.keys import bucket_of, encode_key
 from domus.service.handler import RequestHandler
@@ -54,19 +53,6 @@ def status_and_message(reply):
     return reply[2], reply[wire.REPLY_HEADER_SIZE:]
 
 
-@pytest.fixture(params=["python", "c"])
-def answer(request):
-    """How a test's handler answers: ``handle`` (the Python handler) or
-    ``handle_fast`` (the C hot path first), as transports call it."""
-    if request.param == "c" and hotpath.FastPath is None:
-        pytest.skip("the C hot path is off (DOMUS_PURE_PYTHON=1, or domus._hotpath not built)")
-    return request.param
-
-
-def answering(handler, path):
-    return handler.handle if path == "python" else handler.handle_fast
-
-
 @pytest.mark.parametrize("platform", ["domus-bsddb-btree", "domus-bsddb-hash"])
 def test_a_corrupt_bucket_file_fails_that_bucket_only(tmp_path, platform):
     home = dht_home(str(tmp_path), DHT_ID)
@@ -106,10 +92,12 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk, answer):
+def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk):
     handler = RequestHandler("s1", data_dir=small_disk)
     handler.assign(descriptor())
-    handle = answering(handler, answer)
+    # As transports call it: the C hot path first (it declines what fails),
+    # then the Python handler; with DOMUS_PURE_PYTHON=1, the Python handler.
+    handle = handler.handle_fast
     value = os.urandom(60_000)
     stored = []
     status = wire.ST_OK
@@ -127,7 +115,7 @@ def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk,
     assert status == wire.ST_STORAGE_ERROR, message
     assert b"DHT 'faulty' bucket" in message and b"Berkeley DB failed" in message
     assert handler.counters["internal_errors"] == 0
-    if answer == "c":
+    if handler.fast is not None:
         assert handler.fast.requests >= len(stored) and handler.fast.fallbacks >= 1
     # What was acknowledged before the disk filled is still there.
     for key in stored[:40]:
@@ -136,13 +124,15 @@ def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk,
     assert handler.stats()["dhts"]["faulty"]["records"] == len(stored)
 
 
-def test_a_full_ram_cache_gives_a_storage_error_and_keeps_what_was_stored(monkeypatch, answer):
+def test_a_full_ram_cache_gives_a_storage_error_and_keeps_what_was_stored(monkeypatch):
     # (Berkeley DB looks for room for 4 s before it fails a put; the C path
     # declines such a put, and the Python handler tries it again.)
     monkeypatch.setattr(bsddb, "ram_cache_bytes", lambda: 1 << 20)
     handler = RequestHandler("s1")
     handler.assign(descriptor(storage="ram"))
-    handle = answering(handler, answer)
+    # As transports call it: the C hot path first (it declines what fails),
+    # then the Python handler; with DOMUS_PURE_PYTHON=1, the Python handler.
+    handle = handler.handle_fast
     value = os.urandom(1_000)
     stored = []
     try:
@@ -162,7 +152,7 @@ def test_a_full_ram_cache_gives_a_storage_error_and_keeps_what_was_stored(monkey
             (bucket_of(key, "xxh3", BUCKETS), key, value) for key in
             [encode_key(f"more{number}") for number in range(50)]])
         assert handle(batch)[2] == wire.ST_STORAGE_ERROR
-        if answer == "c":
+        if handler.fast is not None:
             assert handler.fast.requests == len(stored)
             assert handler.fast.fallbacks == 2
         for key in stored:
