@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
-from domus import batch, codec
+from domus import batch, codec, layout
 from domus.bucketmap import BucketMap
 from domus.errors import ProtocolError
 from domus.keys import bucket_shift
@@ -46,16 +46,19 @@ class DirectLookup(Generic[Channel]):
         self._hasher = codec.hasher(descriptor["hash"])  # the hash, as domus.codec takes it
         self._shift = bucket_shift(self.bucket_count)
         storage = descriptor["storage_services"]
-        channels = [self.cluster.channel(entry["name"], entry["address"]) for entry in storage]
-        self._storage_channels: list[Channel] = channels
+        channels = {entry["name"]: self.cluster.channel(entry["name"], entry["address"])
+                    for entry in storage}
+        self._storage_channels: list[Channel] = list(channels.values())
         counts = [entry["count"] for entry in storage]
         if sum(counts) != self.bucket_count:
             raise ProtocolError(
                 f"DHT {self.name!r}: the supervisor's descriptor gives its storage services "
                 f"{sum(counts)} buckets in all, not {self.bucket_count}")
-        # The direct lookup: bucket -> channel, rebuilt from the counts alone.
-        self.layout: BucketMap[Channel] = BucketMap.from_counts(counts, channels,
-                                                                self.bucket_count)
+        # bucket -> channel: the placement rebuilt from the counts, then the
+        # buckets moved since (domus.layout).
+        self.layout: BucketMap[Channel] = BucketMap(self.bucket_count)
+        for first, end, name in layout.owners(descriptor, "storage").ranges():
+            self.layout.assign(first, end, channels[name])
         self._owners: Any = (self.layout.dense() if self.bucket_count <= DENSE_TABLE_LIMIT
                              else self.layout)
 

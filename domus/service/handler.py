@@ -192,9 +192,12 @@ class RequestHandler:
             if repo is not None:
                 return repo
         hosted = self._hosted(dht_id)
+        owner = hosted.storage_owner(bucket)
+        where = (f"; service {owner} does" if owner is not None and owner != self.service_name
+                 else "")
         raise RequestFailed(wire.ST_NOT_OWNER,
                             f"service {self.service_name} does not store bucket {bucket} "
-                            f"of DHT {hosted.name!r}")
+                            f"of DHT {hosted.name!r}{where}")
 
     # ------------------------------------------------------------ single-key ops
     def _keyed(self, data: bytes) -> tuple[Repository, bytes, bytes]:
@@ -409,7 +412,7 @@ class RequestHandler:
         occupy here) only where its platform can tell."""
         stats: dict[str, Any] = {"records": hosted.records(), "active": hosted.active,
                                  "storage_buckets": len(hosted.repos),
-                                 "routing_buckets": len(hosted.routing_buckets)}
+                                 "routing_buckets": hosted.routing_bucket_count}
         storage_bytes = hosted.storage_bytes()
         if storage_bytes is not None:
             stats["storage_bytes"] = storage_bytes

@@ -11,7 +11,7 @@ from typing import Any
 
 from twisted.logger import Logger
 
-from domus import assignment
+from domus import layout
 from domus.bucketmap import BucketMap
 from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store, snapshot
 
@@ -61,8 +61,9 @@ class HostedDht:
         self.repos: dict[int, Repository] = {}
         # AS: the buckets routed here, and for each the name of the service
         # storing it (a floor map over ranges; see domus.bucketmap).
-        self.routing_buckets = range(0)
+        self.routed: list[tuple[int, int]] = []       # bucket ranges routed here
         self.storage_refs: BucketMap[str] = BucketMap(max(descriptor["buckets"], 1))
+        self.storage_layout: BucketMap[str] = self.storage_refs     # every bucket -> SS
         # Why the last activation failed, while the supervisor still wants
         # the DHT active: requests are told this rather than "inactive".
         self.problem: str | None = None
@@ -95,7 +96,8 @@ class HostedDht:
 
     def _place(self, descriptor: dict[str, Any]) -> None:
         assert self.store is not None
-        stored = set(_buckets_for(descriptor["storage_services"], self.service_name))
+        stored = set(layout.buckets_in(layout.ranges_of(layout.owners(descriptor, "storage"),
+                                                         self.service_name)))
         for bucket in sorted(stored - self.repos.keys()):
             try:
                 self.repos[bucket] = self.store.open(bucket)
@@ -115,16 +117,23 @@ class HostedDht:
             self.store.remove(bucket)
 
     def _route(self, descriptor: dict[str, Any]) -> None:
-        storage = descriptor["storage_services"]
-        layout = BucketMap.from_counts([entry["count"] for entry in storage],
-                                       [entry["name"] for entry in storage],
-                                       descriptor["buckets"])
-        self.routing_buckets = _buckets_for(descriptor["routing_services"], self.service_name)
+        storage = layout.owners(descriptor, "storage")
+        self.routed = layout.ranges_of(layout.owners(descriptor, "routing"), self.service_name)
         refs: BucketMap[str] = BucketMap(descriptor["buckets"])
-        for first, end, name in layout.ranges(self.routing_buckets.start,
-                                              self.routing_buckets.stop):
-            refs.assign(first, end, name)
+        for routed_first, routed_end in self.routed:
+            for first, end, name in storage.ranges(routed_first, routed_end):
+                refs.assign(first, end, name)
         self.storage_refs = refs
+        self.storage_layout = storage
+
+    @property
+    def routing_bucket_count(self) -> int:
+        return sum(end - first for first, end in self.routed)
+
+    def storage_owner(self, bucket: int) -> str | None:
+        """The service storing ``bucket`` as this service's descriptor says
+        (for redirects); None for a bucket out of range."""
+        return self.storage_layout.get(bucket)
 
     def _activate(self, descriptor: dict[str, Any]) -> int:
         """Open the store and the buckets stored here, and load the RAM
@@ -242,11 +251,3 @@ def release_memory() -> None:
 @functools.cache
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None)
-
-
-def _buckets_for(entries: list[dict[str, Any]], service_name: str) -> range:
-    counts = [entry["count"] for entry in entries]
-    for index, entry in enumerate(entries):
-        if entry["name"] == service_name:
-            return assignment.buckets_of(counts, index)
-    return range(0)

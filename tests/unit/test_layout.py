@@ -1,0 +1,106 @@
+"""domus.layout: a descriptor's bucket -> service maps, with moved buckets;
+and a service that follows them (what it stores, what it routes, where it
+sends a request for a bucket it does not store)."""
+
+import pytest
+from test_handler import DHT_ID, call, descriptor, keyed, keys_in, put
+
+from domus import layout
+from domus import protocol as wire
+from domus.lookup import DirectLookup
+from domus.service.handler import RequestHandler
+
+
+def moved(**moves):
+    """The handler tests' 8-bucket DHT (s1 stores 0..3, s2 4..7; s1 routes
+    all) with moves, and s3 added with count 0 where a bucket went to it."""
+    changes = {}
+    for role in ("routing", "storage"):
+        role_moves = moves.get(role, {})
+        if role_moves:
+            changes[f"{role}_moves"] = {str(bucket): name for bucket, name in role_moves.items()}
+    base = descriptor(**changes)
+    for role in ("routing", "storage"):
+        names = {entry["name"] for entry in base[f"{role}_services"]}
+        for name in set(moves.get(role, {}).values()) - names:
+            base[f"{role}_services"] = [*base[f"{role}_services"],
+                                        {"name": name, "address": "127.0.0.1:3", "count": 0}]
+    return base
+
+
+def test_without_moves_the_owners_are_the_initial_placement():
+    plain = descriptor()
+    assert layout.owners(plain, "storage") == layout.initial(plain, "storage")
+    assert layout.ranges_of(layout.owners(plain, "storage"), "s1") == [(0, 4)]
+    assert layout.ranges_of(layout.owners(plain, "storage"), "s2") == [(4, 8)]
+
+
+def test_moves_override_the_placement_bucket_by_bucket():
+    with_moves = moved(storage={2: "s2", 6: "s3"}, routing={7: "s2"})
+    storage = layout.owners(with_moves, "storage")
+    assert [storage.owner(bucket) for bucket in range(8)] == \
+        ["s1", "s1", "s2", "s1", "s2", "s2", "s3", "s2"]
+    assert layout.ranges_of(storage, "s1") == [(0, 2), (3, 4)]
+    assert list(layout.buckets_in(layout.ranges_of(storage, "s2"))) == [2, 4, 5, 7]
+    routing = layout.owners(with_moves, "routing")
+    assert layout.ranges_of(routing, "s1") == [(0, 7)]
+    assert layout.ranges_of(routing, "s2") == [(7, 8)]
+    # The initial placement (what the direct lookup rebuilds) is unchanged.
+    assert layout.ranges_of(layout.initial(with_moves, "storage"), "s1") == [(0, 4)]
+    assert layout.addresses(with_moves, "storage")["s3"] == "127.0.0.1:3"
+
+
+def test_a_service_stores_exactly_its_buckets_after_moves():
+    handler = RequestHandler("s1")
+    handler.assign(moved(storage={2: "s2", 5: "s1"}))
+    hosted = handler.dhts[DHT_ID]
+    assert sorted(hosted.repos) == [0, 1, 3, 5]
+    for bucket in (0, 1, 3, 5):
+        assert put(handler, keys_in(bucket, 1)[0], b"v")[0] == wire.ST_OK
+    status, message = put(handler, keys_in(2, 1)[0], b"v")
+    assert status == wire.ST_NOT_OWNER
+    assert b"does not store bucket 2" in message and b"service s2 does" in message
+
+
+@pytest.mark.parametrize("routing_moves, routed", [
+    ({}, [(0, 8)]),
+    ({0: "s2", 5: "s2"}, [(1, 5), (6, 8)]),
+])
+def test_an_as_keeps_storage_refs_for_the_buckets_it_routes(routing_moves, routed):
+    handler = RequestHandler("s1")
+    handler.assign(moved(routing=routing_moves, storage={3: "s3"}))
+    hosted = handler.dhts[DHT_ID]
+    assert hosted.routed == routed
+    assert hosted.routing_bucket_count == sum(end - first for first, end in routed)
+    expected = {0: "s1", 1: "s1", 2: "s1", 3: "s3", 4: "s2", 5: "s2", 6: "s2", 7: "s2"}
+    for first, end in routed:
+        for bucket in range(first, end):
+            assert hosted.storage_service(bucket) == expected[bucket]
+    for bucket in set(range(8)) - {b for first, end in routed for b in range(first, end)}:
+        with pytest.raises(KeyError):
+            hosted.storage_service(bucket)
+
+
+def test_a_bucket_moved_away_is_dropped_with_its_records():
+    handler = RequestHandler("s1")
+    handler.assign(descriptor())
+    key = keys_in(1, 1)[0]
+    put(handler, key, b"v")
+    handler.assign(moved(storage={1: "s2"}))
+    assert 1 not in handler.dhts[DHT_ID].repos
+    assert call(handler, keyed(wire.OP_GET, key, bucket=1))[0] == wire.ST_NOT_OWNER
+
+
+class NamedChannels:
+    """What DirectLookup asks a cluster for: a channel per service (here,
+    the name and address themselves)."""
+
+    def channel(self, name, address):
+        return (name, address)
+
+
+def test_a_client_sends_each_bucket_to_its_current_storage_service():
+    lookup = DirectLookup(NamedChannels(), moved(storage={2: "s3", 7: "s1"}))
+    assert [lookup._owners[bucket][0] for bucket in range(8)] == \
+        ["s1", "s1", "s3", "s1", "s2", "s2", "s2", "s1"]
+    assert lookup._owners[2] == ("s3", "127.0.0.1:3")
