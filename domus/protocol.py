@@ -66,6 +66,7 @@ ST_INACTIVE = 0x16
 ST_STORAGE_ERROR = 0x17
 ST_REPLY_TOO_LARGE = 0x18
 ST_UNSUPPORTED = 0x19
+ST_MOVING = 0x1A
 ST_INTERNAL = 0x1F
 ST_CONTROL_ERROR = 0x20
 
@@ -76,6 +77,7 @@ STATUS_NAMES = {
     ST_TOO_LARGE: "key or value too large", ST_INACTIVE: "DHT inactive",
     ST_STORAGE_ERROR: "storage error", ST_REPLY_TOO_LARGE: "reply too large for UDP",
     ST_UNSUPPORTED: "not supported by the DHT's storage platform",
+    ST_MOVING: "bucket moving to another service; retry shortly",
     ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
 }
 

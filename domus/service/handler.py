@@ -147,7 +147,9 @@ class RequestHandler:
             log.failure("service {service}: internal error in {op}", service=self.service_name,
                         op=wire.OP_NAMES.get(op, op))
             answer = self._error(wire.ST_INTERNAL, request_id, f"internal error: {exc!r}")
-        if changing:
+        if changing and answer[2] != wire.ST_MOVING:
+            # (MOVING applied nothing: a retry with the same id must be tried
+            # again, not told MOVING from the cache once the move is done.)
             self.reply_cache.put(token, answer)
         return answer
 
@@ -192,6 +194,9 @@ class RequestHandler:
             if repo is not None:
                 return repo
         hosted = self._hosted(dht_id)
+        if bucket in hosted.frozen:
+            raise RequestFailed(wire.ST_MOVING, f"bucket {bucket} of DHT {hosted.name!r} is "
+                                f"moving to another service; retry shortly")
         owner = hosted.storage_owner(bucket)
         where = (f"; service {owner} does" if owner is not None and owner != self.service_name
                  else "")
@@ -349,6 +354,9 @@ class RequestHandler:
                                 f"DHT {hosted.name!r} uses platform {hosted.platform}, which "
                                 f"keeps no key order; key ranges need domus-rbt or "
                                 f"domus-bsddb-btree")
+        if hosted.frozen:
+            raise RequestFailed(wire.ST_MOVING, f"a bucket of DHT {hosted.name!r} is moving "
+                                f"to another service; retry shortly")
         inclusive = (query.low_inclusive, query.high_inclusive)
         keys_only = query.keys_only
         walks = [repo.key_range(query.low, query.high, inclusive=inclusive,

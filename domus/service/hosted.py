@@ -61,6 +61,10 @@ class HostedDht:
         self.repos: dict[int, Repository] = {}
         # AS: the buckets routed here, and for each the name of the service
         # storing it (a floor map over ranges; see domus.bucketmap).
+        # Buckets being moved (see "Moving a bucket" below): frozen here as
+        # the source, with the keys to export; staged here as the target.
+        self.frozen: dict[int, tuple[Repository, list[bytes]]] = {}
+        self.staged: dict[int, Repository] = {}
         self.routed: list[tuple[int, int]] = []       # bucket ranges routed here
         self.storage_refs: BucketMap[str] = BucketMap(max(descriptor["buckets"], 1))
         self.storage_layout: BucketMap[str] = self.storage_refs     # every bucket -> SS
@@ -99,6 +103,10 @@ class HostedDht:
         stored = set(layout.buckets_in(layout.ranges_of(layout.owners(descriptor, "storage"),
                                                          self.service_name)))
         for bucket in sorted(stored - self.repos.keys()):
+            staged = self.staged.pop(bucket, None)
+            if staged is not None:          # moved here: its records came first
+                self.repos[bucket] = staged
+                continue
             try:
                 self.repos[bucket] = self.store.open(bucket)
             except StorageFault as exc:
@@ -114,6 +122,9 @@ class HostedDht:
                      records=len(dropped))
             if isinstance(dropped, FailedRepository):
                 continue
+            self.store.remove(bucket)
+        for bucket in sorted(self.frozen.keys() - stored):   # moved away: done
+            self.frozen.pop(bucket)
             self.store.remove(bucket)
 
     def _route(self, descriptor: dict[str, Any]) -> None:
@@ -187,10 +198,84 @@ class HostedDht:
         return saved
 
     def _release(self) -> None:
+        for bucket in list(self.frozen):
+            self.thaw(bucket)
+        for bucket in list(self.staged):
+            self.discard(bucket)
         self.repos.clear()
         if self.store is not None:
             self.store.close()
             self.store = None
+
+    # ------------------------------------------------------------ moving a bucket
+    # A bucket's storage moves from a source service to a target in four
+    # steps, driven by the supervisor, so that no acknowledged write is lost
+    # and none is applied twice:
+    #   1. the source freezes the bucket: from then on every request on it is
+    #      answered MOVING (clients retry), so its records stop changing;
+    #   2. the supervisor pages the records out of the source (export) and
+    #      into a staged repository on the target (stage);
+    #   3. the supervisor publishes the new layout; the target adopts the
+    #      staged repository and serves it, the source deletes its copy;
+    #   4. on any failure before 3, the source thaws the bucket and the target
+    #      discards what it staged: nothing changed.
+    def freeze(self, bucket: int) -> int:
+        """Step 1 (source): stop serving ``bucket``; returns its records."""
+        if bucket in self.frozen:
+            return len(self.frozen[bucket][0])
+        repo = self.repos.get(bucket)
+        if repo is None or not self.active:
+            raise StorageFault(f"{self.label}: service {self.service_name} does not store "
+                               f"bucket {bucket}, so it cannot move it")
+        keys = repo.key_snapshot()
+        self.frozen[bucket] = (self.repos.pop(bucket), keys)
+        return len(keys)
+
+    def export(self, bucket: int, offset: int, max_bytes: int) -> tuple[list[bytes], int | None]:
+        """Step 2 (source): records of a frozen bucket from key ``offset`` of
+        its snapshot, as a flat [key, value, ...] list of at most
+        ``max_bytes`` (or one record, if that is larger), and the offset to
+        ask for next (None: no more)."""
+        repo, keys = self.frozen[bucket]
+        page: list[bytes] = []
+        size = 0
+        position = offset
+        while position < len(keys):
+            value = repo.get(keys[position])
+            if value is not None:
+                record_size = len(keys[position]) + len(value)
+                if page and size + record_size > max_bytes:
+                    break               # a page holds one record at least
+                page += (keys[position], value)
+                size += record_size
+            position += 1
+        return page, (position if position < len(keys) else None)
+
+    def thaw(self, bucket: int) -> None:
+        """Step 4 (source): serve a frozen bucket again, unchanged."""
+        frozen = self.frozen.pop(bucket, None)
+        if frozen is not None:
+            self.repos[bucket] = frozen[0]
+
+    def stage(self, bucket: int, records: list[bytes], first: bool) -> int:
+        """Step 2 (target): store records of a bucket moving here, not yet
+        served; ``first`` starts it afresh.  Returns the records staged."""
+        if self.store is None or bucket in self.repos:
+            raise StorageFault(f"{self.label}: service {self.service_name} cannot take "
+                               f"bucket {bucket} (it stores it already, or the DHT is "
+                               f"inactive)")
+        if first:
+            self.discard(bucket)
+            self.staged[bucket] = self.store.open(bucket)
+        repo = self.staged[bucket]
+        for index in range(0, len(records), 2):
+            repo.put(records[index], records[index + 1])
+        return len(repo)
+
+    def discard(self, bucket: int) -> None:
+        """Step 4 (target): drop what was staged for a bucket."""
+        if self.staged.pop(bucket, None) is not None and self.store is not None:
+            self.store.remove(bucket)
 
     def storage_service(self, bucket: int) -> str:
         """AS: the service storing a bucket routed here; KeyError if the
@@ -203,7 +288,9 @@ class HostedDht:
         return self._platform.ordered and all(repo.ordered for repo in self.repos.values())
 
     def records(self) -> int:
-        return sum(len(repo) for repo in self.repos.values())
+        """Records stored here, those of a bucket being moved away included."""
+        return (sum(len(repo) for repo in self.repos.values())
+                + sum(len(repo) for repo, _keys in self.frozen.values()))
 
     def storage_bytes(self) -> int | None:
         """The bytes the DHT's records occupy here, as its platform counts

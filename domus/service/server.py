@@ -29,6 +29,9 @@ log = Logger(namespace="domus.service")
 HEARTBEAT_INTERVAL = 1.0
 FLUSH_INTERVAL = 1.0
 RECONNECT_MAX_DELAY = 2.0
+MOVE_OPS = frozenset({"freeze_bucket", "export_bucket", "thaw_bucket", "stage_bucket",
+                      "discard_bucket"})
+EXPORT_PAGE_BYTES = 4 << 20    # records per export page, well under a TCP frame
 
 
 class DomusService(Service):
@@ -204,7 +207,37 @@ class DomusService(Service):
             return {"ok": True}
         if op == "stats":
             return self.handler.stats()
+        if op in MOVE_OPS:
+            return self._move_step(op, body)
         raise ControlError("DomusError", f"unknown control op {op!r} for a service")
+
+    def _move_step(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One step of moving a bucket (domus.service.hosted, "Moving a
+        bucket"), as the supervisor drives it."""
+        hosted = self.handler.dhts.get(body.get("id"))
+        bucket = body.get("bucket")
+        if hosted is None or not isinstance(bucket, int):
+            raise ControlError("DomusError", f"service {self.service_name}: {op} needs the id "
+                               f"of a DHT hosted here and a bucket number")
+        try:
+            if op == "freeze_bucket":
+                return {"records": hosted.freeze(bucket)}
+            if op == "export_bucket":
+                if bucket not in hosted.frozen:
+                    raise StorageFault(f"bucket {bucket} is not frozen here")
+                records, following = hosted.export(bucket, int(body.get("offset", 0)),
+                                                   EXPORT_PAGE_BYTES)
+                return {"records": records, "next": following}
+            if op == "thaw_bucket":
+                hosted.thaw(bucket)
+                return {"ok": True}
+            if op == "stage_bucket":
+                return {"records": hosted.stage(bucket, body.get("records") or [],
+                                                bool(body.get("first")))}
+            hosted.discard(bucket)
+            return {"ok": True}
+        except StorageFault as exc:
+            raise ControlError("StorageError", f"service {self.service_name}: {exc}") from None
 
     def _client_control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
         if body["op"] == "stats":

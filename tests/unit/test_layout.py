@@ -3,12 +3,13 @@ and a service that follows them (what it stores, what it routes, where it
 sends a request for a bucket it does not store)."""
 
 import pytest
-from test_handler import DHT_ID, call, descriptor, keyed, keys_in, put
+from test_handler import DHT_ID, call, descriptor, keyed, keys_in, next_id, put
 
 from domus import layout
 from domus import protocol as wire
 from domus.lookup import DirectLookup
 from domus.service.handler import RequestHandler
+from domus.storage import StorageFault
 
 
 def moved(**moves):
@@ -104,3 +105,81 @@ def test_a_client_sends_each_bucket_to_its_current_storage_service():
     assert [lookup._owners[bucket][0] for bucket in range(8)] == \
         ["s1", "s1", "s3", "s1", "s2", "s2", "s2", "s1"]
     assert lookup._owners[2] == ("s3", "127.0.0.1:3")
+
+
+# ------------------------------------------------------------ moving a bucket
+def two_services(tmp_path, platform):
+    """s1 and s2 of the 8-bucket DHT, each with its own data dir."""
+    storage = "disk" if platform.startswith("domus-bsddb") else "ram"
+    services = {}
+    for name in ("s1", "s2"):
+        handler = RequestHandler(name, data_dir=str(tmp_path / name))
+        handler.assign(descriptor(platform=platform, storage=storage))
+        services[name] = handler
+    return services, dict(platform=platform, storage=storage)
+
+
+def move_records(source, target, bucket, page_bytes=None):
+    """Steps 1 and 2, as the supervisor drives them; the records moved."""
+    hosted_source, hosted_target = source.dhts[DHT_ID], target.dhts[DHT_ID]
+    hosted_source.freeze(bucket)
+    offset, first, moved_count = 0, True, 0
+    while offset is not None:
+        records, offset = hosted_source.export(bucket, offset, page_bytes or 1 << 20)
+        moved_count = hosted_target.stage(bucket, records, first)
+        first = False
+    return moved_count
+
+
+@pytest.mark.parametrize("platform", ["python-dict", "domus-rbt", "domus-bsddb-btree"])
+def test_a_bucket_moves_with_every_record_and_nothing_in_between(tmp_path, platform):
+    services, attributes = two_services(tmp_path, platform)
+    s1, s2 = services["s1"], services["s2"]
+    keys = keys_in(2, 300, prefix="m")
+    for index, key in enumerate(keys):
+        assert put(s1, key, b"v%d" % index)[0] == wire.ST_OK
+    s1.dhts[DHT_ID].freeze(2)
+    # Frozen: every request on the bucket is MOVING, and not cached as an
+    # answer (a retry with the same id is tried again later).
+    request = keyed(wire.OP_PUT, keys[0], b"changed", request_id=next_id())
+    assert call(s1, request)[0] == wire.ST_MOVING
+    assert call(s1, keyed(wire.OP_GET, keys[0]))[0] == wire.ST_MOVING
+    # The C hot path finds no repository and leaves it to Python: the same.
+    assert s1.handle_fast(keyed(wire.OP_PUT, keys[1], b"x", request_id=next_id()))[2] == \
+        wire.ST_MOVING
+    assert s1.dhts[DHT_ID].records() == 300             # still counted here
+    s1.dhts[DHT_ID].thaw(2)
+    assert move_records(s1, s2, 2, page_bytes=500) == 300
+    assert call(s2, keyed(wire.OP_GET, keys[0]))[0] == wire.ST_NOT_OWNER   # staged only
+
+    after = descriptor(storage_moves={"2": "s2"}, **attributes)
+    for handler in (s1, s2):
+        handler.assign(after)                                # step 3
+    for index, key in enumerate(keys):
+        assert call(s2, keyed(wire.OP_GET, key)) == (wire.ST_OK, b"v%d" % index)
+    assert 2 not in s1.dhts[DHT_ID].frozen and 2 not in s1.dhts[DHT_ID].repos
+    status, message = call(s1, request)                       # the retry, after the move
+    assert status == wire.ST_NOT_OWNER and b"service s2 does" in message
+
+
+def test_an_aborted_move_changes_nothing(tmp_path):
+    services, _attributes = two_services(tmp_path, "domus-bsddb-btree")
+    s1, s2 = services["s1"], services["s2"]
+    keys = keys_in(1, 50, prefix="a")
+    for key in keys:
+        put(s1, key, b"kept")
+    move_records(s1, s2, 1)
+    s1.dhts[DHT_ID].thaw(1)                                    # step 4
+    s2.dhts[DHT_ID].discard(1)
+    assert all(call(s1, keyed(wire.OP_GET, key)) == (wire.ST_OK, b"kept") for key in keys)
+    assert 1 not in s2.dhts[DHT_ID].staged
+    # The target can take the bucket afresh later.
+    assert move_records(s1, s2, 1) == 50
+
+
+def test_a_service_refuses_to_move_a_bucket_it_does_not_store(tmp_path):
+    services, _attributes = two_services(tmp_path, "python-dict")
+    with pytest.raises(StorageFault, match="does not store bucket 6"):
+        services["s1"].dhts[DHT_ID].freeze(6)
+    with pytest.raises(StorageFault, match="cannot take bucket 1"):
+        services["s1"].dhts[DHT_ID].stage(1, [], True)
