@@ -48,7 +48,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "redis>=5",
-                 "hiredis>=2", "ruff>=0.4", "sortedcontainers>=2.4"],
+                 "hiredis>=2", "ruff>=0.4", "sortedcontainers>=2.4", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["domus = domus.cli:main"]},
 )

@@ -9,7 +9,8 @@ numbers as decimal strings, since the descriptor is saved as JSON).  A
 service a bucket moved to is listed in the role's services, with count 0 if
 it had none at creation, so that its address is known.
 
-``owners`` is the current truth: the placement, then the moves.
+``owners`` is the current truth: the placement, then the moves;
+``ranges_of`` gives one service's part of it as sorted (first, end) ranges.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from domus.bucketmap import BucketMap
+from domus.routing.base import local_ranges as ranges_of  # (first, end) ranges of one owner
 
 ROLES = ("routing", "storage")
+__all__ = ["ROLES", "initial", "owners", "moves", "ranges_of", "buckets_in", "addresses"]
 
 
 def initial(descriptor: dict[str, Any], role: str) -> BucketMap[str]:
@@ -40,11 +43,6 @@ def owners(descriptor: dict[str, Any], role: str) -> BucketMap[str]:
 def moves(descriptor: dict[str, Any], role: str) -> dict[int, str]:
     """The buckets of ``role`` moved away from their initial placement."""
     return {int(bucket): name for bucket, name in descriptor.get(f"{role}_moves", {}).items()}
-
-
-def ranges_of(layout: BucketMap[str], service: str) -> list[tuple[int, int]]:
-    """The half-open bucket ranges ``service`` holds in ``layout``, in order."""
-    return [(first, end) for first, end, owner in layout.ranges() if owner == service]
 
 
 def buckets_in(ranges: list[tuple[int, int]]) -> Iterator[int]:
