@@ -34,6 +34,8 @@ def wait_for(path, timeout=10.0):
 
 
 def test_a_record_says_how_to_start_this_process_again(tmp_path, monkeypatch):
+    for name in [name for name in os.environ if name.startswith("DOMUS_")]:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("DOMUS_LOG_LEVEL", "debug")
     monkeypatch.setenv("UNRELATED", "x")
     record = launch.record("supervisor", "127.0.0.1:7700",
