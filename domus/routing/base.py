@@ -47,6 +47,12 @@ Ranges = Sequence[tuple[int, int]]
 _first_of = itemgetter(0)
 
 
+def is_power_of_two(value: object) -> bool:
+    """Whether ``value`` is an int (not a bool) that is a power of two."""
+    return (isinstance(value, int) and not isinstance(value, bool) and value > 0
+            and value & (value - 1) == 0)
+
+
 # ---------------------------------------------------------------- ranges
 def local_ranges(bucket_map: BucketMap, owner: Hashable) -> list[tuple[int, int]]:
     """The buckets that ``owner`` routes in ``bucket_map``, as sorted,
@@ -125,8 +131,7 @@ class RoutingGraph(ABC):
     algorithms: ClassVar[tuple[str, ...]] = (FEWEST_HOPS, LEAST_WORK)
 
     def __init__(self, bucket_count: int) -> None:
-        if (isinstance(bucket_count, bool) or not isinstance(bucket_count, int)
-                or not 1 <= bucket_count <= MAX_BUCKETS or bucket_count & (bucket_count - 1)):
+        if not is_power_of_two(bucket_count) or bucket_count > MAX_BUCKETS:
             raise ValueError(f"bucket count {bucket_count!r} must be a power of two between "
                              f"1 and {MAX_BUCKETS}")
         self.bucket_count = bucket_count

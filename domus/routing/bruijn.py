@@ -32,7 +32,7 @@ routing ``t``, at the latest when the bucket is ``t`` itself.
 
 from __future__ import annotations
 
-from domus.routing.base import Ranges, RoutingGraph, find_residue
+from domus.routing.base import Ranges, RoutingGraph, find_residue, is_power_of_two
 
 
 class BruijnGraph(RoutingGraph):
@@ -51,8 +51,7 @@ class BruijnGraph(RoutingGraph):
 
     def __init__(self, bucket_count: int, degree: int = 2) -> None:
         super().__init__(bucket_count)
-        if (isinstance(degree, bool) or not isinstance(degree, int) or degree < 2
-                or degree & (degree - 1)):
+        if not is_power_of_two(degree) or degree < 2:
             raise ValueError(f"de Bruijn degree {degree!r} must be a power of two >= 2 "
                              f"(2, 4, 8, 16, ...)")
         self.degree = degree

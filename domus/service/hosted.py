@@ -71,8 +71,7 @@ class HostedDht:
         # Why the last activation failed, while the supervisor still wants
         # the DHT active: requests are told this rather than "inactive".
         self.problem: str | None = None
-        self.descriptor = descriptor
-        self._route(descriptor)
+        self.descriptor = descriptor     # routes and buckets come with apply()
 
     def apply(self, descriptor: dict[str, Any]) -> int:
         """Take a (new) descriptor from the supervisor: activate or
@@ -82,26 +81,28 @@ class HostedDht:
         of state that fails raises StorageFault and leaves the DHT as it
         was."""
         moved = 0
+        storage = layout.owners(descriptor, "storage")
         wanted = descriptor.get("state", "active") == "active"
         if wanted and not self.active:
             try:
-                moved = self._activate(descriptor)
+                moved = self._activate(descriptor, storage)
             except StorageFault as exc:
                 self.problem = str(exc)
                 raise
         elif wanted:
-            self._place(descriptor)
+            self._place(storage)
         elif self.active:
             moved = self._deactivate()
         self.problem = None
         self.descriptor = descriptor
-        self._route(descriptor)
+        self._route(descriptor, storage)
         return moved
 
-    def _place(self, descriptor: dict[str, Any]) -> None:
+    def _place(self, storage: BucketMap[str]) -> None:
+        """Open the buckets ``storage`` (bucket -> service) puts here, drop
+        the others."""
         assert self.store is not None
-        stored = set(layout.buckets_in(layout.ranges_of(layout.owners(descriptor, "storage"),
-                                                         self.service_name)))
+        stored = set(layout.buckets_in(layout.ranges_of(storage, self.service_name)))
         for bucket in sorted(stored - self.repos.keys()):
             staged = self.staged.pop(bucket, None)
             if staged is not None:          # moved here: its records came first
@@ -127,8 +128,7 @@ class HostedDht:
             self.frozen.pop(bucket)
             self.store.remove(bucket)
 
-    def _route(self, descriptor: dict[str, Any]) -> None:
-        storage = layout.owners(descriptor, "storage")
+    def _route(self, descriptor: dict[str, Any], storage: BucketMap[str]) -> None:
         self.routed = layout.ranges_of(layout.owners(descriptor, "routing"), self.service_name)
         refs: BucketMap[str] = BucketMap(descriptor["buckets"])
         for routed_first, routed_end in self.routed:
@@ -146,7 +146,7 @@ class HostedDht:
         (for redirects); None for a bucket out of range."""
         return self.storage_layout.get(bucket)
 
-    def _activate(self, descriptor: dict[str, Any]) -> int:
+    def _activate(self, descriptor: dict[str, Any], storage: BucketMap[str]) -> int:
         """Open the store and the buckets stored here, and load the RAM
         snapshot if there is one.  All or nothing: on failure everything
         opened is closed again and the snapshot stays."""
@@ -158,7 +158,7 @@ class HostedDht:
         # error, never an empty or partial DHT.
         expected = (descriptor.get("saved") or {}).get(self.service_name)
         try:
-            self._place(descriptor)
+            self._place(storage)
             if self.medium == "ram" and snapshot.exists(self.home):
                 assert self.home is not None
                 loaded = snapshot.load(self.home, self.id, self.repos, self.label)
