@@ -16,8 +16,9 @@ from domus.storage import MEDIA, PLANNED_PLATFORMS, PLATFORMS
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 ROUTING_GRAPHS = ("chord", "bruijn")
-LOOKUP_STRATEGIES = ("D",)
-PLANNED_STRATEGIES = ("D,C,R", "C,R", "R")
+ROUTING_ALGORITHMS = ("fewest-hops", "least-work")
+DEFAULT_BRUIJN_DEGREE = 2
+LOOKUP_STRATEGIES = ("D", "D,C,R", "C,R", "R")
 MIN_BUCKETS = 1
 MAX_BUCKETS = 1 << 24
 BUCKETS_PER_SERVICE = 64
@@ -27,10 +28,11 @@ DEFAULTS: dict[str, Any] = {
     "storage": "ram",
     "platform": "python-dict",
     "routing": "chord",
+    "routing_algorithm": "fewest-hops",
     "lookup": "D",
 }
-KNOWN = {"name", "buckets", "hash", "storage", "platform", "routing", "lookup",
-         "durability", "routing_services", "storage_services"}
+KNOWN = {"name", "buckets", "hash", "storage", "platform", "routing", "routing_degree",
+         "routing_algorithm", "lookup", "durability", "routing_services", "storage_services"}
 # Disk DHTs: "async" (the default) acknowledges a write once it is in the
 # cache and flushes every second and on a clean stop; "sync" acknowledges it
 # once the Berkeley DB log holding it is on stable storage.  RAM DHTs have
@@ -63,6 +65,35 @@ def create_request(name: str, **attributes: Any) -> dict[str, Any]:
     return given
 
 
+def check_strategy(lookup: Any) -> str:
+    """A lookup strategy in its canonical spelling ("d, c,r" -> "D,C,R")."""
+    if not isinstance(lookup, str):
+        raise InvalidAttribute(f"lookup strategy must be a str such as 'D,C,R', not {lookup!r}")
+    canonical = lookup.replace(" ", "").upper()
+    if canonical not in LOOKUP_STRATEGIES:
+        raise InvalidAttribute(f"lookup strategy {lookup!r} is unknown; choose one of "
+                               f"{list(LOOKUP_STRATEGIES)} (D: direct, C: cached, R: random)")
+    return canonical
+
+
+def check_degree(graph: str, degree: Any) -> int | None:
+    """The de Bruijn degree (default 2): a power of two >= 2; chord has none."""
+    if graph != "bruijn":
+        if degree is not None:
+            raise InvalidAttribute(f"routing_degree is for bruijn graphs; {graph} has none "
+                                   f"(got {degree!r})")
+        return None
+    if degree is None:
+        return DEFAULT_BRUIJN_DEGREE
+    if isinstance(degree, bool) or not isinstance(degree, int):
+        raise InvalidAttribute(f"routing_degree must be an int, not {degree!r} "
+                               f"({type(degree).__name__})")
+    if degree < 2 or degree & (degree - 1):
+        raise InvalidAttribute(f"routing_degree {degree} must be a power of two >= 2 "
+                               f"(2, 4, 8, 16, ...)")
+    return degree
+
+
 def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
     """Validate what a client asks for; return the attributes with defaults
     filled in (bucket count and service sets may stay None: the supervisor
@@ -73,7 +104,7 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
         raise InvalidAttribute(f"unknown DHT attribute(s) {sorted(unknown)}; "
                                f"known ones are {sorted(KNOWN - {'name'})}")
     merged = {**DEFAULTS, **{k: v for k, v in attributes.items() if v is not None}}
-    for attribute in ("hash", "storage", "platform", "routing"):
+    for attribute in ("hash", "storage", "platform", "routing", "routing_algorithm"):
         if not isinstance(merged[attribute], str):
             raise InvalidAttribute(f"DHT attribute {attribute!r} must be a str, not "
                                    f"{merged[attribute]!r}")
@@ -106,14 +137,11 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
     if merged["routing"] not in ROUTING_GRAPHS:
         raise InvalidAttribute(f"routing graph {merged['routing']!r} is unknown; choose one of "
                                f"{list(ROUTING_GRAPHS)}")
-    lookup = str(merged["lookup"]).replace(" ", "").upper()
-    if lookup not in LOOKUP_STRATEGIES:
-        if lookup in PLANNED_STRATEGIES:
-            raise InvalidAttribute(f"lookup strategy {lookup!r} is not available in this "
-                                   f"version; use 'D'")
-        raise InvalidAttribute(f"lookup strategy {merged['lookup']!r} is unknown; "
-                               f"choose one of {list(LOOKUP_STRATEGIES)}")
-    merged["lookup"] = lookup
+    merged["routing_degree"] = check_degree(merged["routing"], merged.get("routing_degree"))
+    if merged["routing_algorithm"] not in ROUTING_ALGORITHMS:
+        raise InvalidAttribute(f"routing algorithm {merged['routing_algorithm']!r} is unknown; "
+                               f"choose one of {list(ROUTING_ALGORITHMS)}")
+    merged["lookup"] = check_strategy(merged["lookup"])
     buckets = merged.get("buckets")
     if buckets is not None:
         if isinstance(buckets, bool) or not isinstance(buckets, int):

@@ -24,7 +24,7 @@ from domus.values import pack_value
 Channel = TypeVar("Channel")
 ErrorFor = Callable[[bytes, Any], DomusError]
 
-__all__ = ["Member", "chunks", "encode_pairs", "check_values", "put_requests", "put_replies",
+__all__ = ["Member", "chunks", "encode_pairs", "check_values", "put_requests",
            "GetMany"]
 
 
@@ -58,23 +58,6 @@ def put_requests(keys: list[bytes], values: list[bytes], hasher: Hasher, shift: 
                                    ids.client_id, wire.DEFAULT_MAX_DATAGRAM, wire.MAX_BATCH)
 
 
-def put_replies(requests: list[tuple[Channel, bytes]], replies: list[bytes],
-                error: ErrorFor, last_try: bool) -> tuple[int, int, bool]:
-    """(records applied, keys created, whether a service said a bucket moved)."""
-    applied = created = 0
-    moved = False
-    for (channel, _message), reply in zip(requests, replies):
-        if reply[2] == wire.ST_OK:
-            done, new = wire.U16X2.unpack_from(reply, wire.REPLY_HEADER_SIZE)
-            applied += done
-            created += new
-        elif reply[2] == wire.ST_NOT_OWNER and not last_try:
-            moved = True
-        else:
-            raise error(reply, channel)
-    return applied, created, moved
-
-
 class GetMany:
     """The state of one get_many: what is found, what is still to ask.
 
@@ -90,6 +73,7 @@ class GetMany:
         self.found: dict[Any, Any] = {}
         self.per_request: dict[Any, int] = {}
         self.answered = 0
+        self.moving = False     # the last round met a bucket being moved
 
     def requests(self, hasher: Hasher, shift: int, owners: Sequence[Channel], dht_id: int,
                  ids: Any) -> tuple[list[tuple[Channel, bytes]], list[list[int]]]:
@@ -104,12 +88,16 @@ class GetMany:
              unpack: Callable[[bytes], Any] | None = None) -> bool:
         """Take in one round of replies (values decoded by ``unpack``, by
         default domus.values.unpack_value); True if a service said a bucket
-        moved (the caller refreshes the layout before the next round)."""
+        moved (the caller refreshes the layout before the next round).
+        Keys of a bucket being moved are asked again (``moving`` says so:
+        the caller pauses first)."""
         still: list[int] = []
         moved = False
+        self.moving = False
         for (channel, _message), batch, reply in zip(requests, batches, replies):
-            if reply[2] == wire.ST_NOT_OWNER:
-                moved = True
+            if reply[2] == wire.ST_NOT_OWNER or reply[2] == wire.ST_MOVING:
+                moved = moved or reply[2] == wire.ST_NOT_OWNER
+                self.moving = self.moving or reply[2] == wire.ST_MOVING
                 still.extend(batch)
                 continue
             if reply[2] != wire.ST_OK:

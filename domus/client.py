@@ -14,8 +14,12 @@ layout changed.
 
 from __future__ import annotations
 
+import functools
 import heapq
+import time
 from collections.abc import (
+    Callable,
+    Generator,
     ItemsView,
     Iterable,
     Iterator,
@@ -30,20 +34,20 @@ from typing import Any
 from domus import address as addresses
 from domus import batch, codec
 from domus import protocol as wire
-from domus.attributes import create_request
+from domus.attributes import check_strategy, create_request
 from domus.errors import (
-    DhtInactive,
     DomusError,
-    InvalidAttribute,
-    RemoteError,
     ServiceUnavailable,
-    StorageError,
     UnknownDht,
     ValueTooLarge,
-    WrongService,
 )
 from domus.keys import decode_key
-from domus.lookup import DirectLookup
+from domus.lookup import (
+    PAUSE,
+    SEND,
+    DirectLookup,
+    reply_error,
+)
 from domus.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
 
 DEFAULT_TIMEOUT = 5.0
@@ -58,6 +62,7 @@ _CONTAINS = wire.OP_CONTAINS
 _OK = wire.ST_OK
 _NOT_FOUND = wire.ST_NOT_FOUND
 _NOT_OWNER = wire.ST_NOT_OWNER
+_MOVING = wire.ST_MOVING
 _MAX_VALUE_BYTES = wire.MAX_VALUE_BYTES
 _HEADER = wire.REPLY_HEADER_SIZE
 _keyed = codec.keyed
@@ -73,28 +78,6 @@ def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> 
     cluster = Cluster(addresses.supervisor_address(address), timeout)
     cluster.ping()
     return cluster
-
-
-def reply_error(dht: str, reply: bytes, channel: Any, bucket: int | None) -> DomusError:
-    """The domus.errors exception for an error reply from ``channel``
-    (anything with ``name`` and ``address``) to a request on DHT ``dht``."""
-    status = reply[2]
-    text = reply[wire.REPLY_HEADER_SIZE:].decode("utf-8", "replace")
-    where = f"service {channel.name} ({channel.address})"
-    if status == wire.ST_UNKNOWN_DHT:
-        return UnknownDht(f"DHT {dht!r} is not on {where} any more (destroyed?): {text}")
-    if status == wire.ST_NOT_OWNER:
-        return WrongService(f"{where}: {text}", status)
-    if status == wire.ST_STORAGE_ERROR:
-        return StorageError(f"{where}, bucket {bucket}: {text}", status)
-    if status == wire.ST_INACTIVE:
-        return DhtInactive(f"DHT {dht!r} is inactive: its records are kept, and served again "
-                           f"once it is activated (cluster.activate_dht({dht!r}) or "
-                           f"`domus dht activate {dht}`)", status)
-    if status == wire.ST_TOO_LARGE:
-        return ValueTooLarge(f"{where} refused the request: {text}")
-    name = wire.STATUS_NAMES.get(status, f"status 0x{status:02x}")
-    return RemoteError(f"{where} answered {name}: {text}", status)
 
 
 class Cluster:
@@ -133,7 +116,8 @@ class Cluster:
     # -- DHTs
     def create_dht(self, name: str, *, buckets: int | None = None, hash: str | None = None,
                    storage: str | None = None, platform: str | None = None,
-                   routing: str | None = None, lookup: str | None = None,
+                   routing: str | None = None, routing_degree: int | None = None,
+                   routing_algorithm: str | None = None, lookup: str | None = None,
                    durability: str | None = None,
                    routing_services: Iterable[str] | None = None,
                    storage_services: Iterable[str] | None = None) -> Dht:
@@ -141,22 +125,26 @@ class Cluster:
         defaults (README, "DHT attributes"); service sets default to every live
         service."""
         attributes = create_request(name, buckets=buckets, hash=hash, storage=storage,
-                                    platform=platform, routing=routing, lookup=lookup,
+                                    platform=platform, routing=routing,
+                                    routing_degree=routing_degree,
+                                    routing_algorithm=routing_algorithm, lookup=lookup,
                                     durability=durability, routing_services=routing_services,
                                     storage_services=storage_services)
         descriptor = self.supervisor.call("create_dht", name=name, attributes=attributes,
                                           timeout=max(self.timeout, 15.0))
         return Dht(self, descriptor)
 
-    def open_dht(self, name: str, *, lookup: str | None = None,
-                 cache: float | None = None) -> Dht:
-        """Open an existing DHT.  ``lookup`` and ``cache`` choose this
-        client's lookup strategy (only "D" in this version)."""
+    def open_dht(self, name: str, *, lookup: str | None = None, cache: float | None = None,
+                 direct_cutoff: int | None = None) -> Dht:
+        """Open an existing DHT.  ``lookup`` is this client's lookup strategy
+        ("D", "D,C,R", "C,R" or "R"; default: the DHT's own), ``cache`` the
+        size of its lookup cache as a fraction of the bucket count (default
+        0.5), ``direct_cutoff`` the direct misses after which it stops using
+        direct lookups (default 8; domus.lookup says more)."""
+        if lookup is not None:
+            check_strategy(lookup)
         descriptor = self.supervisor.call("open_dht", name=name)
-        if lookup is not None and lookup.replace(" ", "").upper() != "D":
-            raise InvalidAttribute(f"lookup strategy {lookup!r} is not available in this "
-                                   f"version; use 'D'")
-        return Dht(self, descriptor)
+        return Dht(self, descriptor, lookup=lookup, cache=cache, direct_cutoff=direct_cutoff)
 
     def list_dhts(self) -> list[dict[str, Any]]:
         return self.supervisor.call("list_dhts")
@@ -199,7 +187,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     def refresh(self) -> None:
         """Fetch the DHT's layout from the supervisor again."""
-        self._stats["refreshes"] += 1
+        self._counters["refreshes"] += 1
         try:
             descriptor = self.cluster.supervisor.call("open_dht", name=self.name)
         except UnknownDht:
@@ -210,36 +198,94 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
     # ------------------------------------------------------------ single keys
     def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
         """One keyed request (``value``: a PUT's packed value); returns its
-        reply.  Retries once after refreshing the layout if the service says
-        the bucket moved, or if it does not answer and the supervisor says
-        the bucket's owner changed."""
+        reply.  The first method of the lookup strategy answers at once when
+        it can (a direct table, a cached entry); anything else (a miss, a
+        distributed lookup, a bucket being moved) takes the course that
+        domus.lookup lays out."""
         ids = self.cluster.ids
         message, bucket = _keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                  self._shift, key, value)
-        self._stats["lookups"] += 1
-        channel = self._owners[bucket]
+        first = None
+        channel = self._first_channel(bucket)
+        if channel is not None:
+            try:
+                reply = channel.request(message, self.name, bucket)
+            except ServiceUnavailable:
+                if not self._owner_moved(bucket, channel):
+                    raise
+            else:
+                status = reply[2]
+                if status <= _NOT_FOUND:
+                    self._first_hit()
+                    return reply
+                if status != _NOT_OWNER and status != _MOVING:
+                    raise self._error(reply, channel, bucket)
+                first = (channel, reply)
+
+        def encode() -> bytes:
+            return _keyed(op, ids.next(), ids.client_id, self.id, self._hasher, self._shift,
+                          key, value)[0]
+
+        return self._drive(self._course(encode, bucket, first))
+
+    def _drive(self, course: Generator[tuple[Any, ...], Any, Any]) -> Any:
+        """Run a course (domus.lookup) to its end with blocking I/O."""
+        result: Any = None
         try:
-            reply = channel.request(message, self.name, bucket)
-        except ServiceUnavailable:
-            if not self._owner_moved(bucket, channel):
-                raise
-        else:
-            if reply[2] <= _NOT_FOUND:
-                self._stats["hits"] += 1
-                return reply
-            if reply[2] != _NOT_OWNER:
-                raise self._error(reply, channel, bucket)
-            self._stats["misses"] += 1
-            self.refresh()
-        # Once more, with the new layout.
-        message, bucket = _keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
-                                 self._shift, key, value)
-        channel = self._owners[bucket]
-        reply = channel.request(message, self.name, bucket)
-        if reply[2] <= _NOT_FOUND:
-            self._stats["hits"] += 1
-            return reply
-        raise self._error(reply, channel, bucket)
+            instruction = next(course)
+            while True:
+                kind = instruction[0]
+                try:
+                    if kind == SEND:
+                        result = instruction[1].request(instruction[2], self.name,
+                                                        instruction[3])
+                    elif kind == PAUSE:
+                        time.sleep(instruction[1])
+                        result = None
+                    else:
+                        self.refresh()
+                        result = None
+                except DomusError as exc:
+                    instruction = course.throw(exc)
+                    continue
+                instruction = course.send(result)
+        except StopIteration as stop:
+            return stop.value
+
+    def _drive_all(self, courses: dict[int, Generator[tuple[Any, ...], Any, Any]]
+                   ) -> dict[int, Any]:
+        """Run many courses that only send, side by side: each round sends
+        every course's next message at once.  Returns each one's result."""
+        results: dict[int, Any] = {}
+        waiting: dict[int, tuple[Any, ...]] = {}
+
+        def advance(bucket: int, step: Callable[[], tuple[Any, ...]]) -> None:
+            try:
+                waiting[bucket] = step()
+            except StopIteration as stop:
+                results[bucket] = stop.value
+
+        for bucket, course in courses.items():
+            advance(bucket, course.__next__)
+        while waiting:
+            round_ = list(waiting.items())
+            waiting.clear()
+            try:
+                replies = exchange([(sent[1], sent[2]) for _bucket, sent in round_], self.name)
+            except DomusError:
+                replies = None   # a service is down: one by one, so only its courses see it
+            for index, (bucket, sent) in enumerate(round_):
+                course = courses[bucket]
+                if replies is not None:
+                    advance(bucket, functools.partial(course.send, replies[index]))
+                    continue
+                try:
+                    reply = sent[1].request(sent[2], self.name, sent[3])
+                except DomusError as exc:
+                    advance(bucket, functools.partial(course.throw, exc))
+                else:
+                    advance(bucket, functools.partial(course.send, reply))
+        return results
 
     def _owner_moved(self, bucket: int, channel: ServiceChannel) -> bool:
         """After a service failed to answer: ask the supervisor whether the
@@ -250,9 +296,6 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         except DomusError:
             return False
         return self._owners[bucket] is not channel
-
-    def _error(self, reply: bytes, channel: ServiceChannel, bucket: int | None) -> DomusError:
-        return reply_error(self.name, reply, channel, bucket)
 
     def put(self, key: Any, value: Any) -> bool:
         """Store ``value`` under ``key``; True if the key was new."""
@@ -288,6 +331,33 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         return self._request(_CONTAINS, key)[2] == _OK
 
     # ------------------------------------------------------------ batches
+    def _batch_owners(self, keys: list[bytes]) -> Any:
+        """bucket -> storage channel for a batch of encoded keys, by the
+        lookup strategy: the direct table as it is, else cached entries and
+        distributed lookups (side by side) for the buckets not cached."""
+        if self._fast == "D":
+            self._count_direct_batch(len(keys))
+            return self._direct
+        owners: dict[int, Any] = {}
+        courses = {}
+        for bucket in {self._bucket(key) for key in keys}:
+            channel = self._first_channel(bucket)
+            if channel is not None:
+                self._first_hit()
+                owners[bucket] = channel
+            else:
+                courses[bucket] = self._locating(bucket)
+        for bucket, channel in self._drive_all(courses).items():
+            owners[bucket] = channel if channel is not None else self._owners[bucket]
+        return owners
+
+    def _before_next_round(self, moved: int, moving: bool, rounds: dict[str, Any]) -> None:
+        for step in self._batch_retry(moved, moving, rounds):
+            if step[0] == PAUSE:
+                time.sleep(step[1])
+            else:
+                self.refresh()
+
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
         """Store many records, one message per service where they fit in a
         datagram (more where they do not), pipelined.  Returns how many keys
@@ -296,40 +366,34 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         pairs = list(items.items() if isinstance(items, Mapping) else items)
         keys, values = batch.encode_pairs(pairs)
         batch.check_values(values)
-        self._stats["lookups"] += len(keys)
+        owners = self._batch_owners(keys)
         created = 0
-        for attempt in (1, 2):
-            requests = self._put_many_requests(keys, values)
-            replies = exchange(requests, self.name)
-            applied, new, moved = batch.put_replies(requests, replies, self._batch_error,
-                                                    last_try=attempt == 2)
-            self._stats["hits"] += applied
+        rounds = self._batch_rounds()
+        while keys:
+            requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
+                                          self.id, self.cluster.ids)
+            new, keys, values, moved, moving = self._put_round(requests,
+                                                               exchange(requests, self.name))
             created += new
-            if not moved:
-                break
-            # Some service no longer holds some buckets: refresh and send again
-            # (re-putting the records that did land is harmless).
-            self._stats["misses"] += 1
-            self.refresh()
+            if keys:
+                self._before_next_round(moved, moving, rounds)
+                owners = self._owners
         return created
 
     def get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
         """Values of the keys that are present (absent keys are left out)."""
         wanted = list(keys)
         state = batch.GetMany(wanted, codec.encode_keys(wanted))
-        self._stats["lookups"] += len(wanted)
-        misses = 0
+        owners = self._batch_owners(state.encoded)
+        rounds = self._batch_rounds()
         while state.pending:
-            requests, batches = self._get_many_requests(state)
-            replies = exchange(requests, self.name)
-            if state.take(requests, batches, replies, self._batch_error):
-                misses += 1
-                if misses > 1:
-                    raise WrongService(f"DHT {self.name!r}: services disagree with the "
-                                       f"supervisor about bucket owners; retry shortly")
-                self._stats["misses"] += 1
-                self.refresh()
-        self._stats["hits"] += state.answered
+            requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
+                                               self.cluster.ids)
+            moved = state.take(requests, batches, exchange(requests, self.name),
+                               self._batch_error)
+            if moved or state.moving:
+                self._before_next_round(moved, state.moving, rounds)
+                owners = self._owners
         return state.found
 
     def _batch_error(self, reply: bytes, channel: ServiceChannel) -> DomusError:
@@ -352,21 +416,30 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         return counts
 
     def _scan(self) -> Iterator[tuple[bytes, bytes]]:
-        """Every record, bucket by bucket, as raw (key, value) bytes."""
+        """Every record, bucket by bucket, as raw (key, value) bytes.  A
+        bucket being moved is waited for; one that has moved is scanned at
+        its new owner (a move during a bucket's scan fails the scan)."""
         ids = self.cluster.ids
         for bucket in range(self.bucket_count):
-            channel = self._owners[bucket]
             scan_id, offset = 0, 0
+            for attempt in (1, 2):
+                channel = self._owners[bucket]
+                first_page = functools.partial(wire.encode_scan, ids.next(), ids.client_id,
+                                               self.id, bucket, 0, 0)
+                reply = self._drive(self._send(channel, first_page, bucket))
+                if reply[2] != _NOT_OWNER or attempt == 2:
+                    break
+                self.refresh()
             while True:
-                reply = channel.request(wire.encode_scan(ids.next(), ids.client_id, self.id,
-                                                         bucket, scan_id, offset),
-                                        self.name, bucket)
                 if reply[2] != _OK:
                     raise self._error(reply, channel, bucket)
                 scan_id, offset, entries = codec.decode_scan_reply(reply)
                 yield from entries
                 if offset == wire.SCAN_END:
                     break
+                reply = channel.request(wire.encode_scan(ids.next(), ids.client_id, self.id,
+                                                         bucket, scan_id, offset),
+                                        self.name, bucket)
 
     def __iter__(self) -> Iterator[Any]:
         for key, _value in self._scan():
@@ -438,11 +511,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     def _range_channels(self) -> list[ServiceChannel]:
         """Each service that stores at least one bucket of the DHT, once."""
-        channels: dict[ServiceChannel, None] = {}
-        for channel, entry in zip(self._storage_channels, self.descriptor["storage_services"]):
-            if entry["count"]:
-                channels[channel] = None
-        return list(channels)
+        return list(dict.fromkeys(channel for _first, _end, channel in self.layout.ranges()))
 
     def _range_pages(self, channel: ServiceChannel, query: wire.RangeQuery,
                      reply: bytes) -> Iterator[tuple[bytes, bytes]]:

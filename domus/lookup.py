@@ -1,43 +1,151 @@
 """Lookup: from a key's bucket to the service that stores it.
 
-Only the direct method (D) exists so far: the bucket -> service map is
-rebuilt from the descriptor's per-service counts (domus.assignment) as a
-``BucketMap`` (ranges in a red-black tree: one entry per service, whatever
-the bucket count).  For up to ``DENSE_TABLE_LIMIT`` buckets the client also
-unfolds it into a list indexed by bucket, so a lookup is one list index;
-beyond that (up to 2**24 buckets, which would be a 128 MiB list per DHT) a
-lookup is a floor search in the map, O(log services).
-``DirectLookup`` is the part of a DHT handle that both the synchronous and
-the Twisted clients share; they differ only in how they send requests.
+A client looks buckets up by a *strategy*, an ordered fall-back list of
+methods (DESIGN.md, "Lookup"):
+
+- **D, direct**: the initial placement rebuilt from the descriptor's
+  per-service counts (domus.layout.initial).  One hop, no routing.  It
+  misses on buckets moved since; after ``direct_cutoff`` misses a client
+  whose strategy has other methods stops using it.
+- **C, cached**: an LRU of (bucket -> routing service, storage service) fed
+  by distributed lookups, with ``cache`` x buckets entries at most.  A
+  bucket not in it is looked up starting at the cached entry nearest the
+  target in the routing graph (aggregated routing), so most misses take
+  one hop to an AS and one to the storage service.
+- **R, random**: a distributed lookup from a routing service picked at
+  random, weighted by the buckets it routes (a uniformly random bucket's
+  router).
+
+A *distributed lookup* (docs/protocol.md, "Distributed lookup") is a chain
+of LOOKUP requests that the client sends itself, hop by hop, each AS naming
+the next from its own routing tables, until one names the storage service.
+A dead hop is a ServiceUnavailable after the transport's usual retries; a
+chain longer than the graph's hop bound (plus slack for layouts changing
+meanwhile) is abandoned; either way the strategy falls back to its next
+method.
+
+When every method of the strategy has missed, the client follows the
+redirect in the last NOT_OWNER reply (the service that does store the
+bucket, as the refusing service knows it); failing that, it fetches the
+DHT's layout from the supervisor (the only time the supervisor is asked).
+A bucket being moved answers MOVING: the request is sent again after a
+short, growing pause, for up to ``MOVING_PATIENCE`` seconds.
+
+The decisions live here, with no I/O: a request's course is a generator
+that yields instructions (send this message to this channel; pause; fetch
+the layout) and receives their results.  The synchronous and the Twisted
+clients each drive it their own way (domus.client, domus.txclient); the
+common case, the first method answering at once, never enters it.
 """
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
-from domus import batch, codec, layout
+from domus import codec, layout
+from domus import protocol as wire
+from domus.attributes import check_strategy
 from domus.bucketmap import BucketMap
-from domus.errors import ProtocolError
+from domus.errors import (
+    DhtInactive,
+    DomusError,
+    InvalidAttribute,
+    ProtocolError,
+    RemoteError,
+    StorageError,
+    UnknownDht,
+    ValueTooLarge,
+    WrongService,
+)
 from domus.keys import bucket_shift
+from domus.routing import RoutingGraph, make_graph
 
 Channel = TypeVar("Channel")
 
-# Bucket counts up to this get a dense bucket -> channel list (512 KiB at
+# Bucket counts up to this get dense bucket -> channel lists (512 KiB at
 # most); larger ones are looked up in the BucketMap itself.
 DENSE_TABLE_LIMIT = 1 << 16
 
+DEFAULT_CACHE = 0.5          # cache entries per bucket
+DEFAULT_DIRECT_CUTOFF = 8    # direct misses before a client stops using D
+HOP_SLACK = 4                # hops allowed beyond the graph's bound
+NEAR_PROBES = 64             # cache probes for the entry nearest a target
+MOVING_FIRST_PAUSE = 0.002   # seconds before asking a MOVING bucket again
+MOVING_MAX_PAUSE = 0.1
+MOVING_PATIENCE = 60.0       # seconds a bucket may answer MOVING before giving up
+
+# Instructions a request's course yields to its driver.
+SEND = 0      # (SEND, channel, message, bucket) -> the reply; ServiceUnavailable thrown in
+PAUSE = 1     # (PAUSE, seconds) -> None
+REFRESH = 2   # (REFRESH, mark) -> None: a layout fetched after ``mark``; DomusError thrown in
+
+Course = Generator[tuple[Any, ...], Any, bytes]
+METHOD_NAMES = {"D": "direct", "C": "cached", "R": "random"}
+
+
+class MethodStats:
+    """One lookup method's counters on one client."""
+
+    __slots__ = ("lookups", "hits", "misses", "fallbacks", "walks", "hops", "max_hops")
+
+    def __init__(self) -> None:
+        self.lookups = self.hits = self.misses = self.fallbacks = 0
+        self.walks = self.hops = self.max_hops = 0
+
+    def resolved(self, hops: int) -> None:
+        """A request this method found the storage service for, in ``hops``
+        messages (the lookup hops, plus the request itself)."""
+        self.hops += hops
+        if hops > self.max_hops:
+            self.max_hops = hops
+
+    def as_dict(self) -> dict[str, Any]:
+        served = self.hits + self.walks
+        return {"lookups": self.lookups, "hits": self.hits, "misses": self.misses,
+                "fallbacks": self.fallbacks, "distributed": self.walks,
+                "mean_hops": round(self.hops / served, 3) if served else 0.0,
+                "max_hops": self.max_hops}
+
 
 class DirectLookup(Generic[Channel]):
-    """A DHT's layout as a client sees it.  ``cluster.channel(name,
-    address)`` must return the (shared) channel to a service."""
+    """A DHT's layout and lookup strategy as a client sees it.
+    ``cluster.channel(name, address)`` must return the (shared) channel to a
+    service; ``cluster.ids`` the request ids."""
 
     cluster: Any
 
-    def __init__(self, cluster: Any, descriptor: dict[str, Any]) -> None:
+    def __init__(self, cluster: Any, descriptor: dict[str, Any], *, lookup: str | None = None,
+                 cache: float | None = None, direct_cutoff: int | None = None) -> None:
         self.cluster = cluster
-        self._stats = {"lookups": 0, "hits": 0, "misses": 0, "refreshes": 0}
+        self.strategy = tuple(check_strategy(lookup if lookup is not None
+                                             else descriptor.get("lookup") or "D").split(","))
+        if cache is None:
+            cache = DEFAULT_CACHE
+        if isinstance(cache, bool) or not isinstance(cache, int | float) or not 0 < cache <= 1:
+            raise InvalidAttribute(f"cache must be a fraction of the bucket count in (0, 1], "
+                                   f"such as 0.5; not {cache!r}")
+        if direct_cutoff is None:
+            direct_cutoff = DEFAULT_DIRECT_CUTOFF
+        if isinstance(direct_cutoff, bool) or not isinstance(direct_cutoff, int) \
+                or direct_cutoff < 1:
+            raise InvalidAttribute(f"direct_cutoff must be an int >= 1, not {direct_cutoff!r}")
+        self.cache_fraction = float(cache)
+        self.direct_cutoff = direct_cutoff
+        self.direct_misses = 0
+        self._direct_on = "D" in self.strategy
+        self._method_stats = {method: MethodStats() for method in self.strategy}
+        self._counters = {"refreshes": 0, "redirects": 0, "moving_waits": 0,
+                          "lookup_failures": 0}
+        # bucket -> (routing channel, storage channel), least recent first.
+        self._cache: OrderedDict[int, tuple[Channel, Channel]] = OrderedDict()
+        self._random = random.Random()
+        self.last_lookup_failure: str | None = None
         self._load(descriptor)
 
+    # ------------------------------------------------------------ layout
     def _load(self, descriptor: dict[str, Any]) -> None:
         self.descriptor = descriptor
         self.name: str = descriptor["name"]
@@ -54,44 +162,397 @@ class DirectLookup(Generic[Channel]):
             raise ProtocolError(
                 f"DHT {self.name!r}: the supervisor's descriptor gives its storage services "
                 f"{sum(counts)} buckets in all, not {self.bucket_count}")
-        # bucket -> channel: the placement rebuilt from the counts, then the
-        # buckets moved since (domus.layout).
-        self.layout: BucketMap[Channel] = BucketMap(self.bucket_count)
-        for first, end, name in layout.owners(descriptor, "storage").ranges():
-            self.layout.assign(first, end, channels[name])
-        self._owners: Any = (self.layout.dense() if self.bucket_count <= DENSE_TABLE_LIMIT
-                             else self.layout)
+        # D: the placement rebuilt from the counts alone.
+        self._direct: Any = self._table(layout.initial(descriptor, "storage"), channels)
+        # The layout as the supervisor knows it now (the moves included):
+        # the last resort, and what whole-DHT operations (scans) follow.
+        self.layout: BucketMap[Channel] = self._channel_map(
+            layout.owners(descriptor, "storage"), channels)
+        self._owners: Any = self._dense(self.layout)
+        routers = {entry["name"]: self.cluster.channel(entry["name"], entry["address"])
+                   for entry in descriptor["routing_services"]}
+        self._routers: Any = self._table(layout.owners(descriptor, "routing"), routers)
+        self.graph: RoutingGraph = make_graph(descriptor.get("routing") or "chord",
+                                              self.bucket_count,
+                                              descriptor.get("routing_degree"))
+        self.hop_limit = self.graph.hop_bound() + HOP_SLACK
+        self.cache_capacity = max(1, int(self.cache_fraction * self.bucket_count))
+        self._fast = self._fast_method()
+
+    def _channel_map(self, names: BucketMap[str], channels: dict[str, Channel]
+                     ) -> BucketMap[Channel]:
+        mapped: BucketMap[Channel] = BucketMap(self.bucket_count)
+        for first, end, name in names.ranges():
+            mapped.assign(first, end, channels[name])
+        return mapped
+
+    def _table(self, names: BucketMap[str], channels: dict[str, Channel]) -> Any:
+        return self._dense(self._channel_map(names, channels))
+
+    def _dense(self, mapped: BucketMap[Channel]) -> Any:
+        """bucket -> channel as a list when that is small, else the map."""
+        return mapped.dense() if self.bucket_count <= DENSE_TABLE_LIMIT else mapped
+
+    def _fast_method(self) -> str | None:
+        """The method a request tries before entering its course: the first
+        in use, if it can answer without asking anyone."""
+        methods = self.methods()
+        return methods[0] if methods[0] in ("D", "C") else None
+
+    def methods(self) -> tuple[str, ...]:
+        """The strategy's methods still in use (D is dropped past its
+        cut-off, unless it is the only one)."""
+        if self._direct_on or self.strategy == ("D",):
+            return self.strategy
+        return tuple(method for method in self.strategy if method != "D")
 
     def __repr__(self) -> str:
         return (f"<domus.{type(self).__name__} {self.name!r} id={self.id} "
-                f"buckets={self.bucket_count} services={len(self._storage_channels)}>")
+                f"buckets={self.bucket_count} services={len(self._storage_channels)} "
+                f"lookup={','.join(self.strategy)}>")
 
     def _bucket(self, encoded_key: bytes) -> int:
         return codec.bucket_of(self._hasher, self._shift, encoded_key)
 
-    def _put_many_requests(self, keys: list[bytes],
-                           values: list[bytes]) -> list[tuple[Channel, bytes]]:
-        """PUT_MANY messages for encoded keys and packed values."""
-        return batch.put_requests(keys, values, self._hasher, self._shift, self._owners,
-                                  self.id, self.cluster.ids)
+    def _layout_mark(self) -> int:
+        """Which layout a course started with (see REFRESH)."""
+        return 0
 
-    def _get_many_requests(self, state: batch.GetMany,
-                           ) -> tuple[list[tuple[Channel, bytes]], list[list[int]]]:
-        """GET_MANY messages for the keys ``state`` still waits for."""
-        return state.requests(self._hasher, self._shift, self._owners, self.id,
-                              self.cluster.ids)
+    # ------------------------------------------------------------ the fast path
+    def _first_channel(self, bucket: int) -> Channel | None:
+        """The storage channel of ``bucket`` by the first method in use, when
+        it can say without asking anyone (its ``lookups`` counted)."""
+        fast = self._fast
+        if fast == "D":
+            self._method_stats["D"].lookups += 1
+            return self._direct[bucket]
+        if fast == "C":
+            entry = self._cache.get(bucket)
+            if entry is not None:
+                self._cache.move_to_end(bucket)
+                self._method_stats["C"].lookups += 1
+                return entry[1]
+        return None
 
+    def _first_hit(self) -> None:
+        stats = self._method_stats[self._fast]  # type: ignore[index]
+        stats.hits += 1
+        stats.resolved(1)
+
+    # ------------------------------------------------------------ a request's course
+    def _course(self, encode: Callable[[], bytes], bucket: int,
+                first: tuple[Channel, bytes] | None = None,
+                mark: int | None = None) -> Course:
+        """The course of one keyed request for ``bucket``: ``encode()`` makes
+        the message (a new request id each time).  ``first``: the fast
+        path's (channel, reply) when that was not an answer (NOT_OWNER or
+        MOVING), which the first method takes as its own; ``mark``: the
+        layout it was sent with (see REFRESH).  Returns the reply that
+        answers the request; raises the error of one that fails."""
+        if mark is None:
+            mark = self._layout_mark()
+        redirect: tuple[str, str] | None = None
+        methods = self.methods()
+        for index, method in enumerate(methods):
+            stats = self._method_stats[method]
+            hops = 0
+            given = None
+            if first is not None and index == 0 and method == self._fast:
+                channel, given = first      # (its lookup already counted)
+            else:
+                stats.lookups += 1
+                found = yield from self._locate(method, bucket, stats)
+                if found is None:
+                    if index + 1 < len(methods):
+                        stats.fallbacks += 1
+                    continue
+                channel, hops = found
+            reply = yield from self._send(channel, encode, bucket, given)
+            if reply[2] != wire.ST_NOT_OWNER:
+                if hops:
+                    stats.walks += 1
+                else:
+                    stats.hits += 1
+                stats.resolved(hops + 1)
+                return reply
+            # A miss: this method's answer is out of date.
+            stats.misses += 1
+            redirect = self._redirect(reply) or redirect
+            self._cache.pop(bucket, None)
+            if method == "D":
+                self._direct_missed()
+            if index + 1 < len(methods):
+                stats.fallbacks += 1
+        if redirect is not None:
+            self._counters["redirects"] += 1
+            reply = yield from self._send(self.cluster.channel(*redirect), encode, bucket)
+            if reply[2] != wire.ST_NOT_OWNER:
+                return reply
+        # Last resort: the layout as the supervisor knows it now.
+        yield (REFRESH, mark)
+        channel = self._owners[bucket]
+        reply = yield from self._send(channel, encode, bucket)
+        if reply[2] == wire.ST_NOT_OWNER:
+            raise WrongService(f"DHT {self.name!r}: service {channel.name} ({channel.address}) "
+                               f"does not store bucket {bucket}, though the supervisor says it "
+                               f"does; a move is under way, retry shortly", wire.ST_NOT_OWNER)
+        return reply
+
+    def _locating(self, bucket: int) -> Generator[tuple[Any, ...], Any, Channel | None]:
+        """A course that only finds ``bucket``'s storage channel (for a
+        batch): each method in use in turn; None if none can."""
+        methods = self.methods()
+        for index, method in enumerate(methods):
+            stats = self._method_stats[method]
+            stats.lookups += 1
+            found = yield from self._locate(method, bucket, stats)
+            if found is not None:
+                channel, hops = found
+                if hops:
+                    stats.walks += 1
+                else:
+                    stats.hits += 1
+                stats.resolved(hops + 1)
+                return channel
+            if index + 1 < len(methods):
+                stats.fallbacks += 1
+        return None
+
+    def _locate(self, method: str, bucket: int, stats: MethodStats
+                ) -> Generator[tuple[Any, ...], Any, tuple[Channel, int] | None]:
+        """(storage channel, lookup hops) of ``bucket`` by ``method``, or
+        None if it cannot tell."""
+        if method == "D":
+            return self._direct[bucket], 0
+        if method == "C":
+            entry = self._cache.get(bucket)
+            if entry is not None:
+                self._cache.move_to_end(bucket)
+                return entry[1], 0
+            stats.misses += 1           # not cached: route from the nearest entry
+            start = self._nearest_cached(bucket)
+            if start is None:
+                return None
+        else:
+            start = self._random_start()
+        return (yield from self._walk(start[0], start[1], bucket, stats))
+
+    def _walk(self, channel: Channel, current: int, target: int, stats: MethodStats
+              ) -> Generator[tuple[Any, ...], Any, tuple[Channel, int] | None]:
+        """A distributed lookup for ``target`` from the AS ``channel``, as
+        the router of bucket ``current``: (storage channel, hops) or None
+        when it fails (a dead hop, a chain too long, a stale AS)."""
+        ids = self.cluster.ids
+        for hop in range(1, self.hop_limit + 1):
+            message = wire.encode_lookup(ids.next(), ids.client_id, self.id, target, current)
+            try:
+                reply = yield (SEND, channel, message, target)
+            except DomusError as exc:
+                return self._walk_failed(f"hop {hop}: {exc}")
+            if reply[2] == wire.ST_NOT_OWNER:       # it routes nothing of this DHT now
+                refused = reply_error(self.name, reply, channel, target)
+                return self._walk_failed(f"hop {hop}: {refused}")
+            if reply[2] != wire.ST_OK:
+                raise self._error(reply, channel, target)
+            kind, bucket, name, address = wire.decode_lookup_reply(reply)
+            if kind == wire.LOOKUP_FOUND:
+                storage = self.cluster.channel(name, address)
+                if "C" in self.strategy:
+                    self._remember(target, channel, storage)
+                return storage, hop
+            channel, current = self.cluster.channel(name, address), bucket
+        return self._walk_failed(f"no answer within {self.hop_limit} hops (the layout is "
+                                 f"changing, or the routing services disagree)")
+
+    def _walk_failed(self, why: str) -> None:
+        """Count a failed distributed lookup and keep why (``stats()``
+        shows the last one); the strategy falls back."""
+        self._counters["lookup_failures"] += 1
+        self.last_lookup_failure = f"lookup in DHT {self.name!r} failed at {why}"
+
+    def _send(self, channel: Channel, encode: Callable[[], bytes], bucket: int,
+              given: bytes | None = None) -> Generator[tuple[Any, ...], Any, bytes]:
+        """Send the request to ``channel`` (``given``: its reply, already
+        received), asking again while the bucket is MOVING; returns the
+        reply."""
+        reply = given if given is not None else (yield (SEND, channel, encode(), bucket))
+        pause, waited = MOVING_FIRST_PAUSE, 0.0
+        while reply[2] == wire.ST_MOVING:
+            if waited >= MOVING_PATIENCE:
+                raise self._error(reply, channel, bucket)
+            self._counters["moving_waits"] += 1
+            yield (PAUSE, pause)
+            waited += pause
+            pause = min(pause * 2, MOVING_MAX_PAUSE)
+            reply = yield (SEND, channel, encode(), bucket)
+        return reply
+
+    def _error(self, reply: bytes, channel: Any, bucket: int | None) -> DomusError:
+        return reply_error(self.name, reply, channel, bucket)
+
+    @staticmethod
+    def _redirect(reply: bytes) -> tuple[str, str] | None:
+        """The (name, address) a NOT_OWNER reply redirects to, if any."""
+        try:
+            name, address, _message = wire.decode_redirect(reply)
+        except ProtocolError:
+            return None
+        return (name, address) if name and address else None
+
+    def _direct_missed(self) -> None:
+        self.direct_misses += 1
+        if self._direct_on and self.direct_misses >= self.direct_cutoff:
+            self._direct_on = False
+            self._fast = self._fast_method()
+
+    # ------------------------------------------------------------ the cache
+    def _remember(self, bucket: int, router: Channel, storage: Channel) -> None:
+        cache = self._cache
+        cache[bucket] = (router, storage)
+        cache.move_to_end(bucket)
+        while len(cache) > self.cache_capacity:
+            cache.popitem(last=False)
+
+    def _nearest_cached(self, target: int) -> tuple[Channel, int] | None:
+        """(routing channel, bucket) of the cached entry nearest ``target``
+        in the routing graph (among the first NEAR_PROBES candidates; else
+        the most recent entry); None with an empty cache."""
+        cache = self._cache
+        if not cache:
+            return None
+        for probe, bucket in enumerate(self.graph.approach(target)):
+            entry = cache.get(bucket)
+            if entry is not None:
+                return entry[0], bucket
+            if probe >= NEAR_PROBES:
+                break
+        bucket = next(reversed(cache))
+        return cache[bucket][0], bucket
+
+    def _random_start(self) -> tuple[Channel, int]:
+        """A routing service picked at random, weighted by the buckets it
+        routes (the router of a uniformly random bucket), and that bucket."""
+        bucket = self._random.randrange(self.bucket_count)
+        return self._routers[bucket], bucket
+
+    # ------------------------------------------------------------ batches
+    # A batch finds its buckets' owners first (``_batch_owners`` in each
+    # client: the direct table, else cached entries and ``_locating``
+    # courses side by side), sends, then sends again what came back
+    # NOT_OWNER (after fetching the layout) or MOVING (after a pause).
+    def _count_direct_batch(self, keys: int) -> None:
+        stats = self._method_stats["D"]
+        stats.lookups += keys
+        stats.hits += keys
+        stats.hops += keys
+        stats.max_hops = max(stats.max_hops, 1)
+
+    def _put_round(self, requests: list[tuple[Channel, bytes]], replies: list[bytes],
+                   ) -> tuple[int, list[bytes], list[bytes], int, bool]:
+        """Take one round of PUT_MANY replies: (keys created, keys and values
+        to send again, messages answered NOT_OWNER, whether any was MOVING).
+        Nothing of a NOT_OWNER or MOVING message was applied."""
+        created, moved, moving = 0, 0, False
+        keys: list[bytes] = []
+        values: list[bytes] = []
+        for (channel, message), reply in zip(requests, replies):
+            status = reply[2]
+            if status == wire.ST_OK:
+                created += wire.U16X2.unpack_from(reply, wire.REPLY_HEADER_SIZE)[1]
+            elif status == wire.ST_NOT_OWNER or status == wire.ST_MOVING:
+                for _bucket, key, value in wire.decode_put_many(message)[1]:
+                    keys.append(key)
+                    values.append(value)
+                moved += status == wire.ST_NOT_OWNER
+                moving = moving or status == wire.ST_MOVING
+            else:
+                raise reply_error(self.name, reply, channel, None)
+        return created, keys, values, moved, moving
+
+    def _batch_retry(self, moved: int, moving: bool, rounds: dict[str, Any]
+                     ) -> list[tuple[Any, ...]]:
+        """What to do before a batch's next round (REFRESH and PAUSE
+        instructions), after ``moved`` messages came back NOT_OWNER and some
+        MOVING.  Raises once the services keep disagreeing with the
+        supervisor, or a bucket keeps moving past MOVING_PATIENCE."""
+        steps: list[tuple[Any, ...]] = []
+        if moved:
+            rounds["refreshes"] += 1
+            if rounds["refreshes"] > 3:
+                raise WrongService(f"DHT {self.name!r}: services disagree with the supervisor "
+                                   f"about bucket owners; retry shortly", wire.ST_NOT_OWNER)
+            if self._fast == "D":
+                for _ in range(moved):      # (one miss per message, not per key)
+                    self._method_stats["D"].misses += 1
+                    self._direct_missed()
+            steps.append((REFRESH, rounds["mark"]))
+        if moving:
+            if rounds["waited"] >= MOVING_PATIENCE:
+                raise WrongService(f"DHT {self.name!r}: a bucket has been moving for more "
+                                   f"than {MOVING_PATIENCE:.0f}s; check `domus status`",
+                                   wire.ST_MOVING)
+            self._counters["moving_waits"] += 1
+            steps.append((PAUSE, rounds["pause"]))
+            rounds["waited"] += rounds["pause"]
+            rounds["pause"] = min(rounds["pause"] * 2, MOVING_MAX_PAUSE)
+        return steps
+
+    def _batch_rounds(self) -> dict[str, Any]:
+        return {"refreshes": 0, "waited": 0.0, "pause": MOVING_FIRST_PAUSE,
+                "mark": self._layout_mark()}
+
+    # ------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
-        """This client's lookup counters for the DHT, and its transport's
-        retries and timeouts (local counters, no request is sent)."""
-        lookups = self._stats["lookups"]
+        """This client's lookup counters for the DHT, per method of its
+        strategy, and its transport's retries and timeouts (local counters,
+        no request is sent)."""
+        methods = {method: stats.as_dict() for method, stats in self._method_stats.items()}
+        served = sum(stats.hits + stats.walks for stats in self._method_stats.values())
+        hops = sum(stats.hops for stats in self._method_stats.values())
         return {
             "dht": self.name,
-            "strategy": "D",
-            "lookups": {"D": {"lookups": lookups, "hits": self._stats["hits"],
-                              "misses": self._stats["misses"], "fallbacks": 0}},
-            "hops": {"mean": 1.0 if lookups else 0.0, "max": 1 if lookups else 0},
-            "refreshes": self._stats["refreshes"],
+            "strategy": ",".join(self.strategy),
+            "in_use": ",".join(self.methods()),
+            "lookups": methods,
+            "hops": {"mean": round(hops / served, 3) if served else 0.0,
+                     "max": max((stats.max_hops for stats in self._method_stats.values()),
+                                default=0)},
+            "direct_misses": self.direct_misses,
+            "direct_cutoff": self.direct_cutoff,
+            "cache": {"entries": len(self._cache), "capacity": self.cache_capacity},
+            **self._counters,
+            "last_lookup_failure": self.last_lookup_failure,
             "retries": sum(channel.retries for channel in self._storage_channels),
             "timeouts": sum(channel.timeouts for channel in self._storage_channels),
         }
+
+
+def reply_error(dht: str, reply: bytes, channel: Any, bucket: int | None) -> DomusError:
+    """The domus.errors exception for an error reply from ``channel``
+    (anything with ``name`` and ``address``) to a request on DHT ``dht``."""
+    status = reply[2]
+    if status == wire.ST_NOT_OWNER:
+        try:
+            text = wire.decode_redirect(reply)[2]
+        except ProtocolError:
+            text = reply[wire.REPLY_HEADER_SIZE:].decode("utf-8", "replace")
+    else:
+        text = reply[wire.REPLY_HEADER_SIZE:].decode("utf-8", "replace")
+    where = f"service {channel.name} ({channel.address})"
+    if status == wire.ST_UNKNOWN_DHT:
+        return UnknownDht(f"DHT {dht!r} is not on {where} any more (destroyed?): {text}")
+    if status == wire.ST_NOT_OWNER:
+        return WrongService(f"{where}: {text}", status)
+    if status == wire.ST_STORAGE_ERROR:
+        return StorageError(f"{where}, bucket {bucket}: {text}", status)
+    if status == wire.ST_INACTIVE:
+        return DhtInactive(f"DHT {dht!r} is inactive: its records are kept, and served again "
+                           f"once it is activated (cluster.activate_dht({dht!r}) or "
+                           f"`domus dht activate {dht}`)", status)
+    if status == wire.ST_TOO_LARGE:
+        return ValueTooLarge(f"{where} refused the request: {text}")
+    if status == wire.ST_MOVING:
+        return RemoteError(f"{where}: bucket {bucket} of DHT {dht!r} has been moving for more "
+                           f"than {MOVING_PATIENCE:.0f}s; check `domus status`", status)
+    name = wire.STATUS_NAMES.get(status, f"status 0x{status:02x}")
+    return RemoteError(f"{where} answered {name}: {text}", status)

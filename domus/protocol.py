@@ -41,13 +41,14 @@ OP_SCAN = 0x08
 OP_PING = 0x09
 OP_STATS = 0x0A
 OP_RANGE = 0x0B
+OP_LOOKUP = 0x0C
 OP_CONTROL = 0x20
 
 OP_NAMES = {
     OP_PUT: "put", OP_GET: "get", OP_DELETE: "delete", OP_CONTAINS: "contains",
     OP_PUT_MANY: "put_many", OP_GET_MANY: "get_many", OP_LENGTH: "length",
     OP_SCAN: "scan", OP_PING: "ping", OP_STATS: "stats", OP_RANGE: "range",
-    OP_CONTROL: "control",
+    OP_LOOKUP: "lookup", OP_CONTROL: "control",
 }
 # Operations that change stored data: a service answers a retry of one of
 # these from its reply cache instead of applying it again.
@@ -90,6 +91,11 @@ DEFAULT_MAX_DATAGRAM = 60000                     # what clients put in one
 MAX_BATCH = 0xFFFF                               # entries in one *_MANY
 SCAN_END = 0xFFFFFFFF
 MISSING = 0xFFFFFFFF
+NO_BUCKET = 0xFFFFFFFF                           # LOOKUP: no current bucket
+
+# LOOKUP reply kinds.
+LOOKUP_FOUND = 0   # the target is routed here: the service storing it follows
+LOOKUP_NEXT = 1    # ask next: the bucket, and the service routing it, follow
 
 REQUEST_HEADER = struct.Struct(">BBBBIQ")
 REPLY_HEADER = struct.Struct(">BBBBI")
@@ -103,6 +109,8 @@ SCAN_REPLY = struct.Struct(">IIH")   # scan id, next offset, entry count
 SCAN_ENTRY = struct.Struct(">HI")    # key length, value length
 RANGE = struct.Struct(">IBH")        # dht id, flags, max entries
 RANGE_REPLY = struct.Struct(">HB")   # entry count, more
+LOOKUP = struct.Struct(">III")       # dht id, target bucket, current bucket (or NO_BUCKET)
+LOOKUP_REPLY = struct.Struct(">BI")  # kind, bucket; then a service reference
 U8 = struct.Struct(">B")
 U16 = struct.Struct(">H")
 U16X2 = struct.Struct(">HH")
@@ -202,6 +210,14 @@ def encode_range(request_id: int, client_id: int, query: RangeQuery) -> bytes:
     return (request_header(OP_RANGE, request_id, client_id)
             + RANGE.pack(query.dht_id, flags, query.max_entries)
             + U16.pack(len(low)) + low + U16.pack(len(high)) + high)
+
+
+def encode_lookup(request_id: int, client_id: int, dht_id: int, target: int,
+                  current: int | None = None) -> bytes:
+    """A LOOKUP for bucket ``target``, addressed to the routing service of
+    bucket ``current`` (None: to the service as a whole)."""
+    return (request_header(OP_LOOKUP, request_id, client_id)
+            + LOOKUP.pack(dht_id, target, NO_BUCKET if current is None else current))
 
 
 def encode_control(request_id: int, client_id: int, body: dict[str, Any]) -> bytes:
@@ -365,6 +381,15 @@ def decode_range(data: bytes) -> RangeQuery:
                       bool(flags & RANGE_KEYS_ONLY), max_entries)
 
 
+def decode_lookup(data: bytes) -> tuple[int, int, int | None]:
+    """Body of LOOKUP: (dht id, target bucket, current bucket or None)."""
+    end = REQUEST_HEADER_SIZE + LOOKUP.size
+    if len(data) != end:
+        raise ProtocolError(f"lookup request is {len(data)} bytes, not {end}")
+    dht_id, target, current = LOOKUP.unpack_from(data, REQUEST_HEADER_SIZE)
+    return dht_id, target, None if current == NO_BUCKET else current
+
+
 def decode_control(data: bytes) -> dict[str, Any]:
     body = unpack(data[REQUEST_HEADER_SIZE:])
     if not isinstance(body, dict) or not isinstance(body.get("op"), str):
@@ -386,6 +411,63 @@ def reply_prefix(status: int) -> bytes:
 
 def error_reply(status: int, request_id: int, message: str) -> bytes:
     return reply(status, request_id, message.encode("utf-8", "replace")[:1024])
+
+
+def service_ref(name: str, address: str) -> bytes:
+    """A service named in a reply: u8 name length, name, u8 address length,
+    address (UTF-8; both at most 255 bytes)."""
+    name_bytes, address_bytes = name.encode(), address.encode()
+    if len(name_bytes) > 255 or len(address_bytes) > 255:
+        raise ValueError(f"service name or address over 255 bytes: {name!r} {address!r}")
+    return bytes((len(name_bytes),)) + name_bytes + bytes((len(address_bytes),)) + address_bytes
+
+
+def decode_service_ref(data: bytes, offset: int) -> tuple[str, str, int]:
+    """(name, address, offset after them) of a service reference; name and
+    address are "" in an empty reference (two zero lengths)."""
+    try:
+        name_end = offset + 1 + data[offset]
+        address_end = name_end + 1 + data[name_end]
+        if address_end > len(data):
+            raise IndexError
+        return (data[offset + 1:name_end].decode(), data[name_end + 1:address_end].decode(),
+                address_end)
+    except (IndexError, UnicodeDecodeError):
+        raise ProtocolError("service reference truncated or not UTF-8") from None
+
+
+def encode_lookup_reply(request_id: bytes, kind: int, bucket: int, name: str,
+                        address: str) -> bytes:
+    """An OK reply to LOOKUP (``request_id``: the request's 4 id bytes)."""
+    return (reply_prefix(ST_OK) + request_id + LOOKUP_REPLY.pack(kind, bucket)
+            + service_ref(name, address))
+
+
+def decode_lookup_reply(data: bytes) -> tuple[int, int, str, str]:
+    """(kind, bucket, service name, service address) of an OK LOOKUP reply."""
+    if len(data) < REPLY_HEADER_SIZE + LOOKUP_REPLY.size:
+        raise ProtocolError("lookup reply truncated")
+    kind, bucket = LOOKUP_REPLY.unpack_from(data, REPLY_HEADER_SIZE)
+    if kind not in (LOOKUP_FOUND, LOOKUP_NEXT):
+        raise ProtocolError(f"lookup reply of unknown kind {kind}")
+    name, address, end = decode_service_ref(data, REPLY_HEADER_SIZE + LOOKUP_REPLY.size)
+    if end != len(data) or not name or not address:
+        raise ProtocolError("lookup reply must name one service and nothing more")
+    return kind, bucket, name, address
+
+
+def not_owner_reply(request_id: bytes, name: str, address: str, message: str) -> bytes:
+    """NOT_OWNER with a redirect: the service that does store the bucket
+    (empty name and address if the replier does not know it), then why."""
+    return (reply_prefix(ST_NOT_OWNER) + request_id + service_ref(name, address)
+            + message.encode("utf-8", "replace")[:1024])
+
+
+def decode_redirect(data: bytes) -> tuple[str, str, str]:
+    """(owner name, owner address, message) of a NOT_OWNER reply; name and
+    address are "" when the service did not know the owner."""
+    name, address, end = decode_service_ref(data, REPLY_HEADER_SIZE)
+    return name, address, data[end:].decode("utf-8", "replace")
 
 
 def decode_reply_header(data: bytes) -> tuple[int, int]:

@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from twisted.internet import defer, error, protocol
+from twisted.internet import defer, error, protocol, task
 from twisted.internet.abstract import isIPAddress
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.python.failure import Failure
@@ -45,21 +45,19 @@ from twisted.python.failure import Failure
 from domus import address as addresses
 from domus import batch, codec
 from domus import protocol as wire
-from domus.attributes import create_request
+from domus.attributes import check_strategy, create_request
 from domus.client import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, reply_error
 from domus.control import MessageProtocol, RemoteControlError
 from domus.errors import (
     SUPERVISOR_ERRORS,
     DomusError,
-    InvalidAttribute,
     ServiceUnavailable,
     SupervisorError,
     SupervisorUnreachable,
     UnknownDht,
     ValueTooLarge,
-    WrongService,
 )
-from domus.lookup import DirectLookup
+from domus.lookup import PAUSE, SEND, DirectLookup
 from domus.transport import (
     FIRST_TIMEOUT,
     MAX_DEADLINE,
@@ -604,16 +602,20 @@ class TxCluster:
                              attributes=attributes)
         return creating.addCallback(lambda descriptor: TxDht(self, descriptor))
 
-    def open_dht(self, name: str, *, lookup: str | None = None,
-                 cache: float | None = None) -> defer.Deferred:
-        """Open an existing DHT: fires with a TxDht.  ``lookup`` and ``cache``
-        choose this client's lookup strategy (only "D" in this version)."""
+    def open_dht(self, name: str, *, lookup: str | None = None, cache: float | None = None,
+                 direct_cutoff: int | None = None) -> defer.Deferred:
+        """Open an existing DHT: fires with a TxDht.  ``lookup``, ``cache``
+        and ``direct_cutoff`` choose this client's lookup strategy, as for
+        Cluster.open_dht."""
+        try:
+            if lookup is not None:
+                check_strategy(lookup)
+        except Exception:
+            return defer.fail()
 
         def opened(descriptor: dict[str, Any]) -> TxDht:
-            if lookup is not None and lookup.replace(" ", "").upper() != "D":
-                raise InvalidAttribute(f"lookup strategy {lookup!r} is not available in this "
-                                       f"version; use 'D'")
-            return TxDht(self, descriptor)
+            return TxDht(self, descriptor, lookup=lookup, cache=cache,
+                         direct_cutoff=direct_cutoff)
 
         return self.call("open_dht", name=name).addCallback(opened)
 
@@ -642,10 +644,11 @@ class TxCluster:
 class TxDht(DirectLookup[TxChannel]):
     """One DHT; every data operation returns a Deferred."""
 
-    def __init__(self, cluster: TxCluster, descriptor: dict[str, Any]) -> None:
+    def __init__(self, cluster: TxCluster, descriptor: dict[str, Any],
+                 **options: Any) -> None:
         self._fetches = 0                   # layout fetches started so far
         self._refreshing: _Once | None = None
-        super().__init__(cluster, descriptor)
+        super().__init__(cluster, descriptor, **options)
 
     # ------------------------------------------------------------ layout
     def refresh(self) -> defer.Deferred:
@@ -654,7 +657,7 @@ class TxDht(DirectLookup[TxChannel]):
         if self._refreshing is None:
             once = self._refreshing = _Once()
             self._fetches += 1
-            self._stats["refreshes"] += 1
+            self._counters["refreshes"] += 1
             fetching = self.cluster.call("open_dht", name=self.name)
             fetching.addCallbacks(self._load, self._fetch_failed).addBoth(self._fetched, once)
             return once.wait()  # (self._refreshing may be None again already)
@@ -671,6 +674,9 @@ class TxDht(DirectLookup[TxChannel]):
             self._refreshing = None
         once.settle(result)
 
+    def _layout_mark(self) -> int:
+        return self._fetches
+
     def _layout_after(self, mark: int) -> defer.Deferred:
         """Wait for a layout fetched after ``mark`` (a past value of
         ``_fetches``): one started since, or else a new one.  A thousand
@@ -685,45 +691,69 @@ class TxDht(DirectLookup[TxChannel]):
     # ------------------------------------------------------------ single keys
     async def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
         """One keyed request (``value``: a PUT's packed value); returns its
-        reply.  Retries once after a refresh of the layout if the service
-        says the bucket moved."""
+        reply.  As the synchronous client: the first method of the strategy
+        answers at once when it can, anything else takes the course that
+        domus.lookup lays out."""
         ids = self.cluster.ids
         message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                       self._shift, key, value)
-        self._stats["lookups"] += 1
-        for attempt in (1, 2):
-            if attempt == 2:  # with the layout fetched since
-                message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id,
-                                              self._hasher, self._shift, key, value)
-            channel = self._owners[bucket]
-            mark = self._fetches
+        first = None
+        mark = self._fetches
+        channel = self._first_channel(bucket)
+        if channel is not None:
             try:
                 reply = await channel.request(message, self.name, bucket)
             except ServiceUnavailable:
-                if attempt == 2 or not await self._owner_moved(mark, key, channel):
+                if not await self._owner_moved(mark, bucket, channel):
                     raise
-                continue
-            status = reply[2]
-            if status <= wire.ST_NOT_FOUND:
-                self._stats["hits"] += 1
-                return reply
-            if status == wire.ST_NOT_OWNER and attempt == 1:
-                self._stats["misses"] += 1
-                await self._layout_after(mark)
-                continue
-            raise reply_error(self.name, reply, channel, bucket)
-        raise AssertionError("unreachable")
+            else:
+                status = reply[2]
+                if status <= wire.ST_NOT_FOUND:
+                    self._first_hit()
+                    return reply
+                if status != wire.ST_NOT_OWNER and status != wire.ST_MOVING:
+                    raise reply_error(self.name, reply, channel, bucket)
+                first = (channel, reply)
 
-    async def _owner_moved(self, mark: int, key: Any, channel: TxChannel) -> bool:
+        def encode() -> bytes:
+            return codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
+                               self._shift, key, value)[0]
+
+        return await self._drive(self._course(encode, bucket, first, mark))
+
+    async def _drive(self, course: Any) -> Any:
+        """Run a course (domus.lookup) to its end, without blocking."""
+        result: Any = None
+        try:
+            instruction = next(course)
+            while True:
+                kind = instruction[0]
+                try:
+                    if kind == SEND:
+                        result = await instruction[1].request(instruction[2], self.name,
+                                                              instruction[3])
+                    elif kind == PAUSE:
+                        result = await task.deferLater(self.cluster.reactor, instruction[1],
+                                                       lambda: None)
+                    else:
+                        result = await self._layout_after(instruction[1])
+                except DomusError as exc:
+                    instruction = course.throw(exc)
+                    continue
+                instruction = course.send(result)
+        except StopIteration as stop:
+            return stop.value
+
+    async def _owner_moved(self, mark: int, bucket: int, channel: TxChannel) -> bool:
         """After ``channel``'s service failed to answer: ask the supervisor
-        whether the key's bucket is stored elsewhere now (e.g. the service
+        whether the bucket is stored elsewhere now (e.g. the service
         re-registered at a new address).  False if not, or if the supervisor
         cannot say."""
         try:
             await self._layout_after(mark)
         except DomusError:
             return False
-        return self._owners[self._bucket(codec.encode_key(key))] is not channel
+        return self._owners[bucket] is not channel
 
     def put(self, key: Any, value: Any) -> defer.Deferred:
         """Store ``value`` under ``key``; fires with True if the key was new."""
@@ -777,26 +807,51 @@ class TxDht(DirectLookup[TxChannel]):
         sent, or none is."""
         return defer.Deferred.fromCoroutine(self._put_many(items))
 
+    async def _batch_owners(self, keys: list[bytes]) -> Any:
+        """As the synchronous client's: the owners of a batch's buckets by
+        the lookup strategy, distributed lookups all under way at once."""
+        if self._fast == "D":
+            self._count_direct_batch(len(keys))
+            return self._direct
+        owners: dict[int, Any] = {}
+        missing = []
+        for bucket in {self._bucket(key) for key in keys}:
+            channel = self._first_channel(bucket)
+            if channel is not None:
+                self._first_hit()
+                owners[bucket] = channel
+            else:
+                missing.append(bucket)
+        found = await _gather([defer.Deferred.fromCoroutine(self._drive(self._locating(bucket)))
+                               for bucket in missing])
+        for bucket, channel in zip(missing, found):
+            owners[bucket] = channel if channel is not None else self._owners[bucket]
+        return owners
+
+    async def _before_next_round(self, moved: int, moving: bool,
+                                 rounds: dict[str, Any]) -> None:
+        for step in self._batch_retry(moved, moving, rounds):
+            if step[0] == PAUSE:
+                await task.deferLater(self.cluster.reactor, step[1], lambda: None)
+            else:
+                await self._layout_after(step[1])
+
     async def _put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
         pairs = list(items.items() if isinstance(items, Mapping) else items)
         keys, values = batch.encode_pairs(pairs)
         batch.check_values(values)
-        self._stats["lookups"] += len(keys)
+        owners = await self._batch_owners(keys)
         created = 0
-        for attempt in (1, 2):
-            mark = self._fetches
-            requests = self._put_many_requests(keys, values)
-            replies = await self._exchange(requests)
-            applied, new, moved = batch.put_replies(requests, replies, self._batch_error,
-                                                    last_try=attempt == 2)
-            self._stats["hits"] += applied
+        rounds = self._batch_rounds()
+        while keys:
+            requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
+                                          self.id, self.cluster.ids)
+            new, keys, values, moved, moving = self._put_round(
+                requests, await self._exchange(requests))
             created += new
-            if not moved:
-                break
-            # Some service no longer holds some buckets: refresh and send again
-            # (re-putting the records that did land is harmless).
-            self._stats["misses"] += 1
-            await self._layout_after(mark)
+            if keys:
+                await self._before_next_round(moved, moving, rounds)
+                owners = self._owners
         return created
 
     def get_many(self, keys: Iterable[Any]) -> defer.Deferred:
@@ -807,20 +862,16 @@ class TxDht(DirectLookup[TxChannel]):
     async def _get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
         wanted = list(keys)
         state = batch.GetMany(wanted, codec.encode_keys(wanted))
-        self._stats["lookups"] += len(wanted)
-        misses = 0
+        owners = await self._batch_owners(state.encoded)
+        rounds = self._batch_rounds()
         while state.pending:
-            mark = self._fetches
-            requests, batches = self._get_many_requests(state)
-            replies = await self._exchange(requests)
-            if state.take(requests, batches, replies, self._batch_error):
-                misses += 1
-                if misses > 1:
-                    raise WrongService(f"DHT {self.name!r}: services disagree with the "
-                                       f"supervisor about bucket owners; retry shortly")
-                self._stats["misses"] += 1
-                await self._layout_after(mark)
-        self._stats["hits"] += state.answered
+            requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
+                                               self.cluster.ids)
+            moved = state.take(requests, batches, await self._exchange(requests),
+                               self._batch_error)
+            if moved or state.moving:
+                await self._before_next_round(moved, state.moving, rounds)
+                owners = self._owners
         return state.found
 
     def _batch_error(self, reply: bytes, channel: TxChannel) -> Exception:

@@ -281,6 +281,8 @@ class SupervisorService(Service):
                                                  "platform", "routing", "lookup", "state",
                                                  "created")} | {
             "resume": descriptor.get("resume", False),
+            "routing_degree": descriptor.get("routing_degree"),
+            "routing_algorithm": descriptor.get("routing_algorithm") or "fewest-hops",
             "routing_services": [entry["name"] for entry in descriptor["routing_services"]],
             "storage_services": [entry["name"] for entry in descriptor["storage_services"]]}
 
@@ -342,7 +344,8 @@ class SupervisorService(Service):
         descriptor: dict[str, Any] = {
             "id": self.state.allocate_dht_id(), "name": name, "buckets": buckets,
             "hash": wanted["hash"], "storage": wanted["storage"], "platform": wanted["platform"],
-            "routing": wanted["routing"], "lookup": wanted["lookup"],
+            "routing": wanted["routing"], "routing_degree": wanted["routing_degree"],
+            "routing_algorithm": wanted["routing_algorithm"], "lookup": wanted["lookup"],
             "durability": wanted["durability"], "state": "active",
             "created": time.time(),
         }

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from bisect import bisect_right
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from operator import itemgetter
 from typing import ClassVar
 
@@ -148,6 +148,13 @@ class RoutingGraph(ABC):
     @abstractmethod
     def distance(self, bucket: int, target: int) -> int:
         """The graph's metric: >= 0, and 0 exactly when ``bucket == target``."""
+
+    @abstractmethod
+    def approach(self, target: int) -> Iterator[int]:
+        """Buckets from which a lookup for ``target`` is short, nearest
+        first (distance nondecreasing, ``target`` itself left out): where a
+        client with a cache of lookup results starts one (aggregated
+        routing from the nearest cached entry).  Lazy: take what you need."""
 
     @abstractmethod
     def hop_bound(self) -> int:

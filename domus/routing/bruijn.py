@@ -32,6 +32,8 @@ routing ``t``, at the latest when the bucket is ``t`` itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from domus.routing.base import Ranges, RoutingGraph, find_residue, is_power_of_two
 
 
@@ -65,6 +67,19 @@ class BruijnGraph(RoutingGraph):
         self._check_bucket(bucket, "bucket")
         shifted = (bucket * self.degree) % self.bucket_count
         return [shifted + digit for digit in range(min(self.degree, self.bucket_count))]
+
+    def approach(self, target: int) -> Iterator[int]:
+        """For m = 1, 2, ...: the buckets whose low n - m*j bits are the
+        target's high ones (m hops from it), each level in bucket order."""
+        self._check_bucket(target, "target")
+        for hops in range(1, self.hop_bound()):
+            shifted = hops * self.digit_bits
+            overlap = self.bits - shifted
+            prefix = target >> shifted
+            for high in range(1 << shifted):
+                bucket = (high << overlap) | prefix
+                if self.distance(bucket, target) == hops:    # (not met at a lower level)
+                    yield bucket
 
     def hop_bound(self) -> int:
         """``ceil(log2(B) / log2(k))``, i.e. ``ceil(log_k(B))``."""

@@ -19,6 +19,8 @@ algorithms clear the highest bit of the distance each hop: popcount(D) hops.)
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from domus.routing.base import Ranges, RoutingGraph, floor_cyclic
 
 
@@ -43,6 +45,12 @@ class ChordGraph(RoutingGraph):
     def distance(self, bucket: int, target: int) -> int:
         """The clockwise distance ``(target - bucket) mod B``."""
         return (target - bucket) % self.bucket_count
+
+    def approach(self, target: int) -> Iterator[int]:
+        """The buckets before ``target`` on the ring, nearest first."""
+        self._check_bucket(target, "target")
+        mask = self.bucket_count - 1
+        return ((target - distance) & mask for distance in range(1, self.bucket_count))
 
     def hop_bound(self) -> int:
         """``log2(B)``."""

@@ -55,10 +55,11 @@ class RequestFailed(Exception):
     """A request that is well formed but cannot be served; becomes an error
     reply with ``status``."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, prefix: bytes = b"") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.prefix = prefix      # what goes before the message (a NOT_OWNER's redirect)
 
 
 class RequestHandler:
@@ -90,6 +91,7 @@ class RequestHandler:
             wire.OP_PING: self._ping,
             wire.OP_STATS: self._stats,
             wire.OP_RANGE: self._range,
+            wire.OP_LOOKUP: self._lookup,
         }
         # What the C path serves from: the repositories of active DHTs only.
         self.fast_table: dict[int, dict[int, Repository]] = {}
@@ -136,7 +138,7 @@ class RequestHandler:
                                  f"malformed {wire.OP_NAMES.get(op, 'request')}: {exc}")
         except RequestFailed as exc:
             self.counters["errors"] += 1
-            answer = self._error(exc.status, request_id, exc.message)
+            answer = self._error(exc.status, request_id, exc.message, exc.prefix)
         except StorageFault as exc:
             self.counters["storage_errors"] += 1
             log.error("service {service}: {op} failed: {problem}", service=self.service_name,
@@ -169,8 +171,8 @@ class RequestHandler:
         return self.handle(data, reply_limit)
 
     @staticmethod
-    def _error(status: int, request_id: bytes, message: str) -> bytes:
-        return (bytes((wire.REPLY_MAGIC, wire.VERSION, status, 0)) + request_id
+    def _error(status: int, request_id: bytes, message: str, prefix: bytes = b"") -> bytes:
+        return (bytes((wire.REPLY_MAGIC, wire.VERSION, status, 0)) + request_id + prefix
                 + message.encode("utf-8", "replace")[:1024])
 
     # ------------------------------------------------------------ lookup
@@ -198,11 +200,34 @@ class RequestHandler:
             raise RequestFailed(wire.ST_MOVING, f"bucket {bucket} of DHT {hosted.name!r} is "
                                 f"moving to another service; retry shortly")
         owner = hosted.storage_owner(bucket)
-        where = (f"; service {owner} does" if owner is not None and owner != self.service_name
-                 else "")
+        if owner is None or owner == self.service_name:
+            # (Out of range; or, briefly, a bucket this service is taking
+            # over before its repository is open.)
+            raise RequestFailed(wire.ST_NOT_OWNER,
+                                f"service {self.service_name} does not store bucket {bucket} "
+                                f"of DHT {hosted.name!r}", wire.service_ref("", ""))
         raise RequestFailed(wire.ST_NOT_OWNER,
                             f"service {self.service_name} does not store bucket {bucket} "
-                            f"of DHT {hosted.name!r}{where}")
+                            f"of DHT {hosted.name!r}; service {owner} does",
+                            wire.service_ref(owner, hosted.addresses.get(owner, "")))
+
+    def _lookup(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        """One hop of a distributed lookup (docs/protocol.md, "Distributed
+        lookup"): this service as an AS."""
+        dht_id, target, current = wire.decode_lookup(data)
+        hosted = self._hosted(dht_id)
+        if not 0 <= target < hosted.graph.bucket_count:
+            raise ProtocolError(f"bucket {target} is not a bucket of DHT {hosted.name!r} "
+                                f"(0 to {hosted.graph.bucket_count - 1})")
+        if not hosted.routed:
+            owner = hosted.routing_layout.get(target) or ""
+            raise RequestFailed(wire.ST_NOT_OWNER,
+                                f"service {self.service_name} routes no bucket of DHT "
+                                f"{hosted.name!r}",
+                                wire.service_ref(owner, hosted.addresses.get(owner, "")))
+        kind, bucket, service = hosted.lookup(target, current)
+        return wire.encode_lookup_reply(request_id, kind, bucket, service,
+                                        hosted.addresses[service])
 
     # ------------------------------------------------------------ single-key ops
     def _keyed(self, data: bytes) -> tuple[Repository, bytes, bytes]:
@@ -420,7 +445,8 @@ class RequestHandler:
         occupy here) only where its platform can tell."""
         stats: dict[str, Any] = {"records": hosted.records(), "active": hosted.active,
                                  "storage_buckets": len(hosted.repos),
-                                 "routing_buckets": hosted.routing_bucket_count}
+                                 "routing_buckets": hosted.routing_bucket_count,
+                                 "lookups": dict(hosted.lookups)}
         storage_bytes = hosted.storage_bytes()
         if storage_bytes is not None:
             stats["storage_bytes"] = storage_bytes

@@ -12,7 +12,10 @@ from typing import Any
 from twisted.logger import Logger
 
 from domus import layout
+from domus import protocol as wire
 from domus.bucketmap import BucketMap
+from domus.routing import FEWEST_HOPS, RoutingGraph, make_graph
+from domus.routing.base import contains
 from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store, snapshot
 
 log = Logger(namespace="domus.service")
@@ -68,6 +71,13 @@ class HostedDht:
         self.routed: list[tuple[int, int]] = []       # bucket ranges routed here
         self.storage_refs: BucketMap[str] = BucketMap(max(descriptor["buckets"], 1))
         self.storage_layout: BucketMap[str] = self.storage_refs     # every bucket -> SS
+        self.routing_layout: BucketMap[str] = self.storage_refs     # every bucket -> AS
+        self.addresses: dict[str, str] = {}                         # service -> address
+        self.graph: RoutingGraph = routing_graph(descriptor)
+        self.algorithm: str = descriptor.get("routing_algorithm") or FEWEST_HOPS
+        # LOOKUPs answered here: found (the target is routed here) and
+        # forwarded (told the next hop): the AS's routing load.
+        self.lookups = {"found": 0, "forwarded": 0}
         # Why the last activation failed, while the supervisor still wants
         # the DHT active: requests are told this rather than "inactive".
         self.problem: str | None = None
@@ -129,7 +139,11 @@ class HostedDht:
             self.store.remove(bucket)
 
     def _route(self, descriptor: dict[str, Any], storage: BucketMap[str]) -> None:
-        self.routed = layout.ranges_of(layout.owners(descriptor, "routing"), self.service_name)
+        routing = layout.owners(descriptor, "routing")
+        self.routing_layout = routing
+        self.routed = layout.ranges_of(routing, self.service_name)
+        self.addresses = {**layout.addresses(descriptor, "routing"),
+                          **layout.addresses(descriptor, "storage")}
         refs: BucketMap[str] = BucketMap(descriptor["buckets"])
         for routed_first, routed_end in self.routed:
             for first, end, name in storage.ranges(routed_first, routed_end):
@@ -140,6 +154,32 @@ class HostedDht:
     @property
     def routing_bucket_count(self) -> int:
         return sum(end - first for first, end in self.routed)
+
+    def lookup(self, target: int, current: int | None) -> tuple[int, int, str]:
+        """AS: one hop of a distributed lookup for bucket ``target``, asked
+        of this service as the router of bucket ``current`` (None: of no
+        bucket in particular).  Returns (LOOKUP_FOUND, target, the service
+        storing it) if ``target`` is routed here, else (LOOKUP_NEXT, the
+        next bucket, the service routing it), by aggregated routing over
+        every bucket routed here.  ValueError for a bucket out of range or
+        when nothing is routed here."""
+        if not 0 <= target < self.graph.bucket_count:
+            raise ValueError(f"bucket {target} is not a bucket of {self.label} "
+                             f"(0 to {self.graph.bucket_count - 1})")
+        if not self.routed:
+            raise ValueError(f"service {self.service_name} routes no bucket of {self.label}")
+        if contains(self.routed, target):
+            self.lookups["found"] += 1
+            return wire.LOOKUP_FOUND, target, self.storage_refs.owner(target)
+        algorithm = self.algorithm
+        if current is not None and not (0 <= current < self.graph.bucket_count
+                                        and contains(self.routed, current)):
+            current = None      # a client with an old layout: route from here
+        if current is None:
+            algorithm = FEWEST_HOPS   # needs no current bucket, gets at least as close
+        following = self.graph.next_bucket(self.routed, target, algorithm, current)
+        self.lookups["forwarded"] += 1
+        return wire.LOOKUP_NEXT, following, self.routing_layout.owner(following)
 
     def storage_owner(self, bucket: int) -> str | None:
         """The service storing ``bucket`` as this service's descriptor says
@@ -323,6 +363,13 @@ class HostedDht:
             store.destroy()
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
+
+
+def routing_graph(descriptor: dict[str, Any]) -> RoutingGraph:
+    """The routing graph a DHT's descriptor names (older descriptors have no
+    degree: bruijn graphs then have degree 2)."""
+    return make_graph(descriptor.get("routing") or "chord", max(descriptor["buckets"], 1),
+                      descriptor.get("routing_degree"))
 
 
 def release_memory() -> None:

@@ -171,8 +171,19 @@ async def job(reactor: Any, supervisor: str) -> dict[str, Any]:
     await check.fails_with("duplicate DHT", cluster.create_dht("tx_model"), DhtExists)
     await check.fails_with("bad attribute", cluster.create_dht("bad", buckets=3),
                            InvalidAttribute)
-    await check.fails_with("bad lookup", cluster.open_dht("tx_model", lookup="C,R"),
+    await check.fails_with("bad lookup", cluster.open_dht("tx_model", lookup="C"),
                            InvalidAttribute)
+    # Every strategy reads what the model holds, through distributed lookups.
+    for strategy in ("D,C,R", "C,R", "R"):
+        other = await cluster.open_dht("tx_model", lookup=strategy, cache=0.25)
+        keys = list(model)[:100]
+        values = await defer.gatherResults([other.get(key) for key in keys])
+        check(f"{strategy} reads the model", values == [model[key] for key in keys],
+              other.stats())
+        check(f"{strategy} got the batch", await other.get_many(keys) ==
+              {key: model[key] for key in keys}, other.stats())
+        check(f"{strategy} looked up", other.stats()["lookups"][strategy[0]]["lookups"] > 0,
+              other.stats())
     napping = await cluster.create_dht("tx_napping", buckets=8, platform="domus-rbt")
     await napping.put_many({number: number for number in range(200)})
     kept = await cluster.deactivate_dht("tx_napping")

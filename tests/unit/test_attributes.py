@@ -16,7 +16,8 @@ from domus.keys import HASH_FUNCTIONS
 def test_defaults_are_filled_in():
     assert check_request("words", {}) == {
         "hash": "xxh3", "storage": "ram", "platform": "python-dict",
-        "routing": "chord", "lookup": "D", "durability": "none",
+        "routing": "chord", "routing_degree": None, "routing_algorithm": "fewest-hops",
+        "lookup": "D", "durability": "none",
     }
 
 
@@ -52,9 +53,18 @@ def test_power_of_two_bucket_counts_are_accepted(buckets):
     assert check_request("words", {"buckets": buckets})["buckets"] == buckets
 
 
-@pytest.mark.parametrize("lookup", ["d", " D ", "D"])
-def test_lookup_is_normalised(lookup):
-    assert check_request("words", {"lookup": lookup})["lookup"] == "D"
+@pytest.mark.parametrize("lookup, canonical", [("d", "D"), (" D ", "D"), ("d, c,r", "D,C,R"),
+                                               ("C,R", "C,R"), ("r", "R")])
+def test_lookup_is_normalised(lookup, canonical):
+    assert check_request("words", {"lookup": lookup})["lookup"] == canonical
+
+
+def test_bruijn_degree_defaults_to_two_and_chord_has_none():
+    assert check_request("words", {"routing": "bruijn"})["routing_degree"] == 2
+    assert check_request("words", {"routing": "bruijn", "routing_degree": 8})["routing_degree"] == 8
+    assert check_request("words", {"routing": "chord"})["routing_degree"] is None
+    merged = check_request("words", {"routing_algorithm": "least-work"})
+    assert merged["routing_algorithm"] == "least-work"
 
 
 def test_service_lists_may_be_comma_separated_or_sequences():
@@ -100,6 +110,13 @@ INVALID = [
     ({"routing": ["chord"]}, "['chord']"),
     ({"lookup": "X"}, "'X'"),
     ({"lookup": "D,D"}, "'D,D'"),
+    ({"lookup": "C"}, "'C'"),
+    ({"lookup": 5}, "5"),
+    ({"routing_degree": 4}, "chord"),
+    ({"routing": "bruijn", "routing_degree": 3}, "3"),
+    ({"routing": "bruijn", "routing_degree": 1}, "1"),
+    ({"routing": "bruijn", "routing_degree": "4"}, "'4'"),
+    ({"routing_algorithm": "shortest"}, "'shortest'"),
     ({"buckets": 0}, "0"),
     ({"buckets": 3}, "3"),
     ({"buckets": 96}, "96"),
@@ -150,12 +167,6 @@ def test_every_platform_and_medium_is_accepted_or_refused_clearly(platform, medi
     with pytest.raises(InvalidAttribute, match=f"{platform!r} cannot store on {medium!r}; "
                                                f"it supports \\['ram'\\]"):
         check_request("words", attributes)
-
-
-@pytest.mark.parametrize("lookup", ["D,C,R", "C,R", "R", "d, c, r", "c,r"])
-def test_planned_lookup_strategies_say_they_are_not_available_yet(lookup):
-    with pytest.raises(InvalidAttribute, match="not available in this version"):
-        check_request("words", {"lookup": lookup})
 
 
 def test_an_unknown_platform_is_not_called_planned():

@@ -1,10 +1,13 @@
 """domus.batch: how batches are cut into datagrams and replies taken in."""
 
+import collections
+
 import pytest
 
 from domus import batch
 from domus import protocol as wire
-from domus.errors import RemoteError, ValueTooLarge
+from domus.errors import StorageError, ValueTooLarge
+from domus.lookup import DirectLookup
 
 
 class Ids:
@@ -75,24 +78,43 @@ def ok_put_many_reply(applied, created):
     return wire.reply(wire.ST_OK, 1, wire.U16X2.pack(applied, created))
 
 
-def test_put_replies_add_up_and_report_a_moved_bucket():
-    requests = [("s1", b""), ("s2", b""), ("s3", b"")]
+class Channels:
+    """A cluster stand-in for DirectLookup: channels are (name, address)."""
+
+    ids = None
+
+    def channel(self, name, address):
+        return Channel(name, address)
+
+
+Channel = collections.namedtuple("Channel", "name address")
+TWO_SERVICES = {
+    "id": 5, "name": "words", "buckets": 16, "hash": "xxh3", "routing": "chord",
+    "lookup": "D",
+    "storage_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 8},
+                         {"name": "s2", "address": "127.0.0.1:2", "count": 8}],
+    "routing_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 16}],
+}
+
+
+def test_a_put_round_adds_up_and_sends_again_what_was_not_applied():
+    lookup = DirectLookup(Channels(), TWO_SERVICES)
+    s1, s2, s3 = (Channel(f"s{n}", f"127.0.0.1:{n}") for n in (1, 2, 3))
+    moved = wire.encode_put_many(2, 9, 5, [(9, b"\x03a", b"1"), (10, b"\x03b", b"2")])
+    moving = wire.encode_put_many(3, 9, 5, [(3, b"\x03c", b"3")])
+    requests = [(s1, b""), (s2, moved), (s3, moving), (s1, b"")]
     replies = [ok_put_many_reply(10, 4), wire.error_reply(wire.ST_NOT_OWNER, 2, "moved"),
-               ok_put_many_reply(5, 5)]
-    assert batch.put_replies(requests, replies, None, last_try=False) == (15, 9, True)
+               wire.error_reply(wire.ST_MOVING, 3, "moving"), ok_put_many_reply(5, 5)]
+    created, keys, values, not_owner, is_moving = lookup._put_round(requests, replies)
+    assert (created, not_owner, is_moving) == (9, 1, True)
+    assert keys == [b"\x03a", b"\x03b", b"\x03c"] and values == [b"1", b"2", b"3"]
 
 
-def test_put_replies_raise_on_an_error_and_on_a_move_at_the_last_try():
-    def error(reply, channel):
-        return RemoteError(f"{channel}: status {reply[2]}")
-
-    requests = [("s1", b"")]
-    with pytest.raises(RemoteError, match="s1: status 20"):
-        batch.put_replies(requests, [wire.error_reply(wire.ST_NOT_OWNER, 1, "")], error,
-                          last_try=True)
-    with pytest.raises(RemoteError, match="s1: status 23"):
-        batch.put_replies(requests, [wire.error_reply(wire.ST_STORAGE_ERROR, 1, "")], error,
-                          last_try=False)
+def test_a_put_round_raises_the_error_of_a_failed_message():
+    lookup = DirectLookup(Channels(), TWO_SERVICES)
+    requests = [(Channel("s1", "127.0.0.1:1"), b"")]
+    with pytest.raises(StorageError, match="s1"):
+        lookup._put_round(requests, [wire.error_reply(wire.ST_STORAGE_ERROR, 1, "disk full")])
 
 
 def test_get_many_asks_again_for_what_did_not_fit_and_shrinks_its_requests():

@@ -353,7 +353,7 @@ def test_a_bad_version_is_answered_with_bad_version():
     assert handler.counters["malformed"] == 1
 
 
-@pytest.mark.parametrize("op", [0x00, 0x0C, wire.OP_CONTROL, 0xFF])
+@pytest.mark.parametrize("op", [0x00, 0x0D, wire.OP_CONTROL, 0xFF])
 def test_an_unknown_op_is_answered_with_unknown_op(op):
     handler = make_handler()
     status, message = call(handler, wire.request_header(op, next_id(), CLIENT_A) + b"xx")
@@ -730,7 +730,8 @@ def test_stats_report_requests_records_and_counters():
     assert stats["by_op"] == {"put": 1, "get": 1, "stats": 1}
     assert stats["malformed"] == 1
     assert stats["dhts"] == {"t": {"records": 1, "active": True, "storage_buckets": 4,
-                                   "routing_buckets": 8}}
+                                   "routing_buckets": 8,
+                                   "lookups": {"found": 0, "forwarded": 0}}}
 
 
 @pytest.mark.parametrize("platform", ["domus-bsddb-btree", "domus-bsddb-hash"])

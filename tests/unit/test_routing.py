@@ -9,6 +9,7 @@ Run with ``-rP`` to see the mean-hops table.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Iterator
 
@@ -463,3 +464,16 @@ def test_make_graph_and_the_dht_attributes_agree() -> None:
     for name, graph_class in GRAPHS.items():
         assert graph_class.name == name
         assert graph_class.algorithms[:2] == (FEWEST, LEAST)
+
+
+@pytest.mark.parametrize("name, degree", [("chord", None), ("bruijn", 2), ("bruijn", 4),
+                                          ("bruijn", 8)])
+@pytest.mark.parametrize("buckets", [16, 256, 1024])
+def test_approach_yields_buckets_nearest_first_without_the_target(name, degree, buckets):
+    graph = make_graph(name, buckets, degree)
+    for target in (0, 1, buckets // 3, buckets - 1):
+        near = list(itertools.islice(graph.approach(target), 200))
+        assert target not in near and near
+        distances = [graph.distance(bucket, target) for bucket in near]
+        assert distances == sorted(distances)
+        assert distances[0] == 1 or (name == "bruijn" and buckets < degree ** 2)

@@ -266,10 +266,11 @@ def test_close_fails_what_is_outstanding(clock, udp) -> None:
 # ---------------------------------------------------------------- the DHT
 
 def descriptor(counts: list[int], dht_id: int = 5) -> dict[str, Any]:
+    services = [{"name": f"s{index + 1}", "address": f"127.0.0.1:{7701 + index}",
+                 "count": count} for index, count in enumerate(counts)]
     return {"name": "words", "id": dht_id, "buckets": sum(counts), "hash": "xxh3",
-            "storage_services": [
-                {"name": f"s{index + 1}", "address": f"127.0.0.1:{7701 + index}",
-                 "count": count} for index, count in enumerate(counts)]}
+            "routing": "chord", "lookup": "D",
+            "storage_services": services, "routing_services": services}
 
 
 @pytest.fixture

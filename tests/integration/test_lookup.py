@@ -1,0 +1,118 @@
+"""Lookup strategies on a real deployment: every strategy (D, D,C,R, C,R, R)
+over chord and de Bruijn routing passes the random workload against a dict;
+distributed lookups stay within the hop bound; a dead routing service is
+reported and fallen back from, never waited on forever."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+import domus
+from domus.routing import make_graph
+
+from .test_workload import SEED, Workload
+
+STRATEGIES = ["D", "D,C,R", "C,R", "R"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("routing, degree, algorithm", [
+    ("chord", None, "fewest-hops"),
+    ("bruijn", 4, "least-work"),
+])
+def test_every_strategy_passes_the_random_workload(cluster, routing, degree, algorithm):
+    cluster.create_dht("lookups", routing=routing, routing_degree=degree,
+                       routing_algorithm=algorithm, buckets=256, lookup="C,R")
+    bound = make_graph(routing, 256, degree).hop_bound()
+    model: dict = {}
+    for index, strategy in enumerate(STRATEGIES):
+        dht = cluster.open_dht("lookups", lookup=strategy, cache=0.25)
+        assert dht.strategy == tuple(strategy.split(","))
+        workload = Workload(dht, SEED + index)
+        workload.model = model          # one model: each strategy reads the others' writes
+        workload.run(3_000, whole_every=1_500)
+        stats = dht.stats()
+        methods = stats["lookups"]
+        assert set(methods) == set(strategy.split(","))
+        # hops: messages to reach the storage service (a walk of h forwards
+        # is h + 1 LOOKUPs, then the request itself).
+        assert stats["hops"]["max"] <= bound + 2, stats
+        assert stats["lookup_failures"] == 0 and stats["redirects"] == 0, stats
+        if strategy.startswith("D"):
+            # Nothing moved: direct answers everything, in one hop.
+            assert methods["D"]["misses"] == 0 and methods["D"]["hits"] > 3_000, stats
+            assert stats["hops"]["mean"] == 1.0
+        else:
+            first = methods[strategy[0]]
+            assert first["distributed"] > 0, stats
+            if strategy == "C,R":
+                # A quarter of the buckets cached: about a quarter of the
+                # lookups hit, the rest route from the nearest cached entry.
+                assert stats["cache"]["entries"] <= stats["cache"]["capacity"] == 64
+                assert 0.1 < first["hits"] / first["lookups"] < 0.5, stats
+                assert methods["R"]["lookups"] <= 1, stats   # only while the cache was empty
+            assert 1 < stats["hops"]["mean"] <= bound + 2, stats
+    # The services count the LOOKUPs they answered (their routing load).
+    answered = [service["stats"]["dhts"]["lookups"]["lookups"]
+                for service in cluster.services()]        # (the DHT is named "lookups")
+    assert all(counts["found"] > 0 for counts in answered), answered
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_dead_routing_service_is_reported_and_the_request_still_answered(deployment,
+                                                                           cluster, how):
+    """s2 routes a third of the buckets and stores none.  Killed (its port
+    refuses) or hung (it never answers), random lookups that reach it fail
+    within the client's deadline, are counted and explained in stats(), and
+    the requests are answered from the supervisor's layout instead."""
+    cluster.create_dht("deadhop", buckets=64, routing_services=["s1", "s2", "s3"],
+                       storage_services=["s1", "s3"])
+    cluster.open_dht("deadhop").put_many({key: key for key in range(200)})
+    pid = deployment.services["s2"].pid
+    if how == "killed":
+        deployment.kill_service("s2", signal.SIGKILL)
+    else:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=1.0) as impatient:
+            dht = impatient.open_dht("deadhop", lookup="R")
+            dht._random.seed(SEED)       # (random starts, replayable)
+            started = time.monotonic()
+            keys = range(0, 200, 25)
+            for key in keys:
+                assert dht[key] == key
+            elapsed = time.monotonic() - started
+            stats = dht.stats()
+    finally:
+        if how == "hung":
+            os.kill(pid, signal.SIGCONT)
+    assert stats["lookups"]["R"]["lookups"] == len(keys)
+    assert stats["lookup_failures"] > 0, stats     # some started at, or passed, s2
+    assert "service s2" in stats["last_lookup_failure"], stats
+    assert ("did not answer" if how == "hung" else "refused") in \
+        stats["last_lookup_failure"], stats
+    # Bounded: a failed lookup costs at most the client's deadline.
+    assert elapsed < len(keys) * 1.5, (elapsed, stats)
+
+
+def test_random_starts_are_weighted_by_the_buckets_each_service_routes(cluster):
+    cluster.create_dht("weights", buckets=64, routing_services=["s1", "s2"])
+    dht = cluster.open_dht("weights", lookup="R")
+    routed = {entry["name"]: entry["count"] for entry in dht.descriptor["routing_services"]}
+    starts = [dht._random_start()[0].name for _ in range(4000)]
+    for name, count in routed.items():
+        assert abs(starts.count(name) / 4000 - count / 64) < 0.05
+
+
+def test_open_dht_refuses_a_bad_strategy_or_cache(cluster):
+    cluster.create_dht("strict", buckets=16)
+    for bad in ({"lookup": "C"}, {"lookup": "D,R"}, {"cache": 0}, {"cache": 1.5},
+                {"cache": "half"}, {"direct_cutoff": 0}):
+        with pytest.raises(ValueError) as raised:
+            cluster.open_dht("strict", **bad)
+        assert str(next(iter(bad.values()))) in str(raised.value)
+
