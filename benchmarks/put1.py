@@ -104,7 +104,11 @@ def _floor_worker(port: int, seconds: float, seed: int, barrier: Any, results: A
 
 
 def _run_clients(worker: Callable[..., None], target: Any, clients: int,
-                 seconds: float) -> float:
+                 seconds: float, take: Callable[[Any], tuple[int, float]] | None = None
+                 ) -> float:
+    """Run ``clients`` worker processes; their summed ops/s.  A worker puts
+    (count, elapsed) on its results queue, or whatever ``take`` turns into
+    that."""
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(clients)
     results = context.Queue()
@@ -114,6 +118,8 @@ def _run_clients(worker: Callable[..., None], target: Any, clients: int,
     for process in processes:
         process.start()
     totals = [results.get(timeout=seconds + 60) for _ in processes]
+    if take is not None:
+        totals = [take(result) for result in totals]
     for process in processes:
         process.join(30)
     return sum(count / elapsed for count, elapsed in totals)

@@ -83,6 +83,8 @@ PAUSE = 1     # (PAUSE, seconds) -> None
 REFRESH = 2   # (REFRESH, mark) -> None: a layout fetched after ``mark``; DomusError thrown in
 
 Course = Generator[tuple[Any, ...], Any, bytes]
+_LOOKUP_REPLY = wire.LOOKUP_REPLY.unpack_from
+_REF_AT = wire.REPLY_HEADER_SIZE + wire.LOOKUP_REPLY.size   # the service reference
 METHOD_NAMES = {"D": "direct", "C": "cached", "R": "random"}
 
 
@@ -142,6 +144,8 @@ class DirectLookup(Generic[Channel]):
         # bucket -> (routing channel, storage channel), least recent first.
         self._cache: OrderedDict[int, tuple[Channel, Channel]] = OrderedDict()
         self._random = random.Random()
+        self._caching = "C" in self.strategy
+        self._named: dict[bytes, Channel] = {}    # service reference -> channel
         self.last_lookup_failure: str | None = None
         self._load(descriptor)
 
@@ -177,7 +181,8 @@ class DirectLookup(Generic[Channel]):
                                               descriptor.get("routing_degree"))
         self.hop_limit = self.graph.hop_bound() + HOP_SLACK
         self.cache_capacity = max(1, int(self.cache_fraction * self.bucket_count))
-        self._fast = self._fast_method()
+        self._named.clear()     # (addresses may have changed)
+        self._in_use()
 
     def _channel_map(self, names: BucketMap[str], channels: dict[str, Channel]
                      ) -> BucketMap[Channel]:
@@ -193,18 +198,20 @@ class DirectLookup(Generic[Channel]):
         """bucket -> channel as a list when that is small, else the map."""
         return mapped.dense() if self.bucket_count <= DENSE_TABLE_LIMIT else mapped
 
-    def _fast_method(self) -> str | None:
-        """The method a request tries before entering its course: the first
-        in use, if it can answer without asking anyone."""
-        methods = self.methods()
-        return methods[0] if methods[0] in ("D", "C") else None
+    def _in_use(self) -> None:
+        """Settle the methods in use (D is dropped past its cut-off, unless
+        it is the only one) and the fast one: the method a request tries
+        before entering its course, the first in use if it can answer
+        without asking anyone."""
+        if self._direct_on or self.strategy == ("D",):
+            self._methods = self.strategy
+        else:
+            self._methods = tuple(method for method in self.strategy if method != "D")
+        self._fast = self._methods[0] if self._methods[0] in ("D", "C") else None
 
     def methods(self) -> tuple[str, ...]:
-        """The strategy's methods still in use (D is dropped past its
-        cut-off, unless it is the only one)."""
-        if self._direct_on or self.strategy == ("D",):
-            return self.strategy
-        return tuple(method for method in self.strategy if method != "D")
+        """The strategy's methods still in use."""
+        return self._methods
 
     def __repr__(self) -> str:
         return (f"<domus.{type(self).__name__} {self.name!r} id={self.id} "
@@ -252,7 +259,7 @@ class DirectLookup(Generic[Channel]):
         if mark is None:
             mark = self._layout_mark()
         redirect: tuple[str, str] | None = None
-        methods = self.methods()
+        methods = self._methods
         for index, method in enumerate(methods):
             stats = self._method_stats[method]
             hops = 0
@@ -354,13 +361,18 @@ class DirectLookup(Generic[Channel]):
                 return self._walk_failed(f"hop {hop}: {refused}")
             if reply[2] != wire.ST_OK:
                 raise self._error(reply, channel, target)
-            kind, bucket, name, address = wire.decode_lookup_reply(reply)
+            named = self._named.get(reply[_REF_AT:])     # (the same few services, again and again)
+            if named is None:
+                kind, bucket, name, address = wire.decode_lookup_reply(reply)
+                named = self._named[reply[_REF_AT:]] = self.cluster.channel(name, address)
+            kind, bucket = _LOOKUP_REPLY(reply, wire.REPLY_HEADER_SIZE)
             if kind == wire.LOOKUP_FOUND:
-                storage = self.cluster.channel(name, address)
-                if "C" in self.strategy:
-                    self._remember(target, channel, storage)
-                return storage, hop
-            channel, current = self.cluster.channel(name, address), bucket
+                if self._caching:
+                    self._remember(target, channel, named)
+                return named, hop
+            if kind != wire.LOOKUP_NEXT:
+                raise ProtocolError(f"lookup reply of unknown kind {kind}")
+            channel, current = named, bucket
         return self._walk_failed(f"no answer within {self.hop_limit} hops (the layout is "
                                  f"changing, or the routing services disagree)")
 
@@ -403,7 +415,7 @@ class DirectLookup(Generic[Channel]):
         self.direct_misses += 1
         if self._direct_on and self.direct_misses >= self.direct_cutoff:
             self._direct_on = False
-            self._fast = self._fast_method()
+            self._in_use()
 
     # ------------------------------------------------------------ the cache
     def _remember(self, bucket: int, router: Channel, storage: Channel) -> None:
