@@ -132,7 +132,7 @@ def format_status(status: dict[str, Any]) -> str:
     lines = [f"supervisor {supervisor['address']}  version {supervisor['version']}  "
              f"up {supervisor['uptime']:.0f}s  data {supervisor['data_dir']}", ""]
     rows = [("SERVICE", "ADDRESS", "STATE", "ROLES", "BUCKETS (routing/storage per DHT)",
-             "REQ/S", "CPU%", "RSS MiB")]
+             "REQ/S", "LOOKUP/S", "CPU%", "RSS MiB")]
     for service in status["services"]:
         load = service.get("load") or {}
         buckets = " ".join(f"{dht}:{counts.get('routing', 0)}/{counts.get('storage', 0)}"
@@ -141,6 +141,7 @@ def format_status(status: dict[str, Any]) -> str:
         rows.append((service["name"], service["address"], service["state"],
                      ",".join(service["roles"]) or "-", buckets,
                      f"{load.get('requests_per_s', 0):.0f}" if up else "-",
+                     f"{load.get('lookups_per_s', 0):.0f}" if up else "-",
                      f"{load.get('cpu', 0):.0f}" if up else "-",
                      _megabytes(load.get("rss", 0)) if up else "-"))
     lines += _table(rows)

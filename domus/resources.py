@@ -44,20 +44,25 @@ class LoadSampler:
         self.process.cpu_percent(None)
         psutil.cpu_percent(None)
         self._last_requests: int | None = None
+        self._last_lookups = 0
         self._last_time: float | None = None
         self.load: dict[str, float] = {"cpu": 0.0, "node_cpu": 0.0, "rss": 0.0,
-                                       "requests_per_s": 0.0}
+                                       "requests_per_s": 0.0, "lookups_per_s": 0.0}
 
-    def sample(self, requests: int, now: float) -> dict[str, float]:
-        rate = 0.0
+    def sample(self, requests: int, now: float, lookups: int = 0) -> dict[str, float]:
+        """``requests``: every request answered so far; ``lookups``: the
+        LOOKUPs among them (the routing load)."""
+        rate = lookup_rate = 0.0
         if self._last_time is not None and now > self._last_time:
             rate = (requests - (self._last_requests or 0)) / (now - self._last_time)
-        self._last_requests, self._last_time = requests, now
+            lookup_rate = (lookups - self._last_lookups) / (now - self._last_time)
+        self._last_requests, self._last_lookups, self._last_time = requests, lookups, now
         fresh = {
             "cpu": self.process.cpu_percent(None),
             "node_cpu": psutil.cpu_percent(None),
             "rss": float(self.process.memory_info().rss),
             "requests_per_s": rate,
+            "lookups_per_s": lookup_rate,
         }
         for name, value in fresh.items():
             self.load[name] = self.alpha * value + (1 - self.alpha) * self.load[name]

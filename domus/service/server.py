@@ -18,6 +18,7 @@ from twisted.logger import Logger
 
 from domus import __version__, launch
 from domus import address as addresses
+from domus import protocol as wire
 from domus.control import ControlError, MessageProtocol, RemoteControlError
 from domus.resources import LoadSampler, base_resources
 from domus.service.handler import RequestHandler
@@ -174,7 +175,8 @@ class DomusService(Service):
                      "served meanwhile)", name=self.service_name)
 
     def _heartbeat(self) -> None:
-        load = self.sampler.sample(self.handler.requests, time.monotonic())
+        load = self.sampler.sample(self.handler.requests, time.monotonic(),
+                                   self.handler.by_op[wire.OP_LOOKUP])
         if self.link is None or not self.registered:
             return
         stats = self.handler.stats()

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import domus
+from domus.cli import format_status
 from domus.routing import make_graph
 
 from .test_workload import SEED, Workload
@@ -60,6 +61,10 @@ def test_every_strategy_passes_the_random_workload(cluster, routing, degree, alg
     answered = [service["stats"]["dhts"]["lookups"]["lookups"]
                 for service in cluster.services()]        # (the DHT is named "lookups")
     assert all(counts["found"] > 0 for counts in answered), answered
+    # ... and `domus status` shows it as each service's LOOKUP/S.
+    status = cluster.status()
+    assert any(service["load"]["lookups_per_s"] > 0 for service in status["services"]), status
+    assert "LOOKUP/S" in format_status(status).splitlines()[2]
 
 
 @pytest.mark.parametrize("how", ["killed", "hung"])
