@@ -192,7 +192,9 @@ def cmd_dht(args: argparse.Namespace) -> int:
         if args.action == "create":
             dht = cluster.create_dht(
                 args.name, buckets=args.buckets, hash=args.hash, storage=args.storage,
-                platform=args.platform, routing=args.routing, lookup=args.lookup,
+                platform=args.platform, routing=args.routing,
+                routing_degree=args.routing_degree, routing_algorithm=args.routing_algorithm,
+                lookup=args.lookup,
                 durability=args.durability, routing_services=_names(args.routing_services),
                 storage_services=_names(args.storage_services))
             print(f"created DHT {dht.name!r} (id {dht.id}, {dht.bucket_count} buckets)")
@@ -364,7 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--storage", help="medium: ram or disk")
     create.add_argument("--platform")
     create.add_argument("--routing", help="routing graph: chord or bruijn")
-    create.add_argument("--lookup", help="lookup strategy")
+    create.add_argument("--routing-degree", type=int, help="bruijn: the graph's degree "
+                        "(a power of two, default 2)")
+    create.add_argument("--routing-algorithm", help="fewest-hops (default) or least-work")
+    create.add_argument("--lookup", help="default lookup strategy of clients: D, D,C,R, "
+                        "C,R or R")
     create.add_argument("--durability", help="disk DHTs: async (default) or sync")
     create.add_argument("--routing-services", help="comma-separated service names")
     create.add_argument("--storage-services", help="comma-separated service names")

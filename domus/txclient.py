@@ -584,7 +584,8 @@ class TxCluster:
     # -- DHTs
     def create_dht(self, name: str, *, buckets: int | None = None, hash: str | None = None,
                    storage: str | None = None, platform: str | None = None,
-                   routing: str | None = None, lookup: str | None = None,
+                   routing: str | None = None, routing_degree: int | None = None,
+                   routing_algorithm: str | None = None, lookup: str | None = None,
                    durability: str | None = None,
                    routing_services: Iterable[str] | None = None,
                    storage_services: Iterable[str] | None = None) -> defer.Deferred:
@@ -592,7 +593,9 @@ class TxCluster:
         take their defaults; service sets default to every live service."""
         try:
             attributes = create_request(name, buckets=buckets, hash=hash, storage=storage,
-                                        platform=platform, routing=routing, lookup=lookup,
+                                        platform=platform, routing=routing,
+                                        routing_degree=routing_degree,
+                                        routing_algorithm=routing_algorithm, lookup=lookup,
                                         durability=durability,
                                         routing_services=routing_services,
                                         storage_services=storage_services)
