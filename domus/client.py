@@ -75,6 +75,15 @@ def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> 
     return cluster
 
 
+def move_target(routing: str | None, storage: str | None) -> tuple[str, str]:
+    """The (role, service) of ``move_bucket(..., routing=, storage=)``."""
+    if routing is not None and storage is None:
+        return "routing", routing
+    if storage is not None and routing is None:
+        return "storage", storage
+    raise TypeError("move_bucket() takes exactly one of routing=SERVICE and storage=SERVICE")
+
+
 def reply_error(dht: str, reply: bytes, channel: Any, bucket: int | None) -> DomusError:
     """The domus.errors exception for an error reply from ``channel``
     (anything with ``name`` and ``address``) to a request on DHT ``dht``."""
@@ -184,6 +193,24 @@ class Cluster:
         simply opened).  Activating an active DHT does nothing."""
         return self.supervisor.call("activate_dht", name=name,
                                     timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))["records"]
+
+    def move_bucket(self, name: str, bucket: int, *, routing: str | None = None,
+                    storage: str | None = None) -> dict[str, Any]:
+        """Move one bucket's routing, or its storage, to the named service
+        (give exactly one of ``routing`` and ``storage``).
+
+        A storage move copies the bucket's records to the service and deletes
+        them at the old one; requests on the bucket meanwhile are answered
+        MOVING.  All or nothing: on any failure the bucket stays where it was
+        with every record, and SupervisorError says why.  Returns the
+        supervisor's answer: ``name, bucket, role, from, to, changed``
+        (False if the service held the bucket already), ``records`` (moved;
+        None for routing), ``seconds``, and ``lagging`` (services that missed
+        the new layout and get it when they next register)."""
+        role, service = move_target(routing, storage)
+        return self.supervisor.call("move_bucket", name=name, bucket=bucket, role=role,
+                                    service=service,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
 
     def services(self) -> list[dict[str, Any]]:
         """Every registered service: name, address, state ("up",
@@ -437,12 +464,9 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 yield decode_key(key)
 
     def _range_channels(self) -> list[ServiceChannel]:
-        """Each service that stores at least one bucket of the DHT, once."""
-        channels: dict[ServiceChannel, None] = {}
-        for channel, entry in zip(self._storage_channels, self.descriptor["storage_services"]):
-            if entry["count"]:
-                channels[channel] = None
-        return list(channels)
+        """Each service that stores at least one bucket of the DHT now
+        (moved buckets included), once."""
+        return list(dict.fromkeys(channel for _first, _end, channel in self.layout.ranges()))
 
     def _range_pages(self, channel: ServiceChannel, query: wire.RangeQuery,
                      reply: bytes) -> Iterator[tuple[bytes, bytes]]:

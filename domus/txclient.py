@@ -46,7 +46,7 @@ from domus import address as addresses
 from domus import batch, codec
 from domus import protocol as wire
 from domus.attributes import create_request
-from domus.client import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, reply_error
+from domus.client import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target, reply_error
 from domus.control import MessageProtocol, RemoteControlError
 from domus.errors import (
     SUPERVISOR_ERRORS,
@@ -637,6 +637,16 @@ class TxCluster:
         storage service."""
         return self.call("activate_dht", name=name, timeout=STATE_CHANGE_TIMEOUT) \
             .addCallback(lambda answer: answer["records"])
+
+    def move_bucket(self, name: str, bucket: int, *, routing: str | None = None,
+                    storage: str | None = None) -> defer.Deferred:
+        """As Cluster.move_bucket: fires with the supervisor's answer."""
+        try:
+            role, service = move_target(routing, storage)
+        except TypeError:
+            return defer.fail()
+        return self.call("move_bucket", name=name, bucket=bucket, role=role, service=service,
+                         timeout=STATE_CHANGE_TIMEOUT)
 
 
 class TxDht(DirectLookup[TxChannel]):
