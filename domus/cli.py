@@ -224,7 +224,25 @@ def cmd_dht(args: argparse.Namespace) -> int:
             print(f"activated DHT {args.name!r}"
                   + (f": {sum(loaded.values())} saved records loaded ({_per_service(loaded)})"
                      if any(loaded.values()) else ""))
+        elif args.action == "move":
+            answer = cluster.move_bucket(args.name, args.bucket, routing=args.routing,
+                                         storage=args.storage)
+            print(format_move(answer))
+            for service, error in sorted(answer.get("lagging", {}).items()):
+                print(f"domus: warning: service {service} did not take the new layout "
+                      f"({error}); it will when it next registers", file=sys.stderr)
     return 0
+
+
+def format_move(answer: dict[str, Any]) -> str:
+    """One line saying what ``move_bucket`` did."""
+    where = f"DHT {answer['name']}: bucket {answer['bucket']} {answer['role']}"
+    if not answer["changed"]:
+        return f"{where} is on {answer['to']} already; nothing moved"
+    moved = f"{where} moved {answer['from']} -> {answer['to']}"
+    if answer["records"] is None:
+        return moved
+    return f"{moved} ({answer['records']:,} records, {answer['seconds']:.2f} s)"
 
 
 def cmd_deployment(args: argparse.Namespace) -> int:
@@ -357,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     dht = commands.add_parser("dht", help="create, list, inspect, deactivate, activate and "
-                              "destroy DHTs")
+                              "destroy DHTs, and move their buckets")
     actions = dht.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = talks(actions.add_parser("create"))
     create.add_argument("name")
@@ -382,6 +400,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "DHTs are saved to the services' data dirs)")).add_argument("name")
     talks(actions.add_parser("activate", help="bring a deactivated DHT back")) \
         .add_argument("name")
+    move = talks(actions.add_parser("move", help="move one bucket's routing or storage (with "
+                                    "its records) to another service"))
+    move.add_argument("name")
+    move.add_argument("bucket", type=int)
+    target = move.add_mutually_exclusive_group(required=True)
+    target.add_argument("--routing", metavar="SERVICE", help="the service to route the bucket")
+    target.add_argument("--storage", metavar="SERVICE",
+                        help="the service to store the bucket (its records are copied there)")
     dht.set_defaults(func=cmd_dht)
 
     deployment = commands.add_parser("deployment", help="shut a whole deployment down, or "

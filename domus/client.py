@@ -80,6 +80,15 @@ def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> 
     return cluster
 
 
+def move_target(routing: str | None, storage: str | None) -> tuple[str, str]:
+    """The (role, service) of ``move_bucket(..., routing=, storage=)``."""
+    if routing is not None and storage is None:
+        return "routing", routing
+    if storage is not None and routing is None:
+        return "storage", storage
+    raise TypeError("move_bucket() takes exactly one of routing=SERVICE and storage=SERVICE")
+
+
 class Cluster:
     """A connection to one Domus deployment."""
 
@@ -172,6 +181,24 @@ class Cluster:
         simply opened).  Activating an active DHT does nothing."""
         return self.supervisor.call("activate_dht", name=name,
                                     timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))["records"]
+
+    def move_bucket(self, name: str, bucket: int, *, routing: str | None = None,
+                    storage: str | None = None) -> dict[str, Any]:
+        """Move one bucket's routing, or its storage, to the named service
+        (give exactly one of ``routing`` and ``storage``).
+
+        A storage move copies the bucket's records to the service and deletes
+        them at the old one; requests on the bucket meanwhile are answered
+        MOVING.  All or nothing: on any failure the bucket stays where it was
+        with every record, and SupervisorError says why.  Returns the
+        supervisor's answer: ``name, bucket, role, from, to, changed``
+        (False if the service held the bucket already), ``records`` (moved;
+        None for routing), ``seconds``, and ``lagging`` (services that missed
+        the new layout and get it when they next register)."""
+        role, service = move_target(routing, storage)
+        return self.supervisor.call("move_bucket", name=name, bucket=bucket, role=role,
+                                    service=service,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
 
     def services(self) -> list[dict[str, Any]]:
         """Every registered service: name, address, state ("up",
@@ -403,8 +430,21 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
     def __len__(self) -> int:
         return sum(self.records_by_service().values())
 
+    def _whole_dht(self) -> None:
+        """Before an operation on the whole DHT (len, scans, key ranges): the
+        layout as the supervisor knows it now, so that a service buckets
+        moved to since this handle was opened is not left out.  With the
+        supervisor unreachable, the layout this handle has."""
+        try:
+            self.refresh()
+        except UnknownDht:
+            raise
+        except DomusError:
+            pass
+
     def records_by_service(self) -> dict[str, int]:
         """How many records each storage service holds of this DHT."""
+        self._whole_dht()
         ids = self.cluster.ids
         requests = [(channel, wire.encode_length(ids.next(), ids.client_id, self.id))
                     for channel in self._storage_channels]
@@ -419,6 +459,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         """Every record, bucket by bucket, as raw (key, value) bytes.  A
         bucket being moved is waited for; one that has moved is scanned at
         its new owner (a move during a bucket's scan fails the scan)."""
+        self._whole_dht()
         ids = self.cluster.ids
         for bucket in range(self.bucket_count):
             scan_id, offset = 0, 0
@@ -495,6 +536,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         return self._irange(query, bool(items))
 
     def _irange(self, query: wire.RangeQuery, items: bool) -> Iterator[Any]:
+        self._whole_dht()
         ids = self.cluster.ids
         channels = self._range_channels()
         first = exchange([(channel, wire.encode_range(ids.next(), ids.client_id, query))
@@ -510,7 +552,8 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 yield decode_key(key)
 
     def _range_channels(self) -> list[ServiceChannel]:
-        """Each service that stores at least one bucket of the DHT, once."""
+        """Each service that stores at least one bucket of the DHT now
+        (moved buckets included), once."""
         return list(dict.fromkeys(channel for _first, _end, channel in self.layout.ranges()))
 
     def _range_pages(self, channel: ServiceChannel, query: wire.RangeQuery,

@@ -11,6 +11,7 @@ it had none at creation, so that its address is known.
 
 ``owners`` is the current truth: the placement, then the moves;
 ``ranges_of`` gives one service's part of it as sorted (first, end) ranges.
+``move`` is the descriptor after one more move.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from domus.bucketmap import BucketMap
 from domus.routing.base import local_ranges as ranges_of  # (first, end) ranges of one owner
 
 ROLES = ("routing", "storage")
-__all__ = ["ROLES", "initial", "owners", "moves", "ranges_of", "buckets_in", "addresses"]
+__all__ = ["ROLES", "initial", "owners", "moves", "move", "ranges_of", "buckets_in",
+           "addresses"]
 
 
 def initial(descriptor: dict[str, Any], role: str) -> BucketMap[str]:
@@ -53,3 +55,38 @@ def buckets_in(ranges: list[tuple[int, int]]) -> Iterator[int]:
 def addresses(descriptor: dict[str, Any], role: str) -> dict[str, str]:
     """service name -> address, for the services of ``role``."""
     return {entry["name"]: entry["address"] for entry in descriptor[f"{role}_services"]}
+
+
+def move(descriptor: dict[str, Any], role: str, bucket: int, service: str,
+         address: str) -> dict[str, Any]:
+    """A copy of ``descriptor`` in which ``service`` (at ``address``) holds
+    ``bucket`` of ``role``; ``descriptor`` itself is left as it was.
+
+    - The counts never change: the direct lookup rebuilds the initial
+      placement from them, and misses on moved buckets (it is told
+      NOT_OWNER and asks the supervisor again).
+    - A bucket moved back to its initial owner is not listed as a move (a
+      role with no moves has no ``<role>_moves`` at all).
+    - ``service`` is added to the role's services with count 0 if it is not
+      listed; no service is ever taken out.  A service listed in a DHT hosts
+      it, buckets or none, so a client that still sends a request there
+      with an old layout is told NOT_OWNER (and refreshes), not that the
+      DHT is unknown.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+    if not 0 <= bucket < descriptor["buckets"]:
+        raise ValueError(f"bucket {bucket} is not in [0, {descriptor['buckets']})")
+    changed = dict(descriptor)
+    role_moves = {key: name for key, name in descriptor.get(f"{role}_moves", {}).items()
+                  if int(key) != bucket}
+    if initial(descriptor, role).get(bucket) != service:
+        role_moves[str(bucket)] = service
+    changed.pop(f"{role}_moves", None)
+    if role_moves:
+        changed[f"{role}_moves"] = dict(sorted(role_moves.items(), key=lambda item: int(item[0])))
+    entries = descriptor[f"{role}_services"]
+    if all(entry["name"] != service for entry in entries):
+        changed[f"{role}_services"] = [*entries, {"name": service, "address": address,
+                                                  "count": 0}]
+    return changed

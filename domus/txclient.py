@@ -46,7 +46,7 @@ from domus import address as addresses
 from domus import batch, codec
 from domus import protocol as wire
 from domus.attributes import check_strategy, create_request
-from domus.client import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, reply_error
+from domus.client import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target, reply_error
 from domus.control import MessageProtocol, RemoteControlError
 from domus.errors import (
     SUPERVISOR_ERRORS,
@@ -643,6 +643,16 @@ class TxCluster:
         return self.call("activate_dht", name=name, timeout=STATE_CHANGE_TIMEOUT) \
             .addCallback(lambda answer: answer["records"])
 
+    def move_bucket(self, name: str, bucket: int, *, routing: str | None = None,
+                    storage: str | None = None) -> defer.Deferred:
+        """As Cluster.move_bucket: fires with the supervisor's answer."""
+        try:
+            role, service = move_target(routing, storage)
+        except TypeError:
+            return defer.fail()
+        return self.call("move_bucket", name=name, bucket=bucket, role=role, service=service,
+                         timeout=STATE_CHANGE_TIMEOUT)
+
 
 class TxDht(DirectLookup[TxChannel]):
     """One DHT; every data operation returns a Deferred."""
@@ -890,6 +900,14 @@ class TxDht(DirectLookup[TxChannel]):
         return defer.Deferred.fromCoroutine(self._records_by_service())
 
     async def _records_by_service(self) -> dict[str, int]:
+        # The layout as the supervisor knows it now (a service buckets moved
+        # to since is counted); the one this handle has if it cannot say.
+        try:
+            await self.refresh()
+        except UnknownDht:
+            raise
+        except DomusError:
+            pass
         ids = self.cluster.ids
         requests = [(channel, wire.encode_length(ids.next(), ids.client_id, self.id))
                     for channel in self._storage_channels]

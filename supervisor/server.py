@@ -22,7 +22,7 @@ from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
 
-from domus import __version__, assignment, launch
+from domus import __version__, assignment, launch, layout
 from domus import address as addresses
 from domus.attributes import check_request, default_bucket_count
 from domus.control import ControlError, MessageProtocol
@@ -51,7 +51,9 @@ class SupervisorService(Service):
         self.links: dict[str, MessageProtocol] = {}
         self.live: dict[str, dict[str, Any]] = {}   # name -> last_seen, load, stats
         self._creating: set[str] = set()
-        self._changing: set[str] = set()      # DHTs being activated or deactivated
+        # DHT name -> what is being done to it ("being activated", ...): one
+        # change at a time (activation, deactivation, a bucket move).
+        self._changing: dict[str, str] = {}
         self._port: Any = None
         self._watch: task.LoopingCall | None = None
         self.started = time.time()
@@ -218,11 +220,11 @@ class SupervisorService(Service):
         buckets: dict[str, dict[str, int]] = {}
         for dht_name, descriptor in self.state.dhts.items():
             counts = {}
-            for role, key in (("routing", "routing_services"), ("storage", "storage_services")):
-                for entry in descriptor[key]:
-                    if entry["name"] == name:
-                        counts[role] = entry["count"]
-                        roles.add(role)
+            for role in layout.ROLES:
+                if any(entry["name"] == name for entry in descriptor[f"{role}_services"]):
+                    # What it holds now: its initial count, give or take moves.
+                    counts[role] = layout.owners(descriptor, role).buckets(name)
+                    roles.add(role)
             if counts:
                 buckets[dht_name] = counts
         live = self.live.get(name, {})
@@ -238,8 +240,8 @@ class SupervisorService(Service):
                  if any(entry["name"] == name for role in ("routing_services", "storage_services")
                         for entry in descriptor[role])]
         if users:
-            raise ControlError("SupervisorError", f"service {name!r} still holds buckets of "
-                               f"{users}; destroy or move them first")
+            raise ControlError("SupervisorError", f"service {name!r} still takes part in "
+                               f"DHT(s) {users}; destroy them first")
         del self.state.services[name]
         self.state.save()
         return {"removed": name}
@@ -368,9 +370,7 @@ class SupervisorService(Service):
 
     def op_destroy_dht(self, link: MessageProtocol, *, name: str) -> defer.Deferred:
         descriptor = self._find(name)
-        if name in self._changing:
-            raise ControlError("SupervisorError", f"DHT {name!r} is being activated or "
-                               f"deactivated; destroy it once that has finished")
+        self._refuse_while_changing(name, "destroy")
         del self.state.dhts[name]
         self.state.save()
         drops = []
@@ -408,9 +408,7 @@ class SupervisorService(Service):
         verb = "deactivate" if state == "inactive" else "activate"
         if descriptor.get("state", "active") == state:
             return {"name": name, "state": state, "changed": False, "records": {}}
-        if name in self._changing:
-            raise ControlError("SupervisorError", f"DHT {name!r} is being activated or "
-                               f"deactivated already; wait for that to finish")
+        self._refuse_while_changing(name, verb)
         involved = self._involved(descriptor)
         down = [service for service in involved if self.service_state(service) != "up"]
         if down:
@@ -423,7 +421,7 @@ class SupervisorService(Service):
         changed.pop("resume", None)
         if resume:
             changed["resume"] = True
-        self._changing.add(name)
+        self._changing[name] = f"being {verb}d"
         try:
             answers = yield defer.DeferredList(
                 [self.links[service].call("assign", dht=changed, timeout=STATE_CHANGE_TIMEOUT)
@@ -454,11 +452,230 @@ class SupervisorService(Service):
             self.state.dhts[name] = changed
             self.state.save()
         finally:
-            self._changing.discard(name)
+            self._changing.pop(name, None)
         log.info("{verb}d DHT {name!r}: {records} records {how}", verb=verb, name=name,
                  records=sum(records.values()),
                  how="saved or closed on disk" if state == "inactive" else "back in service")
         return {"name": name, "state": state, "changed": True, "records": records}
+
+    def _refuse_while_changing(self, name: str, verb: str) -> None:
+        doing = self._changing.get(name)
+        if doing is not None:
+            raise ControlError("SupervisorError", f"cannot {verb} DHT {name!r} now: it is "
+                               f"{doing}; try again once that has finished")
+
+    # -------------------------------------------------------------- moving a bucket
+    # Moving one bucket's routing or storage to another service, by hand
+    # (``domus dht move``).  The counts of the descriptor never change; the
+    # move is listed in its ``<role>_moves``, and a service new to the role
+    # is listed with count 0 (domus.layout.move).  A move never takes a
+    # service out of a DHT.
+    #
+    # A routing move changes the layout only, all or nothing as activation
+    # is: every service the DHT involves (the new one included) takes the
+    # new descriptor, or those that did are given the old one back.
+    #
+    # A storage move copies the bucket's records (domus.service.hosted,
+    # "Moving a bucket"): the source freezes the bucket, its records are
+    # paged into a staged copy on the target, then the new layout is
+    # published.  Invariant: until the target has acknowledged the new
+    # layout, the source's frozen copy is the bucket, and any failure thaws
+    # it (nothing changed, nothing lost).  From that acknowledgement on, the
+    # target's copy is the bucket: the new layout is saved at once and never
+    # rolled back, because the source deletes its copy as soon as it hears
+    # of it, and a source that failed to answer may have heard.  A service
+    # that misses the new layout then (it died, or failed) gets it when it
+    # next registers; until then the source answers MOVING for the bucket.
+
+    def op_move_bucket(self, link: MessageProtocol, *, name: str, bucket: int, role: str,
+                       service: str) -> Any:
+        descriptor = self._find(name)
+        if role not in layout.ROLES:
+            raise ControlError("SupervisorError", f"a bucket's role is 'routing' or "
+                               f"'storage', not {role!r}")
+        buckets = descriptor["buckets"]
+        if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 <= bucket < buckets:
+            raise ControlError("SupervisorError", f"DHT {name!r} has buckets 0 to "
+                               f"{buckets - 1}; {bucket!r} is not one of them")
+        if service not in self.state.services:
+            raise ControlError("UnknownService", f"no service named {service!r} is "
+                               f"registered (services: {sorted(self.state.services)})")
+        if descriptor.get("state", "active") == "inactive":
+            raise ControlError("SupervisorError", f"DHT {name!r} is inactive; activate it "
+                               f"(`domus dht activate {name}`) before moving its buckets")
+        self._refuse_while_changing(name, "move a bucket of")
+        source = layout.owners(descriptor, role).owner(bucket)
+        answer = {"name": name, "bucket": bucket, "role": role, "from": source, "to": service,
+                  "changed": False, "records": None, "seconds": 0.0, "lagging": {}}
+        if source == service:
+            return answer        # already there: nothing to do
+        moved = layout.move(descriptor, role, bucket, service,
+                            self.state.services[service]["address"])
+        needed = [source, service] if role == "storage" else self._involved(moved)
+        down = [peer for peer in needed if self.service_state(peer) != "up"]
+        if down:
+            raise ControlError("SupervisorError", f"cannot move {role} of bucket {bucket} of "
+                               f"DHT {name!r} from {source} to {service}: service(s) {down} "
+                               f"are not up; start them (`domus status` shows them) and try "
+                               f"again")
+        self._changing[name] = f"having {role} of bucket {bucket} moved to {service}"
+        started = time.monotonic()
+        moving = (self._move_storage(descriptor, moved, bucket, source, service)
+                  if role == "storage" else self._move_routing(descriptor, moved, bucket))
+
+        def done(result: dict[str, Any]) -> dict[str, Any]:
+            seconds = time.monotonic() - started
+            log.info("DHT {name!r}: {role} of bucket {bucket} moved from {source} to "
+                     "{target} in {seconds:.2f}s{records}", name=name, role=role,
+                     bucket=bucket, source=source, target=service, seconds=seconds,
+                     records=f" ({result['records']} records)" if role == "storage" else "")
+            return answer | result | {"changed": True, "seconds": seconds}
+
+        def finished(result: Any) -> Any:
+            self._changing.pop(name, None)
+            return result
+
+        return moving.addCallback(done).addBoth(finished)
+
+    @defer.inlineCallbacks
+    def _move_routing(self, descriptor: dict[str, Any], moved: dict[str, Any],
+                      bucket: int) -> Any:
+        """Every involved service takes ``moved``, or none keeps it."""
+        name = descriptor["name"]
+        before = self._involved(descriptor)
+        involved = self._involved(moved)     # ``before``, and the new service if it was not
+        failed = yield self._push(involved, moved, PUSH_TIMEOUT)
+        if failed:
+            took = [service for service in involved if service not in failed]
+            self._push_back(descriptor, took, before)
+            problems = "; ".join(f"{service}: {error}" for service, error in sorted(failed.items()))
+            raise ControlError("SupervisorError", f"could not move routing of bucket {bucket} "
+                               f"of DHT {name!r}; nothing changed: {problems}")
+        self.state.dhts[name] = moved
+        self.state.save()
+        return {"records": None, "lagging": {}}
+
+    @defer.inlineCallbacks
+    def _move_storage(self, descriptor: dict[str, Any], moved: dict[str, Any], bucket: int,
+                      source: str, target: str) -> Any:
+        """Steps 1 to 4 of domus.service.hosted, "Moving a bucket"."""
+        name, dht_id = descriptor["name"], descriptor["id"]
+        before = self._involved(descriptor)
+        newcomer = target not in before       # hosts nothing of the DHT yet
+        froze = staged = told = False
+        step = ""
+        try:
+            if newcomer:
+                step = f"giving service {target} the DHT"
+                yield self._call(target, "assign", PUSH_TIMEOUT, dht=descriptor)
+            step = f"freezing the bucket on service {source}"
+            froze = True
+            frozen = (yield self._call(source, "freeze_bucket", PUSH_TIMEOUT, id=dht_id,
+                                       bucket=bucket))["records"]
+            offset: int | None = 0
+            first = True
+            staged_count = 0
+            while offset is not None:
+                step = f"exporting records from service {source}"
+                page = yield self._call(source, "export_bucket", STATE_CHANGE_TIMEOUT,
+                                        id=dht_id, bucket=bucket, offset=offset)
+                step = f"staging records on service {target}"
+                staged = True
+                # (The first page, even an empty one, makes the staged copy.)
+                staged_count = (yield self._call(target, "stage_bucket", STATE_CHANGE_TIMEOUT,
+                                                 id=dht_id, bucket=bucket,
+                                                 records=page["records"],
+                                                 first=first))["records"]
+                first = False
+                offset = page["next"]
+            if staged_count != frozen:
+                step = "checking the copy"
+                raise ControlError("SupervisorError", f"service {target} staged "
+                                   f"{staged_count} records of the {frozen} frozen on "
+                                   f"{source}")
+            step = f"giving service {target} the new layout"
+            told = True
+            yield self._call(target, "assign", PUSH_TIMEOUT, dht=moved)
+        except Exception as exc:
+            cause = _describe(exc)
+            problems = yield self._undo_move(descriptor, bucket, source, target,
+                                             froze=froze, staged=staged, told=told,
+                                             newcomer=newcomer)
+            outcome = ("nothing changed: the bucket is served by "
+                       f"{source} as before" if not problems else
+                       f"undoing it failed too ({'; '.join(problems)})")
+            raise ControlError("SupervisorError", f"could not move storage of bucket "
+                               f"{bucket} of DHT {name!r} from {source} to {target}: "
+                               f"{step} failed: {cause}; {outcome}") from None
+        # The target serves the bucket now: the move is done (see above).
+        self.state.dhts[name] = moved
+        self.state.save()
+        lagging = yield self._push([service for service in self._involved(moved)
+                                    if service != target], moved, PUSH_TIMEOUT)
+        for service, error in sorted(lagging.items()):
+            log.warn("DHT {name!r}: service {service} did not take the layout with bucket "
+                     "{bucket} moved to {target}: {error}; it will when it next registers",
+                     name=name, service=service, bucket=bucket, target=target, error=error)
+        return {"records": frozen, "lagging": lagging}
+
+    @defer.inlineCallbacks
+    def _undo_move(self, descriptor: dict[str, Any], bucket: int, source: str, target: str,
+                   *, froze: bool, staged: bool, told: bool, newcomer: bool) -> Any:
+        """Step 4: thaw at the source, and leave the target as it was
+        (without the DHT if it had none of it, else without the staged copy
+        and with the old layout).  Waits for every answer; returns what
+        failed."""
+        dht_id = descriptor["id"]
+        undoing = []
+        if froze:
+            undoing.append((source, "thaw_bucket", {"id": dht_id, "bucket": bucket}))
+        if newcomer:
+            undoing.append((target, "drop", {"id": dht_id}))
+        else:
+            if told:
+                undoing.append((target, "assign", {"dht": descriptor}))
+            if staged or told:
+                undoing.append((target, "discard_bucket", {"id": dht_id, "bucket": bucket}))
+        answers = yield defer.DeferredList(
+            [self._call(service, op, PUSH_TIMEOUT, **params) for service, op, params in undoing],
+            consumeErrors=True)
+        problems = [f"{op} on service {service}: {_error_text(failure)}"
+                    for (service, op, _params), (ok, failure) in zip(undoing, answers) if not ok]
+        for problem in problems:
+            log.error("DHT {name!r}: undoing the move of bucket {bucket}: {problem}",
+                      name=descriptor["name"], bucket=bucket, problem=problem)
+        return problems
+
+    def _call(self, service: str, op: str, timeout: float, **params: Any) -> defer.Deferred:
+        """Control op ``op`` on ``service``, over its link."""
+        link_to = self.links.get(service)
+        if link_to is None or not link_to.connected:
+            return defer.fail(ConnectionError(f"service {service} is not connected"))
+        return link_to.call(op, timeout=timeout, **params)
+
+    def _push(self, services: list[str], descriptor: dict[str, Any],
+              timeout: float) -> defer.Deferred:
+        """Give each of ``services`` the descriptor; fires with service ->
+        error message for those that did not acknowledge it."""
+        pushes = [self._call(service, "assign", timeout, dht=descriptor) for service in services]
+        return defer.DeferredList(pushes, consumeErrors=True).addCallback(
+            lambda answers: {service: _error_text(failure)
+                             for service, (ok, failure) in zip(services, answers) if not ok})
+
+    def _push_back(self, descriptor: dict[str, Any], services: list[str],
+                   before: list[str]) -> None:
+        """Give ``services`` the old descriptor again (or drop the DHT on
+        those it did not involve); failures are logged, and mended when the
+        service next registers."""
+        for service in services:
+            if service in before:
+                undo = self._call(service, "assign", PUSH_TIMEOUT, dht=descriptor)
+            else:
+                undo = self._call(service, "drop", PUSH_TIMEOUT, id=descriptor["id"])
+            undo.addErrback(lambda failure, s=service: log.warn(
+                "service {service} did not undo the change of DHT {name!r}: {error}; it "
+                "will when it next registers", service=s, name=descriptor["name"],
+                error=failure.getErrorMessage()))
 
     # -------------------------------------------------------------- shutdown
     @defer.inlineCallbacks
@@ -531,6 +748,14 @@ class SupervisorService(Service):
 
     def op_ping(self, link: MessageProtocol) -> dict[str, Any]:
         return {"supervisor": self.address, "version": __version__}
+
+
+def _describe(error: BaseException) -> str:
+    return getattr(error, "message", None) or str(error) or type(error).__name__
+
+
+def _error_text(failure: Any) -> str:
+    return _describe(failure.value)
 
 
 __all__ = ["SupervisorService", "SupervisorError"]

@@ -513,11 +513,15 @@ class RequestHandler:
     def sync(self, descriptors: list[dict[str, Any]]) -> None:
         """Make the hosted DHTs exactly those the supervisor lists.  A DHT
         whose change of state fails is logged and left as it was; the
-        others are still synced."""
+        others are still synced.  Bucket moves under way are abandoned
+        (see HostedDht, "Moving a bucket"): the supervisor sends this when
+        the service registers, on a link no move was driven over."""
         wanted = {descriptor["id"] for descriptor in descriptors}
         for dht_id in list(self.dhts):
             if dht_id not in wanted:
                 self.drop(dht_id)
+        for hosted in self.dhts.values():
+            hosted.abandon_moves()
         for descriptor in descriptors:
             try:
                 self.assign(descriptor)

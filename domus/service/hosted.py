@@ -113,7 +113,10 @@ class HostedDht:
         the others."""
         assert self.store is not None
         stored = set(layout.buckets_in(layout.ranges_of(storage, self.service_name)))
-        for bucket in sorted(stored - self.repos.keys()):
+        # A frozen bucket still stored here keeps its repository in
+        # ``frozen`` until the supervisor thaws it: opening it afresh would
+        # serve an empty (or a second) copy of it.
+        for bucket in sorted(stored - self.repos.keys() - self.frozen.keys()):
             staged = self.staged.pop(bucket, None)
             if staged is not None:          # moved here: its records came first
                 self.repos[bucket] = staged
@@ -238,10 +241,7 @@ class HostedDht:
         return saved
 
     def _release(self) -> None:
-        for bucket in list(self.frozen):
-            self.thaw(bucket)
-        for bucket in list(self.staged):
-            self.discard(bucket)
+        self.abandon_moves()
         self.repos.clear()
         if self.store is not None:
             self.store.close()
@@ -259,6 +259,11 @@ class HostedDht:
     #      staged repository and serves it, the source deletes its copy;
     #   4. on any failure before 3, the source thaws the bucket and the target
     #      discards what it staged: nothing changed.
+    # A move is driven over one link to the supervisor.  A service that
+    # registers again (a new link, or a restarted supervisor) is in no move
+    # any more: it thaws and discards what it was left with
+    # (``abandon_moves``), then takes the layout it is sent, so a bucket can
+    # never stay frozen for want of a supervisor to thaw it.
     def freeze(self, bucket: int) -> int:
         """Step 1 (source): stop serving ``bucket``; returns its records."""
         if bucket in self.frozen:
@@ -306,8 +311,17 @@ class HostedDht:
                                f"inactive)")
         if first:
             self.discard(bucket)
-            self.staged[bucket] = self.store.open(bucket)
-        repo = self.staged[bucket]
+            fresh = self.staged[bucket] = self.store.open(bucket)
+            # A disk bucket's file can outlive a move cut short by a crash,
+            # or a bucket moved away while this service was down: a staged
+            # copy starts empty, whatever the medium holds.
+            for key in fresh.key_snapshot():
+                fresh.delete(key)
+        repo = self.staged.get(bucket)
+        if repo is None:
+            raise StorageFault(f"{self.label}: service {self.service_name} has no staged "
+                               f"bucket {bucket} to add records to (the move was abandoned); "
+                               f"start it again")
         for index in range(0, len(records), 2):
             repo.put(records[index], records[index + 1])
         return len(repo)
@@ -316,6 +330,13 @@ class HostedDht:
         """Step 4 (target): drop what was staged for a bucket."""
         if self.staged.pop(bucket, None) is not None and self.store is not None:
             self.store.remove(bucket)
+
+    def abandon_moves(self) -> None:
+        """Step 4 for every move under way here, as source or target."""
+        for bucket in list(self.frozen):
+            self.thaw(bucket)
+        for bucket in list(self.staged):
+            self.discard(bucket)
 
     def storage_service(self, bucket: int) -> str:
         """AS: the service storing a bucket routed here; KeyError if the

@@ -192,6 +192,18 @@ async def job(reactor: Any, supervisor: str) -> dict[str, Any]:
     loaded = await cluster.activate_dht("tx_napping")
     check("activation loads them back", loaded == kept, loaded)
     check("records back after activation", await napping.get(199) == 199)
+    info = await cluster.dht_info("tx_napping")
+    owners = [entry["name"] for entry in info["storage_services"] for _ in range(entry["count"])]
+    target = next(entry["name"] for entry in info["storage_services"]
+                  if entry["name"] != owners[3])
+    moved = await cluster.move_bucket("tx_napping", 3, storage=target)
+    check("move_bucket moves a bucket and its records",
+          moved["changed"] and (moved["from"], moved["to"]) == (owners[3], target)
+          and moved["records"] > 0, moved)
+    check("every record is read after the move",
+          await napping.get_many(range(200)) == {number: number for number in range(200)})
+    await check.fails_with("move_bucket without a service", cluster.move_bucket("tx_napping", 3),
+                           TypeError)
     await cluster.destroy_dht("tx_napping")
     doomed_dht = await cluster.create_dht("tx_doomed", buckets=8)
     await doomed_dht.put("k", 1)

@@ -183,3 +183,90 @@ def test_a_service_refuses_to_move_a_bucket_it_does_not_store(tmp_path):
         services["s1"].dhts[DHT_ID].freeze(6)
     with pytest.raises(StorageFault, match="cannot take bucket 1"):
         services["s1"].dhts[DHT_ID].stage(1, [], True)
+
+
+@pytest.mark.parametrize("platform", ["python-dict", "domus-bsddb-btree"])
+def test_a_frozen_bucket_stays_frozen_through_a_new_descriptor(tmp_path, platform):
+    """Until the supervisor thaws it or moves it away: never opened afresh
+    (an empty copy served, or a second handle on its database)."""
+    services, attributes = two_services(tmp_path, platform)
+    s1 = services["s1"]
+    key = keys_in(3, 1, prefix="f")[0]
+    put(s1, key, b"kept")
+    s1.dhts[DHT_ID].freeze(3)
+    s1.assign(descriptor(**attributes))                  # e.g. another bucket moved
+    assert call(s1, keyed(wire.OP_GET, key))[0] == wire.ST_MOVING
+    s1.dhts[DHT_ID].thaw(3)
+    assert call(s1, keyed(wire.OP_GET, key)) == (wire.ST_OK, b"kept")
+
+
+@pytest.mark.parametrize("platform", ["python-dict", "domus-bsddb-btree"])
+def test_registering_again_abandons_the_moves_under_way(tmp_path, platform):
+    services, attributes = two_services(tmp_path, platform)
+    s1, s2 = services["s1"], services["s2"]
+    keys = keys_in(1, 10, prefix="r")
+    for key in keys:
+        put(s1, key, b"kept")
+    move_records(s1, s2, 1)
+    # Both register again (the supervisor restarted), with the old layout.
+    for handler in (s1, s2):
+        handler.sync([descriptor(**attributes)])
+    assert all(call(s1, keyed(wire.OP_GET, key)) == (wire.ST_OK, b"kept") for key in keys)
+    assert not s1.dhts[DHT_ID].frozen and not s2.dhts[DHT_ID].staged
+    # A move step that comes after is refused, not half applied.
+    with pytest.raises(StorageFault, match="no staged bucket 1"):
+        s2.dhts[DHT_ID].stage(1, [keys[0], b"x"], False)
+    # The same move can start afresh.
+    assert move_records(s1, s2, 1) == 10
+
+
+# ------------------------------------------------------------ layout.move
+def test_a_move_lists_the_bucket_and_a_new_service_with_count_0():
+    plain = descriptor()
+    moved_once = layout.move(plain, "storage", 2, "s3", "127.0.0.1:3")
+    assert plain == descriptor()                              # a copy
+    assert moved_once == moved(storage={2: "s3"})
+    assert [entry["count"] for entry in moved_once["storage_services"]] == [4, 4, 0]
+    assert layout.owners(moved_once, "storage").owner(2) == "s3"
+    assert layout.initial(moved_once, "storage") == layout.initial(plain, "storage")
+    moved_twice = layout.move(moved_once, "storage", 2, "s2", "127.0.0.1:2")
+    assert moved_twice["storage_moves"] == {"2": "s2"}
+    assert moved_twice["storage_services"] == moved_once["storage_services"]
+    routing = layout.move(moved_twice, "routing", 6, "s2", "127.0.0.1:2")
+    assert routing["routing_moves"] == {"6": "s2"} and routing["storage_moves"] == {"2": "s2"}
+    assert routing["routing_services"][-1] == {"name": "s2", "address": "127.0.0.1:2",
+                                               "count": 0}
+
+
+def test_a_bucket_moved_back_is_no_move():
+    there = layout.move(moved(storage={2: "s3", 5: "s1"}), "storage", 2, "s1", "127.0.0.1:1")
+    assert there["storage_moves"] == {"5": "s1"}
+    back = layout.move(there, "storage", 5, "s2", "127.0.0.1:2")
+    assert "storage_moves" not in back
+    # The service it went to stays listed (it hosts the DHT, with nothing).
+    assert [entry["name"] for entry in back["storage_services"]] == ["s1", "s2", "s3"]
+    assert layout.owners(back, "storage") == layout.initial(back, "storage")
+
+
+def test_a_move_outside_the_layout_is_refused():
+    with pytest.raises(ValueError, match="bucket 8 is not in"):
+        layout.move(descriptor(), "storage", 8, "s2", "127.0.0.1:2")
+    with pytest.raises(ValueError, match="role must be one of"):
+        layout.move(descriptor(), "both", 1, "s2", "127.0.0.1:2")
+
+
+def test_a_staged_copy_starts_empty_whatever_was_left_on_disk(tmp_path):
+    """s2 stored bucket 1 once and was down when it moved away: its file
+    stayed.  Moving the bucket to s2 again copies exactly s1's records."""
+    services, attributes = two_services(tmp_path, "domus-bsddb-btree")
+    s1, s2 = services["s1"], services["s2"]
+    s2.assign(descriptor(storage_moves={"1": "s2"}, **attributes))
+    for key in keys_in(1, 7, prefix="stale"):
+        put(s2, key, b"stale")
+    s2.close()
+    s2 = RequestHandler("s2", data_dir=str(tmp_path / "s2"))
+    s2.sync([descriptor(**attributes)])                 # bucket 1 is s1's
+    keys = keys_in(1, 10, prefix="c")
+    for key in keys:
+        put(s1, key, b"kept")
+    assert move_records(s1, s2, 1) == 10
