@@ -13,6 +13,7 @@ import pytest
 
 import domus
 from domus.cli import format_status
+from domus.keys import encode_key
 from domus.routing import make_graph
 
 from .test_workload import SEED, Workload
@@ -121,3 +122,94 @@ def test_open_dht_refuses_a_bad_strategy_or_cache(cluster):
             cluster.open_dht("strict", **bad)
         assert str(next(iter(bad.values()))) in str(raised.value)
 
+
+
+# ------------------------------------------------------------ after moves
+def test_after_moves_every_strategy_is_right_and_dcr_drops_direct(cluster):
+    """Move storage and routing of several buckets by hand; then every
+    strategy, on handles opened before and after, reads back every record,
+    and D,C,R stops using direct once its misses pass the cut-off."""
+    cluster.create_dht("moved", buckets=64)
+    writer = cluster.open_dht("moved")
+    records = {key: f"v{key}" for key in range(2_000)}
+    writer.put_many(records)
+    before = {strategy: cluster.open_dht("moved", lookup=strategy, cache=0.5)
+              for strategy in STRATEGIES}
+    for handle in before.values():              # warm: caches fill with the old layout
+        assert handle.get_many(list(records)[:300]) == {k: records[k] for k in range(300)}
+    owners = {entry["name"]: entry["count"] for entry in writer.descriptor["storage_services"]}
+    assert sorted(owners) == ["s1", "s2", "s3"]
+    # Buckets 0..9 belong to s1 by the placement: move their storage to s2
+    # and s3 and the routing of a few of them, so lookups and D both miss.
+    for bucket in range(10):
+        cluster.move_bucket("moved", bucket, storage="s2" if bucket % 2 else "s3")
+    for bucket in (0, 3, 40):
+        cluster.move_bucket("moved", bucket, routing="s3" if bucket != 3 else "s1")
+    after = {strategy: cluster.open_dht("moved", lookup=strategy, cache=0.5, direct_cutoff=4)
+             for strategy in STRATEGIES}
+    for handles in (before, after):
+        for strategy, handle in handles.items():
+            for key, value in records.items():
+                assert handle[key] == value, (strategy, key)
+            assert handle.get_many(list(records)) == records, strategy
+    for number, (strategy, handle) in enumerate([*before.items(), *after.items()]):
+        handle.put_many({key: f"{value}!{number}" for key, value in records.items()
+                         if key % 50 == number})
+        handle[number + 5_000] = strategy
+    expected = {key: f"{value}!{key % 50}" if key % 50 < 8 else value
+                for key, value in records.items()}
+    expected.update({number + 5_000: strategy for number, strategy
+                     in enumerate([*before, *after])})
+    assert writer.get_many(list(expected)) == expected
+    assert len(writer) == len(expected)
+    fresh = after["D,C,R"].stats()
+    assert fresh["in_use"] == "C,R" and fresh["direct_misses"] == 4, fresh
+    assert fresh["lookups"]["D"]["misses"] == 4 and fresh["lookups"]["D"]["fallbacks"] >= 4
+    assert fresh["lookups"]["C"]["lookups"] > 0
+    # Direct alone keeps working, through the services' redirects.
+    direct = after["D"].stats()
+    assert direct["in_use"] == "D" and direct["redirects"] > 0, direct
+    # The stale cached entries were corrected, never trusted twice.
+    cached = before["C,R"].stats()["lookups"]["C"]
+    assert cached["misses"] > 0, cached
+
+
+def test_writes_during_a_storage_move_are_all_kept(deployment, cluster):
+    """A writer keeps putting into a bucket while its storage moves (the
+    source answers MOVING meanwhile, the client waits and retries): every
+    acknowledged write is there afterwards, on the new owner."""
+    import threading
+
+    cluster.create_dht("busy", buckets=8, storage_services=["s1", "s2"])
+    dht = cluster.open_dht("busy", lookup="D,C,R")
+    bucket = 0
+    base = {key: "x" * 200 for key in range(20_000) if dht._bucket(encode_key(key)) == bucket}
+    dht.put_many(base)
+    acknowledged: dict[int, int] = {}
+    stop = threading.Event()
+
+    def write() -> None:
+        with domus.connect(deployment.supervisor_address) as own:
+            handle = own.open_dht("busy", lookup="D,C,R")
+            number = 0
+            while not stop.is_set():
+                key = list(base)[number % len(base)]
+                handle[key] = number
+                acknowledged[key] = number
+                number += 1
+            acknowledged["stats"] = handle.stats()   # type: ignore[index]
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    time.sleep(0.2)
+    answer = cluster.move_bucket("busy", bucket, storage="s2")
+    time.sleep(0.2)
+    stop.set()
+    writer.join(30)
+    stats = acknowledged.pop("stats")    # type: ignore[call-overload]
+    assert answer["changed"] and answer["records"] == len(base)
+    assert len(acknowledged) > 10, acknowledged
+    for key, number in acknowledged.items():
+        assert dht[key] == number
+    assert dht.records_by_service()["s2"] >= len(base)
+    assert stats["redirects"] + stats["lookups"]["C"]["lookups"] + stats["refreshes"] > 0, stats

@@ -413,3 +413,39 @@ def test_connect_gives_up_at_the_timeout(reactor) -> None:
     reactor.advance(0.1)
     assert isinstance(result[0].value, SupervisorUnreachable)
     assert "within 3.0s" in str(result[0].value)
+
+
+def test_a_moving_bucket_is_asked_again_after_a_pause(reactor, cluster) -> None:
+    """MOVING applied nothing: the put goes again (a new request id) after
+    a short pause, and again, until the bucket answers."""
+    cluster, transport = cluster
+    dht = TxDht(cluster, descriptor([8]))
+    created = outcome(dht.put("k", 1))
+    for tries in range(1, 4):
+        message, address = transport.sent[-1]
+        cluster.requests.datagramReceived(reply_to(message, wire.ST_MOVING, b"moving"), address)
+        assert created == [] and len(transport.sent) == tries      # pausing, not sending
+        reactor.advance(0.5)
+        assert len(transport.sent) == tries + 1
+        assert transport.sent[-1][0][4:8] != message[4:8]
+    cluster.requests.datagramReceived(reply_to(transport.sent[-1][0], wire.ST_OK, b"\x01"), S1)
+    assert created == [True]
+    stats = dht.stats()
+    assert stats["moving_waits"] == 3 and stats["lookups"]["D"]["hits"] == 1
+
+
+def test_a_redirect_is_followed_when_the_strategy_has_nothing_else(reactor, cluster) -> None:
+    cluster, transport = cluster
+    dht = TxDht(cluster, descriptor([8, 0]))
+    got = outcome(dht.get("k"))
+    message, address = transport.sent[0]
+    assert address == S1
+    redirect = wire.not_owner_reply(message[4:8], "s2", "127.0.0.1:7702", "moved to s2")
+    cluster.requests.datagramReceived(redirect, address)
+    message, address = transport.sent[1]
+    assert address == S2
+    cluster.requests.datagramReceived(reply_to(message, wire.ST_OK, b"\xa1v"), address)
+    assert got == ["v"]
+    stats = dht.stats()
+    assert stats["redirects"] == 1 and stats["refreshes"] == 0
+    assert stats["lookups"]["D"]["misses"] == 1 and stats["direct_misses"] == 1
