@@ -1,16 +1,19 @@
 """put1 throughput of each lookup strategy, relative to direct (D).
 
     python -m benchmarks.strategies [--services 4] [--buckets 1024]
-        [--clients 2] [--seconds 5] [--routing chord] [--json FILE]
+        [--clients 2] [--seconds 3] [--rounds 3] [--routing chord] [--json FILE]
 
 A local deployment of S services (routing and storage on all of them) and
 one DHT of B buckets.  For each point (a strategy and a cache size), K
 client processes open the DHT with that strategy, warm up for a second
 (filling the cache as a long-running job's would be), then issue single
 put1 requests (random 64-bit int key and value, one request per round trip)
-for T seconds.  Prints each point's throughput, its ratio to D, and what
-the lookups cost: the share of requests the cache answered and the mean
-messages per request (1 = straight to the storage service).
+for T seconds.  The points are measured in turn, R rounds over (so that a
+machine whose speed drifts, such as a shared VM, slows every point alike),
+and each point's median round is kept.  Prints each point's throughput,
+its ratio to D, and what the lookups cost: the share of requests the cache
+answered and the mean messages per request (1 = straight to the storage
+service).
 
 The issue's target: C,R with a 50% cache reaches at least 50% of D.
 """
@@ -60,26 +63,31 @@ def _costs(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
     return {"requests": served, "cache_hits": cached, "messages": messages}
 
 
-def measure(services: int, buckets: int, clients: int, seconds: float,
+def measure(services: int, buckets: int, clients: int, seconds: float, rounds: int,
             routing: str) -> list[dict[str, Any]]:
     import domus
 
     data_dir = tempfile.mkdtemp(prefix="domus-bench-")
-    points = []
+    runs: list[list[tuple[float, dict[str, float]]]] = [[] for _ in POINTS]
     try:
         with LocalDeployment(services, port=free_port_block(services + 1),
                              data_dir=data_dir) as deployment:
             with domus.connect(deployment.supervisor_address) as cluster:
                 cluster.create_dht(DHT, buckets=buckets, routing=routing)
-            for strategy, cache in POINTS:
-                rate, costs = _run(deployment.supervisor_address, strategy, cache, clients,
-                                   seconds)
-                points.append({"strategy": strategy, "cache": cache, "ops_per_s": rate,
-                               **costs})
-                print(f"  {strategy:<6} cache {cache if cache else '-':<5} {rate:>10,.0f} ops/s",
-                      flush=True)
+            for round_ in range(1, rounds + 1):
+                for index, (strategy, cache) in enumerate(POINTS):
+                    rate, costs = _run(deployment.supervisor_address, strategy, cache,
+                                       clients, seconds)
+                    runs[index].append((rate, costs))
+                    print(f"  round {round_}: {strategy:<6} cache {cache or '-':<5} "
+                          f"{rate:>10,.0f} ops/s", flush=True)
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
+    points = []
+    for (strategy, cache), measured in zip(POINTS, runs):
+        rate, costs = sorted(measured, key=lambda run: run[0])[len(measured) // 2]
+        points.append({"strategy": strategy, "cache": cache, "ops_per_s": rate,
+                       "rounds": [run[0] for run in measured], **costs})
     return points
 
 
@@ -105,15 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--services", type=int, default=4)
     parser.add_argument("--buckets", type=int, default=1024)
     parser.add_argument("--clients", type=int, default=2)
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=3.0, help="per point and round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--routing", default="chord", choices=["chord", "bruijn"])
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
 
     print(f"put1 by lookup strategy: {args.services} services, {args.buckets} buckets, "
-          f"{args.routing}, {args.clients} clients, {args.seconds:.0f} s per point, "
-          f"{os.cpu_count()} cores", flush=True)
-    points = measure(args.services, args.buckets, args.clients, args.seconds, args.routing)
+          f"{args.routing}, {args.clients} clients, {args.seconds:.0f} s per point x "
+          f"{args.rounds} rounds, {os.cpu_count()} cores", flush=True)
+    points = measure(args.services, args.buckets, args.clients, args.seconds, args.rounds,
+                     args.routing)
     direct = points[0]["ops_per_s"]
     print(f"{'strategy':<8} {'cache':>5} {'ops/s':>10} {'vs D':>6} {'cache hits':>10} "
           f"{'msgs/req':>8}")
@@ -130,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w", encoding="utf-8") as out:
             json.dump({"services": args.services, "buckets": args.buckets,
                        "clients": args.clients, "seconds": args.seconds,
+                       "rounds": args.rounds,
                        "routing": args.routing, "points": points}, out, indent=1)
     return 0
 

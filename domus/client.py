@@ -233,7 +233,13 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         message, bucket = _keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                  self._shift, key, value)
         first = None
+        skip = 0
         channel = self._first_channel(bucket)
+        if channel is None:
+            walk = self._first_walk(bucket)
+            if walk is not None:
+                channel = self._first_walked(self._drive(walk))
+                skip = channel is None
         if channel is not None:
             try:
                 reply = channel.request(message, self.name, bucket)
@@ -248,12 +254,15 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 if status != _NOT_OWNER and status != _MOVING:
                     raise self._error(reply, channel, bucket)
                 first = (channel, reply)
+        unsent = [message] if channel is None else []
 
         def encode() -> bytes:
+            if unsent:              # (the message made above, never sent)
+                return unsent.pop()
             return _keyed(op, ids.next(), ids.client_id, self.id, self._hasher, self._shift,
                           key, value)[0]
 
-        return self._drive(self._course(encode, bucket, first))
+        return self._drive(self._course(encode, bucket, first, skip=skip))
 
     def _drive(self, course: Generator[tuple[Any, ...], Any, Any]) -> Any:
         """Run a course (domus.lookup) to its end with blocking I/O."""

@@ -145,6 +145,7 @@ class DirectLookup(Generic[Channel]):
         self._cache: OrderedDict[int, tuple[Channel, Channel]] = OrderedDict()
         self._random = random.Random()
         self._caching = "C" in self.strategy
+        self._first_hops = 0          # what the fast path's channel cost to find
         self._named: dict[bytes, Channel] = {}    # service reference -> channel
         self.last_lookup_failure: str | None = None
         self._load(descriptor)
@@ -230,6 +231,7 @@ class DirectLookup(Generic[Channel]):
         """The storage channel of ``bucket`` by the first method in use, when
         it can say without asking anyone (its ``lookups`` counted)."""
         fast = self._fast
+        self._first_hops = 0
         if fast == "D":
             self._method_stats["D"].lookups += 1
             return self._direct[bucket]
@@ -241,31 +243,66 @@ class DirectLookup(Generic[Channel]):
                 return entry[1]
         return None
 
+    def _first_walk(self, bucket: int
+                    ) -> Generator[tuple[Any, ...], Any, tuple[Channel, int] | None] | None:
+        """When the first method is C and ``bucket`` is not cached: its
+        distributed lookup from the nearest cached entry, for the client to
+        drive at once (the common miss, kept off the course's longer way);
+        its lookup and miss are counted.  None with an empty cache."""
+        if self._fast != "C":
+            return None
+        start = self._nearest_cached(bucket)
+        if start is None:
+            return None
+        stats = self._method_stats["C"]
+        stats.lookups += 1
+        stats.misses += 1
+        return self._walk(start[0], start[1], bucket, stats)
+
+    def _first_walked(self, found: tuple[Channel, int] | None) -> Channel | None:
+        """Take the result of a ``_first_walk``: the storage channel, or
+        None when the lookup failed (C then falls back: the course starts
+        at the next method)."""
+        if found is None:
+            if len(self._methods) > 1:
+                self._method_stats["C"].fallbacks += 1
+            return None
+        self._first_hops = found[1]
+        return found[0]
+
     def _first_hit(self) -> None:
         stats = self._method_stats[self._fast]  # type: ignore[index]
-        stats.hits += 1
-        stats.resolved(1)
+        hops = self._first_hops
+        if hops:
+            stats.walks += 1
+        else:
+            stats.hits += 1
+        stats.resolved(hops + 1)
 
     # ------------------------------------------------------------ a request's course
     def _course(self, encode: Callable[[], bytes], bucket: int,
                 first: tuple[Channel, bytes] | None = None,
-                mark: int | None = None) -> Course:
+                mark: int | None = None, skip: int = 0) -> Course:
         """The course of one keyed request for ``bucket``: ``encode()`` makes
         the message (a new request id each time).  ``first``: the fast
         path's (channel, reply) when that was not an answer (NOT_OWNER or
         MOVING), which the first method takes as its own; ``mark``: the
-        layout it was sent with (see REFRESH).  Returns the reply that
-        answers the request; raises the error of one that fails."""
+        layout it was sent with (see REFRESH); ``skip``: methods the fast
+        path has tried already.  Returns the reply that answers the
+        request; raises the error of one that fails."""
         if mark is None:
             mark = self._layout_mark()
         redirect: tuple[str, str] | None = None
         methods = self._methods
         for index, method in enumerate(methods):
+            if index < skip:
+                continue
             stats = self._method_stats[method]
             hops = 0
             given = None
             if first is not None and index == 0 and method == self._fast:
                 channel, given = first      # (its lookup already counted)
+                hops = self._first_hops
             else:
                 stats.lookups += 1
                 found = yield from self._locate(method, bucket, stats)

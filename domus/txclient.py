@@ -711,8 +711,14 @@ class TxDht(DirectLookup[TxChannel]):
         message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                       self._shift, key, value)
         first = None
+        skip = 0
         mark = self._fetches
         channel = self._first_channel(bucket)
+        if channel is None:
+            walk = self._first_walk(bucket)
+            if walk is not None:
+                channel = self._first_walked(await self._drive(walk))
+                skip = channel is None
         if channel is not None:
             try:
                 reply = await channel.request(message, self.name, bucket)
@@ -727,12 +733,15 @@ class TxDht(DirectLookup[TxChannel]):
                 if status != wire.ST_NOT_OWNER and status != wire.ST_MOVING:
                     raise reply_error(self.name, reply, channel, bucket)
                 first = (channel, reply)
+        unsent = [message] if channel is None else []
 
         def encode() -> bytes:
+            if unsent:              # (the message made above, never sent)
+                return unsent.pop()
             return codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                self._shift, key, value)[0]
 
-        return await self._drive(self._course(encode, bucket, first, mark))
+        return await self._drive(self._course(encode, bucket, first, mark, skip))
 
     async def _drive(self, course: Any) -> Any:
         """Run a course (domus.lookup) to its end, without blocking."""
