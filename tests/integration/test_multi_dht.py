@@ -96,10 +96,14 @@ def test_records_land_only_on_the_storage_set(cluster):
     addresses = service_addresses(cluster)
     stats = {name: service_stats(address) for name, address in addresses.items()}
     assert records_held(stats["s1"], "alpha") == 0
+    # (Direct lookups only: no LOOKUP reached any service.)
+    unasked = {"found": 0, "forwarded": 0}
     assert stats["s1"]["dhts"]["alpha"] == {"records": 0, "active": True,
-                                            "storage_buckets": 0, "routing_buckets": 64}
+                                            "storage_buckets": 0, "routing_buckets": 64,
+                                            "lookups": unasked}
     assert stats["s1"]["dhts"]["beta"] == {"records": 300, "active": True,
-                                           "storage_buckets": 32, "routing_buckets": 0}
+                                           "storage_buckets": 32, "routing_buckets": 0,
+                                           "lookups": unasked}
     for name in ("s2", "s3"):
         assert records_held(stats[name], "beta") == 0
         assert stats[name]["dhts"]["beta"]["storage_buckets"] == 0
