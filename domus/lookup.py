@@ -97,9 +97,14 @@ class MethodStats:
         self.lookups = self.hits = self.misses = self.fallbacks = 0
         self.walks = self.hops = self.max_hops = 0
 
-    def resolved(self, hops: int) -> None:
-        """A request this method found the storage service for, in ``hops``
-        messages (the lookup hops, plus the request itself)."""
+    def resolved(self, lookups: int) -> None:
+        """A request this method found the storage service for, after
+        ``lookups`` LOOKUP messages (0: a hit, no distributed lookup)."""
+        if lookups:
+            self.walks += 1
+        else:
+            self.hits += 1
+        hops = lookups + 1          # messages, the request itself included
         self.hops += hops
         if hops > self.max_hops:
             self.max_hops = hops
@@ -271,13 +276,7 @@ class DirectLookup(Generic[Channel]):
         return found[0]
 
     def _first_hit(self) -> None:
-        stats = self._method_stats[self._fast]  # type: ignore[index]
-        hops = self._first_hops
-        if hops:
-            stats.walks += 1
-        else:
-            stats.hits += 1
-        stats.resolved(hops + 1)
+        self._method_stats[self._fast].resolved(self._first_hops)  # type: ignore[index]
 
     # ------------------------------------------------------------ a request's course
     def _course(self, encode: Callable[[], bytes], bucket: int,
@@ -313,11 +312,7 @@ class DirectLookup(Generic[Channel]):
                 channel, hops = found
             reply = yield from self._send(channel, encode, bucket, given)
             if reply[2] != wire.ST_NOT_OWNER:
-                if hops:
-                    stats.walks += 1
-                else:
-                    stats.hits += 1
-                stats.resolved(hops + 1)
+                stats.resolved(hops)
                 return reply
             # A miss: this method's answer is out of date.
             stats.misses += 1
@@ -352,11 +347,7 @@ class DirectLookup(Generic[Channel]):
             found = yield from self._locate(method, bucket, stats)
             if found is not None:
                 channel, hops = found
-                if hops:
-                    stats.walks += 1
-                else:
-                    stats.hits += 1
-                stats.resolved(hops + 1)
+                stats.resolved(hops)
                 return channel
             if index + 1 < len(methods):
                 stats.fallbacks += 1
@@ -493,7 +484,7 @@ class DirectLookup(Generic[Channel]):
         stats = self._method_stats["D"]
         stats.lookups += keys
         stats.hits += keys
-        stats.hops += keys
+        stats.hops += keys          # (as ``keys`` calls of resolved(0))
         stats.max_hops = max(stats.max_hops, 1)
 
     def _put_round(self, requests: list[tuple[Channel, bytes]], replies: list[bytes],
