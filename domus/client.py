@@ -62,7 +62,6 @@ _CONTAINS = wire.OP_CONTAINS
 _OK = wire.ST_OK
 _NOT_FOUND = wire.ST_NOT_FOUND
 _NOT_OWNER = wire.ST_NOT_OWNER
-_MOVING = wire.ST_MOVING
 _MAX_VALUE_BYTES = wire.MAX_VALUE_BYTES
 _HEADER = wire.REPLY_HEADER_SIZE
 _keyed = codec.keyed
@@ -247,21 +246,10 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 if not self._owner_moved(bucket, channel):
                     raise
             else:
-                status = reply[2]
-                if status <= _NOT_FOUND:
-                    self._first_hit()
+                if self._first_answer(channel, reply, bucket):
                     return reply
-                if status != _NOT_OWNER and status != _MOVING:
-                    raise self._error(reply, channel, bucket)
                 first = (channel, reply)
-        unsent = [message] if channel is None else []
-
-        def encode() -> bytes:
-            if unsent:              # (the message made above, never sent)
-                return unsent.pop()
-            return _keyed(op, ids.next(), ids.client_id, self.id, self._hasher, self._shift,
-                          key, value)[0]
-
+        encode = self._encoder(op, key, value, message if channel is None else None)
         return self._drive(self._course(encode, bucket, first, skip=skip))
 
     def _drive(self, course: Generator[tuple[Any, ...], Any, Any]) -> Any:
@@ -371,21 +359,11 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         """bucket -> storage channel for a batch of encoded keys, by the
         lookup strategy: the direct table as it is, else cached entries and
         distributed lookups (side by side) for the buckets not cached."""
-        if self._fast == "D":
-            self._count_direct_batch(len(keys))
-            return self._direct
-        owners: dict[int, Any] = {}
-        courses = {}
-        for bucket in {self._bucket(key) for key in keys}:
-            channel = self._first_channel(bucket)
-            if channel is not None:
-                self._first_hit()
-                owners[bucket] = channel
-            else:
-                courses[bucket] = self._locating(bucket)
-        for bucket, channel in self._drive_all(courses).items():
-            owners[bucket] = channel if channel is not None else self._owners[bucket]
-        return owners
+        owners, missing = self._batch_plan(keys)
+        if not missing:
+            return owners
+        found = self._drive_all({bucket: self._locating(bucket) for bucket in missing})
+        return self._batch_found(owners, missing, [found[bucket] for bucket in missing])
 
     def _before_next_round(self, moved: int, moving: bool, rounds: dict[str, Any]) -> None:
         for step in self._batch_retry(moved, moving, rounds):

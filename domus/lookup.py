@@ -275,6 +275,33 @@ class DirectLookup(Generic[Channel]):
         self._first_hops = found[1]
         return found[0]
 
+    def _first_answer(self, channel: Channel, reply: bytes, bucket: int) -> bool:
+        """Whether the fast path's reply answers the request (then counted
+        as the first method's); False for NOT_OWNER and MOVING, which the
+        course takes on; raises the error of any other reply."""
+        status = reply[2]
+        if status <= wire.ST_NOT_FOUND:
+            self._first_hit()
+            return True
+        if status != wire.ST_NOT_OWNER and status != wire.ST_MOVING:
+            raise self._error(reply, channel, bucket)
+        return False
+
+    def _encoder(self, op: int, key: Any, value: bytes | None,
+                 unsent: bytes | None) -> Callable[[], bytes]:
+        """``encode`` for a course: ``unsent`` (the fast path's message, if
+        it was never sent) first, then the request again with a new id."""
+        ids = self.cluster.ids
+        pending = [unsent] if unsent is not None else []
+
+        def encode() -> bytes:
+            if pending:
+                return pending.pop()
+            return codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
+                               self._shift, key, value)[0]
+
+        return encode
+
     def _first_hit(self) -> None:
         self._method_stats[self._fast].resolved(self._first_hops)  # type: ignore[index]
 
@@ -480,12 +507,35 @@ class DirectLookup(Generic[Channel]):
     # client: the direct table, else cached entries and ``_locating``
     # courses side by side), sends, then sends again what came back
     # NOT_OWNER (after fetching the layout) or MOVING (after a pause).
-    def _count_direct_batch(self, keys: int) -> None:
-        stats = self._method_stats["D"]
-        stats.lookups += keys
-        stats.hits += keys
-        stats.hops += keys          # (as ``keys`` calls of resolved(0))
-        stats.max_hops = max(stats.max_hops, 1)
+    def _batch_plan(self, keys: list[bytes]) -> tuple[Any, list[int]]:
+        """The owners a batch's buckets have without asking anyone (the
+        direct table as it is, or cached entries; bucket -> channel), and
+        the buckets still to look up (with ``_locating`` courses)."""
+        if self._fast == "D":
+            stats = self._method_stats["D"]
+            stats.lookups += len(keys)
+            stats.hits += len(keys)
+            stats.hops += len(keys)         # (as len(keys) calls of resolved(0))
+            stats.max_hops = max(stats.max_hops, 1)
+            return self._direct, []
+        owners: dict[int, Any] = {}
+        missing = []
+        for bucket in {self._bucket(key) for key in keys}:
+            channel = self._first_channel(bucket)
+            if channel is not None:
+                self._first_hit()
+                owners[bucket] = channel
+            else:
+                missing.append(bucket)
+        return owners, missing
+
+    def _batch_found(self, owners: dict[int, Any], missing: list[int],
+                     found: list[Channel | None]) -> dict[int, Any]:
+        """``owners`` with what the lookups of ``missing`` found; the
+        supervisor's layout where they found nothing."""
+        for bucket, channel in zip(missing, found):
+            owners[bucket] = channel if channel is not None else self._owners[bucket]
+        return owners
 
     def _put_round(self, requests: list[tuple[Channel, bytes]], replies: list[bytes],
                    ) -> tuple[int, list[bytes], list[bytes], int, bool]:

@@ -726,21 +726,10 @@ class TxDht(DirectLookup[TxChannel]):
                 if not await self._owner_moved(mark, bucket, channel):
                     raise
             else:
-                status = reply[2]
-                if status <= wire.ST_NOT_FOUND:
-                    self._first_hit()
+                if self._first_answer(channel, reply, bucket):
                     return reply
-                if status != wire.ST_NOT_OWNER and status != wire.ST_MOVING:
-                    raise reply_error(self.name, reply, channel, bucket)
                 first = (channel, reply)
-        unsent = [message] if channel is None else []
-
-        def encode() -> bytes:
-            if unsent:              # (the message made above, never sent)
-                return unsent.pop()
-            return codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
-                               self._shift, key, value)[0]
-
+        encode = self._encoder(op, key, value, message if channel is None else None)
         return await self._drive(self._course(encode, bucket, first, mark, skip))
 
     async def _drive(self, course: Any) -> Any:
@@ -832,23 +821,12 @@ class TxDht(DirectLookup[TxChannel]):
     async def _batch_owners(self, keys: list[bytes]) -> Any:
         """As the synchronous client's: the owners of a batch's buckets by
         the lookup strategy, distributed lookups all under way at once."""
-        if self._fast == "D":
-            self._count_direct_batch(len(keys))
-            return self._direct
-        owners: dict[int, Any] = {}
-        missing = []
-        for bucket in {self._bucket(key) for key in keys}:
-            channel = self._first_channel(bucket)
-            if channel is not None:
-                self._first_hit()
-                owners[bucket] = channel
-            else:
-                missing.append(bucket)
+        owners, missing = self._batch_plan(keys)
+        if not missing:
+            return owners
         found = await _gather([defer.Deferred.fromCoroutine(self._drive(self._locating(bucket)))
                                for bucket in missing])
-        for bucket, channel in zip(missing, found):
-            owners[bucket] = channel if channel is not None else self._owners[bucket]
-        return owners
+        return self._batch_found(owners, missing, found)
 
     async def _before_next_round(self, moved: int, moving: bool,
                                  rounds: dict[str, Any]) -> None:
