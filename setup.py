@@ -7,7 +7,7 @@ Sanitizer (``make check-c``)."""
 
 import os
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 SANITIZE = os.environ.get("DOMUS_SANITIZE") == "1"
 COMPILE_ARGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
@@ -36,7 +36,7 @@ setup(
     version="0.1.0",
     description="Distributed hash tables for cluster jobs",
     python_requires=">=3.11",
-    packages=["domus", "domus.service", "domus.storage", "domus.supervisor"],
+    packages=find_packages(include=["domus", "domus.*"]) + ["domus.supervisor"],
     package_dir={"domus": "domus", "domus.supervisor": "supervisor"},
     ext_modules=EXTENSIONS,
     install_requires=[
@@ -50,5 +50,5 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "redis>=5",
                  "hiredis>=2", "ruff>=0.4", "sortedcontainers>=2.4", "matplotlib>=3.7"],
     },
-    entry_points={"console_scripts": ["domus = domus.cli:main"]},
+    entry_points={"console_scripts": ["domus = domus.ops.cli:main"]},
 )

@@ -20,7 +20,7 @@ import time
 import psutil
 
 import domus
-from domus.deploy import LocalDeployment, free_port_block
+from domus.ops.deploy import LocalDeployment, free_port_block
 from domus.storage import PLATFORMS
 
 BATCH = 5000

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import domus
-from domus.deploy import LocalDeployment, free_port_block
+from domus.ops.deploy import LocalDeployment, free_port_block
 
 
 def best_rate(operation: Callable[[], Any], count: int, repeat: int) -> float:

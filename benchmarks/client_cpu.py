@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 import domus
-from domus import codec
-from domus.deploy import LocalDeployment, free_port_block
+from domus.client import codec
+from domus.ops.deploy import LocalDeployment, free_port_block
 
 
 def measure(operation: Callable[[], Any], count: int, repeat: int) -> tuple[float, ...]:

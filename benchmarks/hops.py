@@ -4,7 +4,7 @@
                               [--seed 2024] [--png FILE] [--json FILE]
 
 For every bucket count B = 256, 512, ..., 65,536, the buckets are shared out
-among ``--services`` services as contiguous ranges (domus.assignment, equal
+among ``--services`` services as contiguous ranges (domus.placement.assignment, equal
 weights); with ``--moved F``, a fraction F of the buckets are then moved, one
 at a time, to random services, so services route scattered ranges.  The same
 ``--samples`` random (start bucket, target bucket) pairs (fixed seed) are
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from domus.assignment import proportional_counts
-from domus.bucketmap import BucketMap
+from domus.placement.assignment import proportional_counts
+from domus.placement.bucketmap import BucketMap
 from domus.routing import BruijnGraph, ChordGraph, RoutingGraph, local_ranges
 
 BUCKET_COUNTS = [1 << bits for bits in range(8, 17)]

@@ -39,11 +39,11 @@ from typing import Any
 import psutil
 
 from benchmarks.put1 import INT64, _run_clients
-from domus import address as addresses
-from domus import protocol as wire
-from domus.deploy import LocalDeployment, free_port_block
+from domus.ops.deploy import LocalDeployment, free_port_block
 from domus.service.hosted import dht_home
 from domus.storage import PLATFORMS
+from domus.wire import address as addresses
+from domus.wire import protocol as wire
 
 TECHNOLOGIES = [(platform, medium) for platform in
                 ("python-dict", "domus-rbt", "domus-bsddb-btree", "domus-bsddb-hash")

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from domus.deploy import LocalDeployment, free_port_block
+from domus.ops.deploy import LocalDeployment, free_port_block
 
 INT64 = 1 << 63
 

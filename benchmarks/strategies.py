@@ -28,7 +28,7 @@ import tempfile
 from typing import Any
 
 from benchmarks.put1 import _run_clients, _timed_loop
-from domus.deploy import LocalDeployment, free_port_block
+from domus.ops.deploy import LocalDeployment, free_port_block
 
 POINTS = [("D", None), ("D,C,R", 0.5), ("C,R", 0.5), ("C,R", 0.25), ("R", None)]
 DHT = "strategies"

@@ -1,7 +1,7 @@
 /* domus._codec: the client's per-request work in C.
  *
  * Every function here has a pure-Python reference of the same name in
- * domus/codec.py and produces byte-identical messages, identical buckets
+ * domus/client/codec.py and produces byte-identical messages, identical buckets
  * and the same exceptions (domus.errors.KeyTypeError, KeyTooLarge,
  * ProtocolError) with the same messages; tests/unit/test_codec.py runs both
  * on random inputs.  docs/protocol.md is the wire format.
@@ -26,7 +26,7 @@
 #include <xxhash.h>
 
 /* ------------------------------------------------------------ the protocol
- * These mirror domus/protocol.py and domus/keys.py. */
+ * These mirror domus/wire/protocol.py and domus/wire/keys.py. */
 
 #define REQUEST_MAGIC 0xD0
 #define VERSION 1
@@ -48,7 +48,7 @@
 #define MAX_BATCH 0xFFFF
 #define MISSING 0xFFFFFFFFu
 
-/* Key tags, in the order their keys sort (domus/keys.py says how). */
+/* Key tags, in the order their keys sort (domus/wire/keys.py says how). */
 #define TAG_NEGBIG 0x00         /* int < -2**63: u16 0xFFFF - L, NOT of the magnitude */
 #define TAG_INT64 0x01          /* int in [-2**63, 2**63): key + 2**63, u64 */
 #define TAG_POSBIG 0x02         /* int >= 2**63: u16 L, the L-byte magnitude */
@@ -71,8 +71,8 @@ typedef struct {
     PyObject *ProtocolError;
     PyObject *KeyTypeError;
     PyObject *KeyTooLarge;
-    PyObject *pack_value;     /* domus.values.pack_value: msgpack, for the rest */
-    PyObject *unpack_value;   /* domus.values.unpack_value */
+    PyObject *pack_value;     /* domus.wire.values.pack_value: msgpack, for the rest */
+    PyObject *unpack_value;   /* domus.wire.values.unpack_value */
 } codec_state;
 
 static inline codec_state *
@@ -278,7 +278,7 @@ magnitude_to_bytes(PyObject *magnitude, unsigned char *at, Py_ssize_t length)
 }
 
 /* An int outside [-2**63, 2**63) (`negative`: below it), as
- * domus.keys._encode_bigint: tag 0x02, u16 L and the L-byte minimal
+ * domus.wire.keys._encode_bigint: tag 0x02, u16 L and the L-byte minimal
  * big-endian magnitude; or tag 0x00, u16 (0xFFFF - L) and the magnitude's
  * bytes inverted, so that byte order is numeric order.  Works on the value
  * (an int subclass's __abs__ or __int__ is never called). */
@@ -336,7 +336,7 @@ fail:
 }
 
 /* Fill *parts with the canonical encoding of key, exactly as
- * domus.keys.encode_key: 0, or -1 with KeyTypeError, KeyTooLarge (or what
+ * domus.wire.keys.encode_key: 0, or -1 with KeyTypeError, KeyTooLarge (or what
  * bytes() of a bytearray/memoryview raised) set.  On success the caller
  * calls key_parts_clear. */
 static int
@@ -434,7 +434,7 @@ key_parts_bytes(const KeyParts *parts)
 
 PyDoc_STRVAR(encode_key_doc,
 "encode_key(key, /)\n--\n\n"
-"The canonical bytes of key (domus.keys.encode_key); KeyTypeError or\n"
+"The canonical bytes of key (domus.wire.keys.encode_key); KeyTypeError or\n"
 "KeyTooLarge for keys Domus cannot store.");
 
 static PyObject *
@@ -859,7 +859,7 @@ plan_clear(Plan *plan)
  * (TypeError for a key that is not bytes, IndexError for a bucket past the
  * end of an owners list, what the hash callable or an owners map raised).
  * owners is a list indexed by bucket, or any object whose [bucket] is the
- * owner (a domus.bucketmap.BucketMap). */
+ * owner (a domus.placement.bucketmap.BucketMap). */
 static int
 plan_groups(Plan *plan, PyObject *keys, const Hasher *hasher, int shift, PyObject *owners)
 {
@@ -902,7 +902,7 @@ plan_groups(Plan *plan, PyObject *keys, const Hasher *hasher, int shift, PyObjec
             channel = Py_NewRef(PyList_GET_ITEM(owners, bucket));
         }
         else {
-            /* A map too big to unfold into a list (domus.bucketmap): ask it. */
+            /* A map too big to unfold into a list (domus.placement.bucketmap): ask it. */
             PyObject *number = PyLong_FromUnsignedLong(bucket);
             if (number == NULL) {
                 return -1;
@@ -1002,7 +1002,7 @@ max_datagram_arg(PyObject *obj, Py_ssize_t *max_datagram)
 
 /* The length of the next run of a group's members (starting at member
  * `start` of `count`) that fits one datagram and `limit` entries; an entry
- * too big for a datagram gets a run of its own (domus.codec.chunks). */
+ * too big for a datagram gets a run of its own (domus.client.codec.chunks). */
 static Py_ssize_t
 run_length(const Py_ssize_t *sizes, Py_ssize_t start, Py_ssize_t count,
            Py_ssize_t limit, Py_ssize_t max_datagram, Py_ssize_t *run_size)
@@ -1440,14 +1440,14 @@ codec_decode_scan_reply(PyObject *module, PyObject *reply)
 
 /* ------------------------------------------------------------ values
  *
- * Values are msgpack (domus.values).  msgpack.packb builds a Packer for
+ * Values are msgpack (domus.wire.values).  msgpack.packb builds a Packer for
  * every call, which costs more than everything else a put does, so the
  * common cases are encoded here: exact None, bool, int (64-bit), float, str,
  * bytes, and lists, tuples and dicts of those nested at most MAX_FAST_DEPTH
  * deep, byte for byte as msgpack.packb(value, use_bin_type=True) and
  * msgpack.unpackb(data, raw=False, strict_map_key=False).  Anything else
  * (other types, ext types, deeper nesting, bad data) "bails out" to
- * domus.values, which is msgpack itself, so every other result and every
+ * domus.wire.values, which is msgpack itself, so every other result and every
  * error is msgpack's own. */
 
 #define MAX_FAST_DEPTH 32
@@ -1719,7 +1719,7 @@ pack_fast(Buffer *buffer, PyObject *obj, int depth)
     return FAST_BAIL;
 }
 
-/* The packed value: the fast encoding, or domus.values.pack_value's. */
+/* The packed value: the fast encoding, or domus.wire.values.pack_value's. */
 static PyObject *
 pack_one(codec_state *state, Buffer *buffer, PyObject *value)
 {
@@ -1733,7 +1733,7 @@ pack_one(codec_state *state, Buffer *buffer, PyObject *value)
     }
     PyObject *packed = PyObject_CallOneArg(state->pack_value, value);
     if (packed != NULL && !PyBytes_Check(packed)) {
-        PyErr_SetString(PyExc_TypeError, "domus.values.pack_value did not return bytes");
+        PyErr_SetString(PyExc_TypeError, "domus.wire.values.pack_value did not return bytes");
         Py_CLEAR(packed);
     }
     return packed;
@@ -1741,7 +1741,7 @@ pack_one(codec_state *state, Buffer *buffer, PyObject *value)
 
 PyDoc_STRVAR(pack_value_doc,
 "pack_value(value, /)\n--\n\n"
-"The bytes stored for value (domus.values.pack_value); ValueTypeError if\n"
+"The bytes stored for value (domus.wire.values.pack_value); ValueTypeError if\n"
 "it has none.");
 
 static PyObject *
@@ -2024,7 +2024,7 @@ unpack_fast(Reader *reader, int depth, PyObject **out)
 }
 
 /* The value stored as data[0:size]: the fast decoding, or
- * domus.values.unpack_value's (its result or its error). */
+ * domus.wire.values.unpack_value's (its result or its error). */
 static PyObject *
 unpack_one(codec_state *state, const unsigned char *data, Py_ssize_t size)
 {
@@ -2051,7 +2051,7 @@ unpack_one(codec_state *state, const unsigned char *data, Py_ssize_t size)
 
 PyDoc_STRVAR(unpack_value_doc,
 "unpack_value(data, offset, /)\n--\n\n"
-"The value stored as data[offset:] (domus.values.unpack_value).");
+"The value stored as data[offset:] (domus.wire.values.unpack_value).");
 
 static PyObject *
 codec_unpack_value(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -2410,7 +2410,7 @@ codec_exec(PyObject *module)
         || state->KeyTooLarge == NULL) {
         return -1;
     }
-    PyObject *values = PyImport_ImportModule("domus.values");
+    PyObject *values = PyImport_ImportModule("domus.wire.values");
     if (values == NULL) {
         return -1;
     }
@@ -2464,7 +2464,7 @@ static PyModuleDef_Slot codec_slots[] = {
 };
 
 PyDoc_STRVAR(codec_doc,
-"The client's per-request encoding and round trips in C; domus.codec holds\n"
+"The client's per-request encoding and round trips in C; domus.client.codec holds\n"
 "the pure-Python reference of every function and picks one of the two.");
 
 static struct PyModuleDef codec_module = {

@@ -58,7 +58,7 @@
 
 #include "rbtree_api.h"
 
-/* The wire format; domus/protocol.py is the reference (the tests check the
+/* The wire format; domus/wire/protocol.py is the reference (the tests check the
  * constants exported below against it). */
 #define REQUEST_MAGIC 0xD0
 #define REPLY_MAGIC 0xD1
@@ -1651,7 +1651,7 @@ static PyTypeObject FastPathType = {
 static struct PyModuleDef hotpath_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "domus._hotpath",
-    .m_doc = "The service's data path in C (see domus.hotpath).",
+    .m_doc = "The service's data path in C (see domus.service.hotpath).",
     .m_size = -1,
 };
 

@@ -1,6 +1,6 @@
 /* domus._rbtree: RBTree, an ordered mapping kept in a red-black tree.
  *
- * domus/rbtree_ref.py is the pure-Python reference: same names, same errors,
+ * domus/rbtree/reference.py is the pure-Python reference: same names, same errors,
  * same messages and the same tree shapes (both make the case analysis of
  * CLRS, "Introduction to Algorithms", chapter 13).  tests/unit/test_rbtree.py
  * runs the two side by side on random operation sequences.
@@ -2709,7 +2709,7 @@ static struct PyModuleDef rbtree_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "domus._rbtree",
     .m_doc = PyDoc_STR("RBTree, an ordered mapping kept in a red-black tree (C).  The "
-                       "pure-Python reference is domus.rbtree_ref."),
+                       "pure-Python reference is domus.rbtree.reference."),
     .m_size = -1,
 };
 

@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 import domus
-from domus.cli import format_status
-from domus.deploy import LocalDeployment, free_port_block
+from domus.ops.cli import format_status
+from domus.ops.deploy import LocalDeployment, free_port_block
 
 
 def record(key: int) -> dict[str, Any]:

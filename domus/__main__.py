@@ -1,3 +1,3 @@
-from domus.cli import main
+from domus.ops.cli import main
 
 raise SystemExit(main())

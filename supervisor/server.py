@@ -22,12 +22,13 @@ from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
 
-from domus import __version__, assignment, launch, layout
-from domus import address as addresses
-from domus.attributes import check_request, default_bucket_count
-from domus.control import ControlError, MessageProtocol
+from domus._version import __version__
 from domus.errors import InvalidAttribute, SupervisorError
-from domus.resources import weight
+from domus.placement import assignment, layout
+from domus.wire import address as addresses
+from domus.wire import launch
+from domus.wire.attributes import check_request, default_bucket_count
+from domus.wire.control import ControlError, MessageProtocol
 
 log = Logger(namespace="domus.supervisor")
 
@@ -353,8 +354,8 @@ class SupervisorService(Service):
         }
         for role, role_name in (("routing_services", "routing"), ("storage_services", "storage")):
             services = sets[role]
-            weights = [weight(self.state.services[s]["resources"], role_name, wanted["storage"])
-                       for s in services]
+            weights = [assignment.weight(self.state.services[s]["resources"], role_name,
+                                         wanted["storage"]) for s in services]
             counts = assignment.proportional_counts(buckets, weights)
             descriptor[role] = [{"name": s, "address": self.state.services[s]["address"],
                                  "count": count} for s, count in zip(services, counts)]
@@ -468,7 +469,7 @@ class SupervisorService(Service):
     # Moving one bucket's routing or storage to another service, by hand
     # (``domus dht move``).  The counts of the descriptor never change; the
     # move is listed in its ``<role>_moves``, and a service new to the role
-    # is listed with count 0 (domus.layout.move).  A move never takes a
+    # is listed with count 0 (domus.placement.layout.move).  A move never takes a
     # service out of a DHT.
     #
     # A routing move changes the layout only, all or nothing as activation

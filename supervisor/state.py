@@ -27,7 +27,7 @@ class SupervisorState:
         self.dhts: dict[str, dict[str, Any]] = {}
         self.next_dht_id = 1
         self.created = time.time()
-        # How to start this supervisor again (domus.launch); services'
+        # How to start this supervisor again (domus.ops.launch); services'
         # launch records are in their entries of ``services``.
         self.launch: dict[str, Any] = {}
         os.makedirs(data_dir, exist_ok=True)

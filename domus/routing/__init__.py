@@ -12,6 +12,7 @@ Pure and in-process: no sockets, no state beyond the graph's parameters.
 
 from __future__ import annotations
 
+from domus.placement.bucketmap import local_ranges
 from domus.routing.base import (
     FEWEST_HOPS,
     LEAST_WORK,
@@ -19,7 +20,6 @@ from domus.routing.base import (
     Ranges,
     RoutingGraph,
     check_ranges,
-    local_ranges,
 )
 from domus.routing.bruijn import BruijnGraph
 from domus.routing.chord import ChordGraph

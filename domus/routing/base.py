@@ -1,15 +1,16 @@
 """What every routing graph over a DHT's buckets provides, and the bucket
 ranges that a routing service (an AS) consults.
 
-A DHT has ``bucket_count`` buckets, a power of two.  Each bucket has a
-routing table, its out-edges in the graph.  A routing service routes a set of
+A DHT has ``bucket_count`` buckets, a power of two. Each bucket has a
+routing table, its out-edges in the graph. A routing service routes a set of
 buckets, given here as *local ranges*: a sorted list of disjoint half-open
-``(first, end)`` ranges (``local_ranges`` gets them from a ``BucketMap``).  A
-distributed lookup for a target bucket is forwarded from service to service
-until it reaches the one that routes the target.  At each service the next
-hop comes from *aggregated routing*: the service consults the tables of all
-its local buckets at once and picks the out-edge that gets closest to the
-target; the next service is whoever routes that bucket.
+``(first, end)`` ranges (``domus.placement.bucketmap.local_ranges`` gets
+them from a ``BucketMap``). A distributed lookup for a target bucket is
+forwarded from service to service until it reaches the one that routes the
+target. At each service the next hop comes from *aggregated routing*: the
+service consults the tables of all its local buckets at once and picks the
+out-edge that gets closest to the target; the next service is whoever routes
+that bucket.
 
 Every graph has a metric, ``distance(bucket, target)``, which is 0 exactly at
 the target.  ``next_bucket`` always returns a bucket that is strictly closer
@@ -28,14 +29,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from bisect import bisect_right
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
 from typing import ClassVar
 
-from domus.bucketmap import BucketMap
-
 # The largest bucket count a DHT may have: the same limit as
-# domus.attributes.MAX_BUCKETS (kept here so that this package imports
+# domus.wire.attributes.MAX_BUCKETS (kept here so that this package imports
 # nothing but the bucket map).
 MAX_BUCKETS = 1 << 24
 
@@ -54,12 +53,6 @@ def is_power_of_two(value: object) -> bool:
 
 
 # ---------------------------------------------------------------- ranges
-def local_ranges(bucket_map: BucketMap, owner: Hashable) -> list[tuple[int, int]]:
-    """The buckets that ``owner`` routes in ``bucket_map``, as sorted,
-    disjoint, maximal ``(first, end)`` ranges.  O(ranges in the map)."""
-    return [(first, end) for first, end, held_by in bucket_map.ranges() if held_by == owner]
-
-
 def range_index(ranges: Ranges, bucket: int) -> int:
     """The index of the last range whose first bucket is <= ``bucket``, or -1
     if there is none.  O(log ranges)."""

@@ -4,7 +4,7 @@ returns the reply bytes.  No sockets, no reactor: transports call
 call them directly.
 
 ``handle`` is the pure-Python reference.  ``handle_fast`` asks the C hot
-path (domus.hotpath) first, which answers the common successful requests
+path (domus.service.hotpath) first, which answers the common successful requests
 byte for byte as ``handle`` would, and hands everything else to ``handle``.
 The C path reads ``fast_table`` (active DHT id -> bucket -> repository),
 which this handler keeps in step with ``dhts`` on every assign and drop, and
@@ -30,12 +30,12 @@ from typing import Any
 
 from twisted.logger import Logger
 
-from domus import hotpath
-from domus import protocol as wire
 from domus.errors import ProtocolError
+from domus.service import hotpath
 from domus.service.hosted import HostedDht
 from domus.service.replycache import ReplyCache
 from domus.storage import Repository, StorageFault
+from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
 

@@ -11,12 +11,12 @@ from typing import Any
 
 from twisted.logger import Logger
 
-from domus import layout
-from domus import protocol as wire
-from domus.bucketmap import BucketMap
+from domus.placement import layout
+from domus.placement.bucketmap import BucketMap
 from domus.routing import FEWEST_HOPS, RoutingGraph, make_graph
 from domus.routing.base import contains
 from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store, snapshot
+from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
 
@@ -63,7 +63,7 @@ class HostedDht:
         self.active = False
         self.repos: dict[int, Repository] = {}
         # AS: the buckets routed here, and for each the name of the service
-        # storing it (a floor map over ranges; see domus.bucketmap).
+        # storing it (a floor map over ranges; see domus.placement.bucketmap).
         # Buckets being moved (see "Moving a bucket" below): frozen here as
         # the source, with the keys to export; staged here as the target.
         self.frozen: dict[int, tuple[Repository, list[bytes]]] = {}

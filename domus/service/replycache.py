@@ -16,7 +16,7 @@ without calling Python: a token is looked up in both, a new reply goes into
 list in place (the C side holds the list itself).  An entry therefore lives
 between ``ttl / 2`` and ``ttl`` seconds (plus the timer's period, since
 ``expire`` is polled).  Clients stop retrying a request within
-``domus.transport.MAX_DEADLINE`` (``DEFAULT_TTL / 2`` = 15 s) of its first
+``domus.wire.protocol.MAX_DEADLINE`` (``REPLY_CACHE_TTL / 2`` = 15 s) of its first
 send, and its reply is stored after that first send, so no retry can arrive
 after its entry is gone; the constructor refuses a ``ttl`` that would break
 this.  The margin is small by design when a retry is sent just before the
@@ -36,15 +36,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-DEFAULT_TTL = 30.0
+from domus.wire.protocol import MAX_DEADLINE, REPLY_CACHE_TTL
+
+DEFAULT_TTL = REPLY_CACHE_TTL
 DEFAULT_MAX_ENTRIES = 1_000_000
 
 
 class ReplyCache:
     def __init__(self, ttl: float = DEFAULT_TTL, max_entries: int = DEFAULT_MAX_ENTRIES,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from domus.transport import MAX_DEADLINE  # transport imports this module
-
         if ttl / 2 < MAX_DEADLINE:
             raise ValueError(f"a reply cache with ttl {ttl}s may forget a reply after "
                              f"{ttl / 2}s, before clients stop retrying ({MAX_DEADLINE}s); "

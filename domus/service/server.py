@@ -16,14 +16,15 @@ from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
 
-from domus import __version__, launch
-from domus import address as addresses
-from domus import protocol as wire
-from domus.control import ControlError, MessageProtocol, RemoteControlError
-from domus.resources import LoadSampler, base_resources
+from domus._version import __version__
 from domus.service.handler import RequestHandler
+from domus.service.resources import LoadSampler, base_resources
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault
+from domus.wire import address as addresses
+from domus.wire import launch
+from domus.wire import protocol as wire
+from domus.wire.control import ControlError, MessageProtocol, RemoteControlError
 
 log = Logger(namespace="domus.service")
 

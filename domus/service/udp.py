@@ -24,8 +24,8 @@ from twisted.internet.interfaces import IReadDescriptor
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from domus import protocol as wire
 from domus.service.handler import RequestHandler
+from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
 

@@ -5,7 +5,8 @@ store on, whether it keeps records in key order, and how to open the store
 of one DHT on one service (``open_store(medium, home, label, durability)``;
 ``home`` is a directory of the DHT's own under the service's data dir, used
 by disk media; ``label`` names the DHT in error messages; ``durability`` is
-the disk DHT's, see domus.attributes).
+the disk DHT's, see domus.wire.attributes).  Which platforms exist and on
+which media is ``domus.wire.attributes.PLATFORM_MEDIA``, shared with clients.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from functools import partial
 from domus.storage.base import FailedRepository, RamStore, Repository, StorageFault, Store
 from domus.storage.pydict import DictRepository
 from domus.storage.rbt import RBTreeRepository
+from domus.wire.attributes import MEDIA, PLANNED_PLATFORMS, PLATFORM_MEDIA
 
 
 @dataclass(frozen=True)
@@ -38,17 +40,16 @@ def _berkeley_store(method: str, medium: str, home: str | None, label: str = "DH
     return BerkeleyStore(method, medium, home, label, durability)
 
 
-BOTH = frozenset({"ram", "disk"})
-PLATFORMS: dict[str, Platform] = {
-    "python-dict": Platform(frozenset({"ram"}), False, partial(_ram_store, DictRepository)),
-    "domus-rbt": Platform(frozenset({"ram"}), True, partial(_ram_store, RBTreeRepository)),
-    "domus-bsddb-btree": Platform(BOTH, True, partial(_berkeley_store, "btree")),
-    "domus-bsddb-hash": Platform(BOTH, False, partial(_berkeley_store, "hash")),
+# platform -> (keeps key order, how to open a store); its media are the wire's.
+_IMPLEMENTATIONS: dict[str, tuple[bool, Callable[..., Store]]] = {
+    "python-dict": (False, partial(_ram_store, DictRepository)),
+    "domus-rbt": (True, partial(_ram_store, RBTreeRepository)),
+    "domus-bsddb-btree": (True, partial(_berkeley_store, "btree")),
+    "domus-bsddb-hash": (False, partial(_berkeley_store, "hash")),
 }
-MEDIA = BOTH
-# Platforms the design names that later work adds; asking for one gets a
-# message that says so rather than "unknown platform".
-PLANNED_PLATFORMS: frozenset[str] = frozenset()
+PLATFORMS: dict[str, Platform] = {
+    name: Platform(PLATFORM_MEDIA[name], *_IMPLEMENTATIONS[name]) for name in PLATFORM_MEDIA
+}
 
 __all__ = ["PLATFORMS", "MEDIA", "PLANNED_PLATFORMS", "Platform", "Repository", "Store",
            "RamStore", "FailedRepository", "StorageFault", "DictRepository",

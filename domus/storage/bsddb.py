@@ -25,13 +25,34 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 from berkeleydb import db
 
-from domus.hotpath import DatabaseRepository
 from domus.rbtree import RBTree
 from domus.storage.base import Repository, StorageFault, Store
+
+
+class _DatabaseRepository:
+    """``DatabaseRepository`` without the C path: the record count alone,
+    for a Python path that serves alone (nothing calls the database's
+    methods from C, so nothing else is kept)."""
+
+    def __init__(self, database: Any, *, no_overwrite: int, key_exists: type[BaseException],
+                 not_found: type[BaseException]) -> None:
+        self.record_count = 0
+
+
+# The base of a repository kept in a Berkeley DB database: with the C data
+# path (domus.service.hotpath, same rule), the C type that lets FastPath call
+# the database's methods itself and keep the repository's ``record_count``.
+DatabaseRepository: Any = _DatabaseRepository
+if os.environ.get("DOMUS_PURE_PYTHON") != "1":
+    try:
+        from domus._hotpath import DatabaseRepository
+    except ImportError:  # not built: the Python path serves alone
+        DatabaseRepository = _DatabaseRepository
 
 # The environment's cache: Berkeley DB's pages of every database in it.  A
 # disk environment caches pages of its files.  RAM databases live in the

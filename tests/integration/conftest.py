@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 import domus
-from domus.deploy import LocalDeployment, free_port_block
 from domus.errors import DomusError
+from domus.ops.deploy import LocalDeployment, free_port_block
 
 from .support import CLIENT_TIMEOUT, HEARTBEAT
 

@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from domus import address as addresses
-from domus import assignment
-from domus import protocol as wire
-from domus.client import Dht
-from domus.keys import bucket_of, encode_key
+from domus.client.blocking import Dht
+from domus.placement import assignment
+from domus.wire import address as addresses
+from domus.wire import protocol as wire
+from domus.wire.keys import bucket_of, encode_key
 
 LOOPBACK = "127.0.0.1"
 HEARTBEAT = 0.2          # seconds between service heartbeats in test deployments

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import domus
-from domus.deploy import free_port_block, port_is_free
+from domus.ops.deploy import free_port_block, port_is_free
 
 from .support import CLIENT_TIMEOUT, LOOPBACK, wait_until
 

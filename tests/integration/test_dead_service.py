@@ -11,8 +11,8 @@ import time
 import pytest
 
 import domus
-from domus.deploy import free_port_block
 from domus.errors import ServiceUnavailable, SupervisorError
+from domus.ops.deploy import free_port_block
 
 from .support import (
     LOOPBACK,

@@ -12,9 +12,9 @@ import time
 import pytest
 
 import domus
-from domus.cli import format_status
-from domus.keys import encode_key
+from domus.ops.cli import format_status
 from domus.routing import make_graph
+from domus.wire.keys import encode_key
 
 from .test_workload import SEED, Workload
 

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from domus import protocol as wire
 from domus.errors import SupervisorError
-from domus.keys import encode_key
 from domus.service.handler import RequestHandler
+from domus.wire import protocol as wire
+from domus.wire.keys import encode_key
 
 from .support import (
     LOOPBACK,

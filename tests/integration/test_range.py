@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import domus
-from domus import protocol as wire
 from domus.errors import KeyTypeError, RemoteError
+from domus.wire import protocol as wire
 
 from .support import (
     CLIENT_TIMEOUT,

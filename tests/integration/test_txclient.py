@@ -1,4 +1,4 @@
-"""domus.txclient against a real deployment (a supervisor and three services
+"""domus.client.tx against a real deployment (a supervisor and three services
 as processes).  The Twisted side runs in a subprocess (txclient_job.py): a
 reactor cannot be restarted inside pytest."""
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from domus import client
-from domus.deploy import LocalDeployment, free_port_block
+from domus.client import blocking as client
+from domus.ops.deploy import LocalDeployment, free_port_block
 
 JOB = Path(__file__).with_name("txclient_job.py")
 ROOT = JOB.parents[2]

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 
 import domus
-from domus import protocol as wire
-from domus.bucketmap import BucketMap
+from domus.client.lookup import DENSE_TABLE_LIMIT
 from domus.errors import KeyTooLarge, KeyTypeError, ValueTooLarge, ValueTypeError
-from domus.lookup import DENSE_TABLE_LIMIT
+from domus.placement.bucketmap import BucketMap
 from domus.storage import PLATFORMS
+from domus.wire import protocol as wire
 
 from .support import first_difference, same_value
 

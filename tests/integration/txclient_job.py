@@ -1,4 +1,4 @@
-"""A job that drives a real deployment through domus.txclient.
+"""A job that drives a real deployment through domus.client.tx.
 
 Run by tests/integration/test_txclient.py in a subprocess, because a Twisted
 reactor cannot be restarted inside the pytest process::
@@ -8,7 +8,7 @@ reactor cannot be restarted inside the pytest process::
 
 The model job checks every TxDht operation against a dict model, the error cases, and
 interop with the synchronous client (it reads the DHT "from_sync" that the
-test wrote with domus.client, and writes "from_tx" for the test to read).
+test wrote with domus.client.blocking, and writes "from_tx" for the test to read).
 It prints one JSON summary line and exits 0 if every check passed.
 """
 

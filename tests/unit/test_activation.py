@@ -7,11 +7,11 @@ import os
 import pytest
 from test_handler import DHT_ID, HELD, call, descriptor, keyed, keys_in, put
 
-from domus import protocol as wire
 from domus.service.handler import RequestHandler
 from domus.service.hosted import dht_home
 from domus.storage import PLATFORMS, snapshot
 from domus.storage.base import StorageFault
+from domus.wire import protocol as wire
 
 RAM_PLATFORMS = sorted(name for name, platform in PLATFORMS.items() if "ram" in platform.media)
 DISK_PLATFORMS = sorted(name for name, platform in PLATFORMS.items()

@@ -1,8 +1,8 @@
-"""domus.address: HOST:PORT parsing and the supervisor address rule."""
+"""domus.wire.address: HOST:PORT parsing and the supervisor address rule."""
 
 import pytest
 
-from domus import address
+from domus.wire import address
 
 
 @pytest.mark.parametrize("text, expected", [

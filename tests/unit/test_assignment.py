@@ -1,4 +1,4 @@
-"""domus.assignment: proportional bucket counts and their placement."""
+"""domus.placement.assignment: proportional bucket counts and their placement."""
 
 from fractions import Fraction
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from domus.assignment import buckets_of, placement, proportional_counts
+from domus.placement.assignment import buckets_of, placement, proportional_counts
 
 weight = st.one_of(
     st.integers(0, 10**6),

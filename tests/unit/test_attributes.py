@@ -1,16 +1,16 @@
-"""domus.attributes: DHT attribute defaults and validation."""
+"""domus.wire.attributes: DHT attribute defaults and validation."""
 
 import pytest
 
-from domus.attributes import (
+from domus.errors import InvalidAttribute
+from domus.wire.attributes import (
     BUCKETS_PER_SERVICE,
     MAX_BUCKETS,
     check_name,
     check_request,
     default_bucket_count,
 )
-from domus.errors import InvalidAttribute
-from domus.keys import HASH_FUNCTIONS
+from domus.wire.keys import HASH_FUNCTIONS
 
 
 def test_defaults_are_filled_in():

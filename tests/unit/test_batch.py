@@ -1,13 +1,13 @@
-"""domus.batch: how batches are cut into datagrams and replies taken in."""
+"""domus.client.batch: how batches are cut into datagrams and replies taken in."""
 
 import collections
 
 import pytest
 
-from domus import batch
-from domus import protocol as wire
+from domus.client import batch
+from domus.client.lookup import DirectLookup
 from domus.errors import StorageError, ValueTooLarge
-from domus.lookup import DirectLookup
+from domus.wire import protocol as wire
 
 
 class Ids:

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domus import assignment
-from domus.bucketmap import BucketMap
+from domus.placement import assignment
+from domus.placement.bucketmap import BucketMap
 
 OWNERS = ["a", "b", "c", None]
 

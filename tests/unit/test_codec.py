@@ -1,4 +1,4 @@
-"""domus.codec: the C functions (domus._codec) against their pure-Python
+"""domus.client.codec: the C functions (domus._codec) against their pure-Python
 references, on random and on malformed inputs.
 
 Every comparison runs both implementations on the same input and asserts the
@@ -24,10 +24,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from domus import codec, keys
-from domus import protocol as wire
-from domus.bucketmap import BucketMap
+from domus.client import codec
 from domus.errors import KeyTooLarge, KeyTypeError, ProtocolError, ValueTypeError
+from domus.placement.bucketmap import BucketMap
+from domus.wire import keys
+from domus.wire import protocol as wire
 
 try:  # directly: the comparisons run under DOMUS_PURE_PYTHON=1 too
     from domus import _codec as C

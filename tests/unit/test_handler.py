@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domus import protocol as wire
 from domus.errors import ProtocolError
-from domus.keys import bucket_of, encode_key
 from domus.service.handler import SCAN_TTL, RequestHandler
 from domus.service.replycache import ReplyCache
+from domus.wire import protocol as wire
+from domus.wire.keys import bucket_of, encode_key
 
 DHT_ID = 1
 BUCKETS = 8

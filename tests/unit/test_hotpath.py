@@ -28,16 +28,17 @@ from hypothesis import strategies as st
 pytest.importorskip("domus._hotpath", reason="domus._hotpath is not built "
                     "(.venv/bin/python setup.py build_ext --inplace)")
 
-from domus import _hotpath, hotpath  # noqa: E402
+from domus import _hotpath  # noqa: E402
+from domus.service import hotpath  # noqa: E402
 
 if hotpath.PURE_PYTHON:
     pytest.skip("DOMUS_PURE_PYTHON=1: services answer in Python; the C path is not in use",
                 allow_module_level=True)
 
-from domus import protocol as wire  # noqa: E402
 from domus.service.handler import RequestHandler  # noqa: E402
 from domus.service.replycache import DEFAULT_MAX_ENTRIES, ReplyCache  # noqa: E402
 from domus.storage import DictRepository, Repository, StorageFault  # noqa: E402
+from domus.wire import protocol as wire  # noqa: E402
 
 DHT_ID = 1          # active, buckets 0..3 stored here
 INACTIVE_ID = 2     # inactive

@@ -1,4 +1,4 @@
-"""domus.keys: canonical key bytes, hash functions, key -> bucket."""
+"""domus.wire.keys: canonical key bytes, hash functions, key -> bucket."""
 
 import enum
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from domus.errors import KeyTooLarge, KeyTypeError, ProtocolError
-from domus.keys import (
+from domus.wire.keys import (
     DEFAULT_HASH,
     HASH_FUNCTIONS,
     TAG_BYTES,
@@ -20,7 +20,7 @@ from domus.keys import (
     decode_key,
     encode_key,
 )
-from domus.protocol import MAX_KEY_BYTES
+from domus.wire.protocol import MAX_KEY_BYTES
 
 HASH_NAMES = sorted(HASH_FUNCTIONS)
 INT64_MIN = -(1 << 63)

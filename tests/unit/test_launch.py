@@ -1,4 +1,4 @@
-"""domus.launch: launch records, and starting a recorded process here or
+"""domus.ops.launch: launch records, and starting a recorded process here or
 through a launcher (real processes, a real shell)."""
 
 import os
@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from domus import launch
+from domus.ops import launch
+from domus.wire import launch as launch_record
 
 
 def harmless(tmp_path, host=None, env=None):
@@ -17,7 +18,7 @@ def harmless(tmp_path, host=None, env=None):
     out = tmp_path / "ran"
     script = ("import os, sys; open(sys.argv[1], 'w').write(repr((sys.argv[2:], os.getcwd(), "
               "os.environ.get('DOMUS_MARK'), os.getsid(0) == os.getpid())))")
-    record = launch.record("service", "127.0.0.1:1", [], str(tmp_path))
+    record = launch_record.record("service", "127.0.0.1:1", [], str(tmp_path))
     record.update(arguments=["-c", script, str(out), "it's", "two words"],
                   cwd=str(tmp_path), env=env or {"DOMUS_MARK": "a b'c"})
     if host is not None:
@@ -38,7 +39,7 @@ def test_a_record_says_how_to_start_this_process_again(tmp_path, monkeypatch):
         monkeypatch.delenv(name)
     monkeypatch.setenv("DOMUS_LOG_LEVEL", "debug")
     monkeypatch.setenv("UNRELATED", "x")
-    record = launch.record("supervisor", "127.0.0.1:7700",
+    record = launch_record.record("supervisor", "127.0.0.1:7700",
                            ["supervisor", "--listen", "127.0.0.1:7700"], str(tmp_path))
     assert record["host"] == socket.gethostname()
     assert record["python"] == sys.executable

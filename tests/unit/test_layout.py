@@ -1,15 +1,15 @@
-"""domus.layout: a descriptor's bucket -> service maps, with moved buckets;
+"""domus.placement.layout: a descriptor's bucket -> service maps, with moved buckets;
 and a service that follows them (what it stores, what it routes, where it
 sends a request for a bucket it does not store)."""
 
 import pytest
 from test_handler import DHT_ID, call, descriptor, keyed, keys_in, next_id, put
 
-from domus import layout
-from domus import protocol as wire
-from domus.lookup import DirectLookup
+from domus.client.lookup import DirectLookup
+from domus.placement import layout
 from domus.service.handler import RequestHandler
 from domus.storage import StorageFault
+from domus.wire import protocol as wire
 
 
 def moved(**moves):

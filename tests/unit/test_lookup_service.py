@@ -6,9 +6,9 @@ import random
 import pytest
 from test_handler import CLIENT_A, DHT_ID, call, descriptor, keys_in, next_id, put
 
-from domus import protocol as wire
 from domus.routing import make_graph
 from domus.service.handler import RequestHandler
+from domus.wire import protocol as wire
 
 SERVICES = ["s1", "s2", "s3", "s4", "s5"]
 

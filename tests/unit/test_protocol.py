@@ -1,4 +1,4 @@
-"""domus.protocol: every encoder/decoder pair, and decoders on hostile bytes."""
+"""domus.wire.protocol: every encoder/decoder pair, and decoders on hostile bytes."""
 
 import random
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domus import protocol as wire
 from domus.errors import ProtocolError
+from domus.wire import protocol as wire
 
 u32 = st.integers(0, 0xFFFFFFFF)
 u64 = st.integers(0, 0xFFFFFFFFFFFFFFFF)

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from domus import hotpath
-from domus import protocol as wire
 from domus.errors import ProtocolError
-from domus.keys import bucket_of, encode_key
+from domus.service import hotpath
 from domus.service.handler import RequestHandler
 from domus.storage import DictRepository, RBTreeRepository, Repository
+from domus.wire import protocol as wire
+from domus.wire.keys import bucket_of, encode_key
 
 RangeQuery = wire.RangeQuery
 DHT_ID = 1

@@ -1,5 +1,5 @@
 """RBTree: the C type (domus._rbtree) and the pure-Python reference
-(domus.rbtree_ref) side by side.
+(domus.rbtree.reference) side by side.
 
 Model-based tests drive both trees and a dict model with the same random
 operations and compare every result and every exception (the two trees must
@@ -34,7 +34,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from domus import rbtree_ref
+from domus.rbtree import reference as rbtree_ref
 
 try:
     from domus import _rbtree

@@ -2,7 +2,8 @@
 
 import pytest
 
-from domus import transport, txclient
+from domus.client import transport
+from domus.client import tx as txclient
 from domus.service.replycache import DEFAULT_TTL, ReplyCache
 
 TTL = DEFAULT_TTL

@@ -17,9 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domus import attributes
-from domus.assignment import buckets_of, proportional_counts
-from domus.bucketmap import BucketMap
+from domus.placement.assignment import buckets_of, proportional_counts
+from domus.placement.bucketmap import BucketMap
 from domus.routing import (
     GRAPHS,
     MAX_BUCKETS,
@@ -30,6 +29,7 @@ from domus.routing import (
     local_ranges,
     make_graph,
 )
+from domus.wire import attributes
 
 FEWEST, LEAST = "fewest-hops", "least-work"
 SERVICE_COUNTS = (1, 2, 3, 7, 16)

@@ -22,7 +22,7 @@ ORDERED = [(platform, medium) for platform, medium in TECHNOLOGIES
 
 
 def open_store(platform: str, medium: str, home: str, durability: str | None = None):
-    """A store as a service opens it: durability as domus.attributes fills it
+    """A store as a service opens it: durability as domus.wire.attributes fills it
     in (none in RAM, async on disk) unless given."""
     if durability is None:
         durability = "async" if medium == "disk" else "none"

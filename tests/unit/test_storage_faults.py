@@ -12,11 +12,11 @@ import subprocess
 
 import pytest
 
-from domus import protocol as wire
-from domus.keys import bucket_of, encode_key
 from domus.service.handler import RequestHandler
 from domus.service.hosted import dht_home
 from domus.storage import StorageFault, bsddb
+from domus.wire import protocol as wire
+from domus.wire.keys import bucket_of, encode_key
 
 DHT_ID = 1
 BUCKETS = 8

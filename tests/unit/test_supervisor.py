@@ -12,10 +12,10 @@ from test_handler import DHT_ID, call, descriptor, keyed, keys_in, put
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
-from domus import protocol as wire
-from domus.control import ControlError, RemoteControlError
 from domus.service import server as service_server
 from domus.service.server import DomusService
+from domus.wire import protocol as wire
+from domus.wire.control import ControlError, RemoteControlError
 
 NAME = "t"
 MOVED = 2                      # s1's, by the placement (s1 stores 0..3, s2 4..7)

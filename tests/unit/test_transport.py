@@ -1,4 +1,4 @@
-"""domus.transport.ServiceChannel on real loopback UDP sockets: the same
+"""domus.client.transport.ServiceChannel on real loopback UDP sockets: the same
 retry rule whether the first try is made in C (domus._codec.roundtrip) or in
 Python."""
 
@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from domus import protocol as wire
-from domus import transport
+from domus.client import transport
+from domus.client.transport import ServiceChannel
 from domus.errors import ServiceUnavailable
-from domus.transport import ServiceChannel
+from domus.wire import protocol as wire
 
 try:  # directly: the C round trip is tested under DOMUS_PURE_PYTHON=1 too
     from domus._codec import roundtrip

@@ -1,4 +1,4 @@
-"""domus.txclient without sockets: timers on a Clock, datagrams captured by a
+"""domus.client.tx without sockets: timers on a Clock, datagrams captured by a
 fake UDP transport, the supervisor (where one is needed) a MessageProtocol
 over an in-memory connection."""
 
@@ -15,8 +15,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 from twisted.test import iosim
 
-from domus import protocol as wire
-from domus.control import MessageProtocol
+from domus.client.tx import DatagramRequests, TxChannel, TxCluster, TxDht, connect
 from domus.errors import (
     DomusError,
     KeyTypeError,
@@ -26,8 +25,9 @@ from domus.errors import (
     UnknownDht,
     ValueTooLarge,
 )
-from domus.keys import bucket_of, encode_key
-from domus.txclient import DatagramRequests, TxChannel, TxCluster, TxDht, connect
+from domus.wire import protocol as wire
+from domus.wire.control import MessageProtocol
+from domus.wire.keys import bucket_of, encode_key
 
 S1 = ("127.0.0.1", 7701)
 S2 = ("127.0.0.1", 7702)

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from domus import protocol as wire
 from domus.service.handler import RequestHandler
 from domus.service.udp import UdpServer
+from domus.wire import protocol as wire
 
 DHT_ID = 1
 

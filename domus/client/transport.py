@@ -11,7 +11,7 @@ service's reply-cache lifetime, so no retry can reach a service after the
 reply of its first try was forgotten.  A connected UDP socket also learns at
 once (ECONNREFUSED) when nothing listens on the service's port.
 
-When the C codec is built, a request's first try is ``domus.codec.roundtrip``
+When the C codec is built, a request's first try is ``domus.client.codec.roundtrip``
 (send, spin briefly for the reply, then poll and recv; without the GIL); if
 it times out or is refused, the Python loop below carries on from there
 under the same rule.
@@ -28,9 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from domus import address as addresses
-from domus import codec
-from domus import protocol as wire
+from domus.client import codec
 from domus.errors import (
     SUPERVISOR_ERRORS,
     ProtocolError,
@@ -38,11 +36,12 @@ from domus.errors import (
     SupervisorError,
     SupervisorUnreachable,
 )
-from domus.service.replycache import DEFAULT_TTL
+from domus.wire import address as addresses
+from domus.wire import protocol as wire
 
 _FRAME = struct.Struct(">I")
 FIRST_TIMEOUT = 0.25
-MAX_DEADLINE = DEFAULT_TTL / 2
+MAX_DEADLINE = wire.MAX_DEADLINE
 REFUSED_LIMIT = 3
 READ_ONLY_CONTROL = frozenset({"ping", "open_dht", "dht_info", "list_dhts", "services",
                                "status"})

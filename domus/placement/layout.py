@@ -2,7 +2,7 @@
 
 A DHT's descriptor gives each role (``routing``, ``storage``) a list of
 services with a bucket count; the initial placement is a function of those
-counts alone (domus.assignment: contiguous ranges in list order), which is
+counts alone (domus.placement.assignment: contiguous ranges in list order), which is
 what the direct lookup rebuilds.  Buckets moved since (by hand, or by
 rebalancing) are listed in ``<role>_moves``, bucket -> service name (bucket
 numbers as decimal strings, since the descriptor is saved as JSON).  A
@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from domus.bucketmap import BucketMap
-from domus.routing.base import local_ranges as ranges_of  # (first, end) ranges of one owner
+from domus.placement.bucketmap import BucketMap
+from domus.placement.bucketmap import local_ranges as ranges_of  # (first, end) ranges of one owner
 
 ROLES = ("routing", "storage")
 __all__ = ["ROLES", "initial", "owners", "moves", "move", "ranges_of", "buckets_in",

@@ -25,10 +25,10 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.protocols.basic import Int32StringReceiver
 
-from domus import protocol as wire
 from domus.errors import ProtocolError
+from domus.wire import protocol as wire
 
-log = Logger(namespace="domus.control")
+log = Logger(namespace="domus.wire.control")
 
 ControlHandler = Callable[[dict[str, Any], "MessageProtocol"], Any]
 DataHandler = Callable[[bytes, int], "bytes | None"]

@@ -1,6 +1,6 @@
 """Bucket -> owner maps kept as ranges in a red-black tree.
 
-A DHT's buckets are shared out as contiguous ranges (domus.assignment), and
+A DHT's buckets are shared out as contiguous ranges (domus.placement.assignment), and
 stay mostly contiguous when single buckets move.  A ``BucketMap`` stores one
 entry per range, ``first bucket -> (end, owner)``, in a ``domus.rbtree``
 RBTree, so
@@ -40,7 +40,7 @@ class BucketMap(Generic[Owner]):
     @classmethod
     def from_counts(cls, counts: Sequence[int], owners: Sequence[Owner],
                     bucket_count: int | None = None) -> BucketMap[Owner]:
-        """The placement of domus.assignment: ``owners[i]`` holds the i-th
+        """The placement of domus.placement.assignment: ``owners[i]`` holds the i-th
         run of ``counts[i]`` buckets."""
         if len(counts) != len(owners):
             raise ValueError(f"{len(counts)} counts for {len(owners)} owners")
@@ -61,7 +61,7 @@ class BucketMap(Generic[Owner]):
             raise KeyError(bucket)
         return found[1][1]
 
-    # ``bucket_map[bucket]``: what batch grouping (domus.codec) calls on a
+    # ``bucket_map[bucket]``: what batch grouping (domus.client.codec) calls on a
     # dense table, so either can serve as a DHT's table of owners.
     __getitem__ = owner
     # Not a sequence: iterate ranges() instead.
@@ -159,3 +159,9 @@ class BucketMap(Generic[Owner]):
         if following is not None and following[1] == owner:
             del self._ranges[end]
             self._ranges[first] = (following[0], owner)
+
+
+def local_ranges(bucket_map: BucketMap, owner: Hashable) -> list[tuple[int, int]]:
+    """The buckets that ``owner`` holds in ``bucket_map``, as sorted,
+    disjoint, maximal ``(first, end)`` ranges.  O(ranges in the map)."""
+    return [(first, end) for first, end, held_by in bucket_map.ranges() if held_by == owner]

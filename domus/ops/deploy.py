@@ -118,7 +118,7 @@ class LocalDeployment:
         return self
 
     def wait_for_supervisor(self, timeout: float = 20.0) -> None:
-        from domus.client import Cluster
+        from domus.client.blocking import Cluster
 
         deadline = time.monotonic() + timeout
         while True:
@@ -133,7 +133,7 @@ class LocalDeployment:
                 time.sleep(0.05)
 
     def wait_until_up(self, names: list[str], timeout: float = 30.0) -> None:
-        from domus.client import Cluster
+        from domus.client.blocking import Cluster
 
         deadline = time.monotonic() + timeout
         with Cluster(self.supervisor_address, timeout=2.0) as cluster:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Any
 
 
 def proportional_counts(bucket_count: int, weights: Sequence[float]) -> list[int]:
@@ -59,3 +60,14 @@ def buckets_of(counts: Sequence[int], index: int) -> range:
     """The buckets that the ``index``-th service holds under ``placement``."""
     start = sum(counts[:index])
     return range(start, start + counts[index])
+
+
+def weight(resources: dict[str, Any], role: str, medium: str = "ram") -> float:
+    """A service's weight for a role, from the resources it reported
+    (domus.service.resources): cores for routing; RAM for storage in RAM,
+    free disk for storage on disk."""
+    if role == "routing":
+        return float(resources.get("cores") or 1)
+    if medium == "disk":
+        return float(resources.get("disk") or 1)
+    return float(resources.get("ram") or 1)

@@ -4,10 +4,10 @@ Everything a client does for one request between its caller and the socket
 is here: encode the key, hash it to a bucket, build the message (one call
 for a single-key request), group the keys of a batch by service and cut
 them into datagrams, decode GET_MANY and SCAN replies, pack and unpack
-values (msgpack, as domus.values), and (in C only) the UDP round trip.
+values (msgpack, as domus.wire.values), and (in C only) the UDP round trip.
 
 Each function has a pure-Python reference below, built on
-``domus.keys`` and ``domus.protocol``.  ``domus._codec`` (cext/codec.c)
+``domus.wire.keys`` and ``domus.wire.protocol``.  ``domus._codec`` (cext/codec.c)
 implements the same functions in C, byte for byte and error for error;
 tests/unit/test_codec.py runs both on random inputs.  The C module is used
 when it is built, unless ``DOMUS_PURE_PYTHON=1`` is set; ``IMPLEMENTATION``
@@ -16,7 +16,7 @@ and ``accelerated`` the C module (or None).
 
 A *hasher* is what ``hasher(name)`` returns for a DHT's hash function: the
 function itself, or (C only) a code for a hash the C module computes
-(xxh3, xxh64).  A *shift* is ``domus.keys.bucket_shift(bucket_count)``.
+(xxh3, xxh64).  A *shift* is ``domus.wire.keys.bucket_shift(bucket_count)``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
-from domus import keys as _keys
-from domus import protocol as wire
-from domus import values as _values
+from domus.wire import keys as _keys
+from domus.wire import protocol as wire
+from domus.wire import values as _values
 
 Channel = TypeVar("Channel", bound=Hashable)
 Member = tuple[int, int, bytes]  # (position among the keys, bucket, encoded key)

@@ -31,24 +31,24 @@ from collections.abc import (
 from operator import itemgetter
 from typing import Any
 
-from domus import address as addresses
-from domus import batch, codec
-from domus import protocol as wire
-from domus.attributes import check_strategy, create_request
+from domus.client import batch, codec
+from domus.client.lookup import (
+    PAUSE,
+    SEND,
+    DirectLookup,
+    reply_error,
+)
+from domus.client.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
 from domus.errors import (
     DomusError,
     ServiceUnavailable,
     UnknownDht,
     ValueTooLarge,
 )
-from domus.keys import decode_key
-from domus.lookup import (
-    PAUSE,
-    SEND,
-    DirectLookup,
-    reply_error,
-)
-from domus.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
+from domus.wire import address as addresses
+from domus.wire import protocol as wire
+from domus.wire.attributes import check_strategy, create_request
+from domus.wire.keys import decode_key
 
 DEFAULT_TIMEOUT = 5.0
 # Deactivation saves every record of a RAM DHT, activation loads them: the
@@ -148,7 +148,7 @@ class Cluster:
         ("D", "D,C,R", "C,R" or "R"; default: the DHT's own), ``cache`` the
         size of its lookup cache as a fraction of the bucket count (default
         0.5), ``direct_cutoff`` the direct misses after which it stops using
-        direct lookups (default 8; domus.lookup says more)."""
+        direct lookups (default 8; domus.client.lookup says more)."""
         if lookup is not None:
             check_strategy(lookup)
         descriptor = self.supervisor.call("open_dht", name=name)
@@ -227,7 +227,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         reply.  The first method of the lookup strategy answers at once when
         it can (a direct table, a cached entry); anything else (a miss, a
         distributed lookup, a bucket being moved) takes the course that
-        domus.lookup lays out."""
+        domus.client.lookup lays out."""
         ids = self.cluster.ids
         message, bucket = _keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                  self._shift, key, value)
@@ -253,7 +253,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         return self._drive(self._course(encode, bucket, first, skip=skip))
 
     def _drive(self, course: Generator[tuple[Any, ...], Any, Any]) -> Any:
-        """Run a course (domus.lookup) to its end with blocking I/O."""
+        """Run a course (domus.client.lookup) to its end with blocking I/O."""
         result: Any = None
         try:
             instruction = next(course)

@@ -2,7 +2,7 @@
 
 ``RBTree`` is the C type ``domus._rbtree.RBTree`` when the extension is built
 and the environment variable ``DOMUS_PURE_PYTHON`` is not ``"1"``; otherwise
-it is the pure-Python reference ``domus.rbtree_ref.RBTree``, which behaves
+it is the pure-Python reference ``domus.rbtree.reference.RBTree``, which behaves
 the same (same methods, errors and messages) and is slower.
 ``C_EXTENSION`` says which one this is.
 
@@ -29,14 +29,14 @@ from __future__ import annotations
 import os
 
 if os.environ.get("DOMUS_PURE_PYTHON") == "1":
-    from domus.rbtree_ref import RBTree
+    from domus.rbtree.reference import RBTree
 
     C_EXTENSION = False
 else:
     try:
         from domus._rbtree import RBTree
     except ImportError:
-        from domus.rbtree_ref import RBTree  # type: ignore[assignment]
+        from domus.rbtree.reference import RBTree  # type: ignore[assignment]
 
         C_EXTENSION = False
     else:

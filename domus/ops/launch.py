@@ -1,14 +1,12 @@
 """How a deployment's processes are started again after
 ``domus deployment shutdown`` (or a crash).
 
-Every supervisor and service records, when it starts, a *launch record*:
-the host it runs on, the Python and arguments that start it exactly as it
-is (absolute paths, its own address, name and data dir), its working
-directory and the ``DOMUS_*`` environment it ran with.  The supervisor keeps
-the records in its state file.  ``domus deployment restart`` reads them and
-starts each process again, detached from the terminal (its own session,
-output appended to ``<data dir>/<role>.log``): on this host directly, on
-another host through a launcher such as ``ssh {host}``.
+Every supervisor and service records, when it starts, a *launch record*
+(domus.wire.launch), which the supervisor keeps in its state file.
+``domus deployment restart`` reads them and starts each process again,
+detached from the terminal (its own session, output appended to
+``<data dir>/<role>.log``): on this host directly, on another host through a
+launcher such as ``ssh {host}``.
 """
 
 from __future__ import annotations
@@ -17,30 +15,11 @@ import os
 import shlex
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from domus.errors import DomusError, SupervisorUnreachable
-
-LOG_FILE = {"supervisor": "supervisor.log", "service": "service.log"}
-
-
-def record(role: str, address: str, arguments: list[str], data_dir: str) -> dict[str, Any]:
-    """The launch record of this process: ``role`` ("supervisor" or
-    "service"), the address it listens on, and the ``domus`` arguments that
-    start it again."""
-    return {
-        "role": role,
-        "address": address,
-        "host": socket.gethostname(),
-        "python": sys.executable,
-        "arguments": ["-m", "domus", *arguments],
-        "cwd": os.getcwd(),
-        "env": {key: value for key, value in os.environ.items() if key.startswith("DOMUS_")},
-        "log": os.path.join(data_dir, LOG_FILE[role]),
-    }
 
 
 def is_local(launch: dict[str, Any]) -> bool:
@@ -85,7 +64,7 @@ def shutdown(cluster: Any, *, save_ram: bool = True) -> dict[str, Any]:
     """Ask the supervisor to stop the deployment (see the supervisor's
     ``shutdown_deployment``) and wait until it has exited; returns its
     summary."""
-    from domus.client import STATE_CHANGE_TIMEOUT
+    from domus.client.blocking import STATE_CHANGE_TIMEOUT
 
     summary = cluster.supervisor.call("shutdown_deployment", save_ram=save_ram,
                                       timeout=STATE_CHANGE_TIMEOUT)
@@ -97,7 +76,7 @@ def shutdown(cluster: Any, *, save_ram: bool = True) -> dict[str, Any]:
 def _wait_for_exit(address: str, timeout: float = 30.0) -> None:
     """Until the supervisor at ``address`` no longer answers (it has closed
     its port), so that a new one can take the port."""
-    from domus.client import Cluster
+    from domus.client.blocking import Cluster
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -118,7 +97,7 @@ def restart(state_dir: str, *, launcher: str | None = None, timeout: float = 60.
     already up, each as its launch record says; wait until they are up and
     every DHT a shutdown saved is active again.  Returns the number of
     processes that could not be started (0: all is well)."""
-    from domus.client import Cluster
+    from domus.client.blocking import Cluster
     from domus.supervisor.state import STATE_FILE, SupervisorState
 
     if not os.path.exists(os.path.join(state_dir, STATE_FILE)):
@@ -173,7 +152,7 @@ RECONNECT_GRACE = 2.5     # a service retries the supervisor at least every 2 s
 
 
 def _wait_for_supervisor(address: str, timeout: float) -> None:
-    from domus.client import Cluster
+    from domus.client.blocking import Cluster
 
     deadline = time.monotonic() + timeout
     while True:

@@ -33,7 +33,7 @@ from typing import NoReturn
 import xxhash
 
 from domus.errors import KeyTooLarge, KeyTypeError, ProtocolError
-from domus.protocol import MAX_KEY_BYTES
+from domus.wire.protocol import MAX_KEY_BYTES
 
 TAG_NEGBIG = 0x00   # int < -2**63: u16 (0xFFFF - L), then NOT of the L-byte magnitude
 TAG_INT64 = 0x01    # int in [-2**63, 2**63): key + 2**63, 8 bytes big-endian unsigned

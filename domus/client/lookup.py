@@ -4,7 +4,7 @@ A client looks buckets up by a *strategy*, an ordered fall-back list of
 methods (DESIGN.md, "Lookup"):
 
 - **D, direct**: the initial placement rebuilt from the descriptor's
-  per-service counts (domus.layout.initial).  One hop, no routing.  It
+  per-service counts (domus.placement.layout.initial).  One hop, no routing.  It
   misses on buckets moved since; after ``direct_cutoff`` misses a client
   whose strategy has other methods stops using it.
 - **C, cached**: an LRU of (bucket -> routing service, storage service) fed
@@ -34,7 +34,7 @@ short, growing pause, for up to ``MOVING_PATIENCE`` seconds.
 The decisions live here, with no I/O: a request's course is a generator
 that yields instructions (send this message to this channel; pause; fetch
 the layout) and receives their results.  The synchronous and the Twisted
-clients each drive it their own way (domus.client, domus.txclient); the
+clients each drive it their own way (domus.client.blocking, domus.client.tx); the
 common case, the first method answering at once, never enters it.
 """
 
@@ -45,10 +45,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
-from domus import codec, layout
-from domus import protocol as wire
-from domus.attributes import check_strategy
-from domus.bucketmap import BucketMap
+from domus.client import codec
 from domus.errors import (
     DhtInactive,
     DomusError,
@@ -60,8 +57,12 @@ from domus.errors import (
     ValueTooLarge,
     WrongService,
 )
-from domus.keys import bucket_shift
+from domus.placement import layout
+from domus.placement.bucketmap import BucketMap
 from domus.routing import RoutingGraph, make_graph
+from domus.wire import protocol as wire
+from domus.wire.attributes import check_strategy
+from domus.wire.keys import bucket_shift
 
 Channel = TypeVar("Channel")
 
@@ -161,7 +162,7 @@ class DirectLookup(Generic[Channel]):
         self.name: str = descriptor["name"]
         self.id: int = descriptor["id"]
         self.bucket_count: int = descriptor["buckets"]
-        self._hasher = codec.hasher(descriptor["hash"])  # the hash, as domus.codec takes it
+        self._hasher = codec.hasher(descriptor["hash"])  # the hash, as domus.client.codec takes it
         self._shift = bucket_shift(self.bucket_count)
         storage = descriptor["storage_services"]
         channels = {entry["name"]: self.cluster.channel(entry["name"], entry["address"])

@@ -82,7 +82,14 @@ STATUS_NAMES = {
     ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
 }
 
-# Limits.  Keys are limited by domus.keys.MAX_KEY_BYTES as well.
+# Retries.  A client stops retrying a request MAX_DEADLINE seconds after its
+# first send; a service keeps the reply to a change for at least
+# REPLY_CACHE_TTL / 2 seconds (domus.service.replycache), so a retry never
+# arrives after its reply is forgotten and applies the change again.
+REPLY_CACHE_TTL = 30.0
+MAX_DEADLINE = REPLY_CACHE_TTL / 2
+
+# Limits.  Keys are limited by domus.wire.keys.MAX_KEY_BYTES as well.
 MAX_KEY_BYTES = 8192
 MAX_VALUE_BYTES = 16 * 1024 * 1024
 MAX_FRAME_BYTES = MAX_VALUE_BYTES + 64 * 1024   # one TCP message

@@ -25,16 +25,6 @@ def base_resources(data_dir: str, cores: float | None = None, ram: int | None = 
     }
 
 
-def weight(resources: dict[str, Any], role: str, medium: str = "ram") -> float:
-    """A service's weight for a role: cores for routing; RAM for storage in
-    RAM, free disk for storage on disk."""
-    if role == "routing":
-        return float(resources.get("cores") or 1)
-    if medium == "disk":
-        return float(resources.get("disk") or 1)
-    return float(resources.get("ram") or 1)
-
-
 class LoadSampler:
     """Smoothed CPU, memory and request rate of this process and node."""
 

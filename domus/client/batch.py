@@ -6,7 +6,7 @@ only sends the messages its own way.
 "Channel" below is anything naming one service (a ServiceChannel or a
 TxChannel).  The per-key work (encoding keys, hashing them to buckets,
 grouping them by channel, packing entries, decoding replies) is done by
-domus.codec, in C when it is built.
+domus.client.codec, in C when it is built.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from domus import codec
-from domus import protocol as wire
-from domus.codec import Hasher, Member, chunks
+from domus.client import codec
+from domus.client.codec import Hasher, Member, chunks
 from domus.errors import DomusError, ValueTooLarge
-from domus.keys import encode_key
-from domus.values import pack_value
+from domus.wire import protocol as wire
+from domus.wire.keys import encode_key
+from domus.wire.values import pack_value
 
 Channel = TypeVar("Channel")
 ErrorFor = Callable[[bytes, Any], DomusError]
@@ -87,7 +87,7 @@ class GetMany:
              replies: list[bytes], error: ErrorFor,
              unpack: Callable[[bytes], Any] | None = None) -> bool:
         """Take in one round of replies (values decoded by ``unpack``, by
-        default domus.values.unpack_value); True if a service said a bucket
+        default domus.wire.values.unpack_value); True if a service said a bucket
         moved (the caller refreshes the layout before the next round).
         Keys of a bucket being moved are asked again (``moving`` says so:
         the caller pauses first)."""

@@ -10,8 +10,8 @@ import sys
 import time
 from typing import Any
 
-from domus import address as addresses
 from domus.errors import DomusError
+from domus.wire import address as addresses
 
 SERVICE_ADMIN = ("list", "remove")
 
@@ -67,7 +67,7 @@ def cmd_service(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from domus.deploy import LocalDeployment
+    from domus.ops.deploy import LocalDeployment
 
     deployment = LocalDeployment(args.services, port=args.port, data_dir=args.data_dir,
                                  host=args.host)
@@ -114,7 +114,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace) -> Any:
-    from domus.client import connect
+    from domus.client.blocking import connect
 
     try:
         addresses.parse(addresses.supervisor_address(args.supervisor))
@@ -246,8 +246,8 @@ def format_move(answer: dict[str, Any]) -> str:
 
 
 def cmd_deployment(args: argparse.Namespace) -> int:
-    from domus import launch
     from domus.errors import SupervisorUnreachable
+    from domus.ops import launch
 
     state_dir = getattr(args, "data_dir", None)
     try:

@@ -1,0 +1,907 @@
+"""The Twisted client: the synchronous client's operations, as Deferreds.
+
+For event-driven cluster jobs, which keep many requests outstanding at once::
+
+    from twisted.internet import defer, task
+    from domus import txclient
+    async def job(reactor):
+        cluster = await txclient.connect("127.0.0.1:7700", reactor=reactor)
+        dht = await cluster.create_dht("words")
+        await defer.gatherResults([dht.put(n, n * n) for n in range(1000)])
+        print(await dht.get(12), await dht.length())
+        await cluster.close()
+
+    task.react(lambda reactor: defer.Deferred.fromCoroutine(job(reactor)))
+
+It behaves as ``domus.client.blocking``: the same wire messages, the same retry rule
+(``domus.client.transport``), the same errors from ``domus.errors``.  An error
+arrives as a failed Deferred, argument errors included (a key of the wrong
+type fails the Deferred that ``put`` returns).  ``TxDht.stats()`` reads local
+counters and returns a dict, not a Deferred.
+
+One UDP socket carries every request to every service; a request that does
+not fit a datagram, or whose reply does not, goes over TCP (one connection
+per service, opened when first needed).  At most ``window`` datagrams are in
+flight to any one service; the rest wait, in order, on the client, so that a
+job firing 100,000 puts does not overrun the service's socket buffer.  A
+request's retry clock starts when it is first sent, not when it was queued;
+when a request reaches its deadline, those still queued for the same service
+fail with it.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from twisted.internet import defer, error, protocol, task
+from twisted.internet.abstract import isIPAddress
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.python.failure import Failure
+
+from domus.client import batch, codec
+from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target, reply_error
+from domus.client.lookup import PAUSE, SEND, DirectLookup
+from domus.client.transport import (
+    FIRST_TIMEOUT,
+    MAX_DEADLINE,
+    READ_ONLY_CONTROL,
+    RECV_BUFFER,
+    RequestIds,
+    service_unavailable,
+)
+from domus.errors import (
+    SUPERVISOR_ERRORS,
+    DomusError,
+    ServiceUnavailable,
+    SupervisorError,
+    SupervisorUnreachable,
+    UnknownDht,
+    ValueTooLarge,
+)
+from domus.wire import address as addresses
+from domus.wire import protocol as wire
+from domus.wire.attributes import check_strategy, create_request
+from domus.wire.control import MessageProtocol, RemoteControlError
+
+WINDOW = 32            # datagrams in flight per service; more wait on the client
+MAX_PACKET = 65536     # what the UDP socket reads at once (Twisted's default is 8192)
+_UNSET = object()
+
+
+class _Once:
+    """The outcome of one asynchronous step (a connection, a layout fetch),
+    handed to every caller that asks for it, before or after it is known.
+
+    Awaiting one Deferred from several coroutines does not work (the first
+    consumes the result), hence a fresh Deferred per waiter."""
+
+    def __init__(self) -> None:
+        self.result: Any = _UNSET
+        self._waiters: list[defer.Deferred] = []
+
+    def settle(self, result: Any) -> None:
+        self.result = result
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            self._fire(waiter)
+
+    def wait(self) -> defer.Deferred:
+        waiter: defer.Deferred = defer.Deferred()
+        if self.result is _UNSET:
+            self._waiters.append(waiter)
+        else:
+            self._fire(waiter)
+        return waiter
+
+    def _fire(self, waiter: defer.Deferred) -> None:
+        if isinstance(self.result, Failure):
+            waiter.errback(self.result)
+        else:
+            waiter.callback(self.result)
+
+
+def _open_link(reactor: Any, host: str, port: int, timeout: float,
+               peer_name: str) -> defer.Deferred:
+    """A connected MessageProtocol (length-prefixed TCP, calls as Deferreds)
+    whose call timeouts run on ``reactor``."""
+    link = MessageProtocol()
+    link.clock = reactor
+    link.peer_name = peer_name
+
+    def connected(link: MessageProtocol) -> MessageProtocol:
+        set_no_delay = getattr(link.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            set_no_delay(True)
+        return link
+
+    endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=timeout)
+    return connectProtocol(endpoint, link).addCallback(connected)
+
+
+def _gather(deferreds: list[defer.Deferred]) -> defer.Deferred:
+    """All results in order, or the first failure as it is (not FirstError)."""
+    return defer.gatherResults(deferreds, consumeErrors=True).addErrback(
+        lambda failure: failure.value.subFailure if failure.check(defer.FirstError)
+        else failure)
+
+
+class _Pending:
+    """One UDP request, from when it is queued until its reply, its deadline,
+    or the client's close."""
+
+    __slots__ = ("deferred", "message", "request_id", "channel", "dht", "bucket",
+                 "started", "timeout", "tries", "timer")
+
+    def __init__(self, channel: TxChannel, message: bytes, dht: str,
+                 bucket: int | None) -> None:
+        self.channel = channel
+        self.message = message
+        self.request_id = message[4:8]
+        self.dht = dht
+        self.bucket = bucket
+        self.started = 0.0
+        self.timeout = channel.first_timeout
+        self.tries = 0
+        self.timer: Any = None
+        self.deferred: defer.Deferred = defer.Deferred(canceller=self._cancelled)
+
+    def _cancelled(self, _deferred: defer.Deferred) -> None:
+        self.channel.requests.forget(self)
+
+
+class DatagramRequests(protocol.DatagramProtocol):
+    """The client's one UDP socket: requests out, replies matched back by id.
+
+    Invariants of the pending table (request id -> _Pending):
+    - an id is in it from its first send until its reply arrives, its
+      deadline passes, or it is cancelled; then it leaves for good, so a
+      late reply (to an earlier try of an answered request, or to one given
+      up) finds nothing and is dropped;
+    - a retry resends the very same bytes (same request id, same client id):
+      the service's reply cache answers a change it already applied instead of
+      applying it twice;
+    - every entry in it has exactly one live timer (its retry or deadline).
+    """
+
+    def __init__(self, reactor: Any, window: int = WINDOW) -> None:
+        self.reactor = reactor   # IReactorTime (callLater, seconds); listenUDP when needed
+        self.window = window
+        self.pending: dict[bytes, _Pending] = {}
+        self.channels: set[TxChannel] = set()
+        self.late_replies = 0
+        self.stray = 0
+        self.send_errors = 0
+        self.closed = False
+        self._port: Any = None
+        self._write: Any = None
+
+    def startProtocol(self) -> None:
+        sock = getattr(self.transport, "socket", None)
+        if sock is None:
+            self._write = self.transport.write
+            return
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
+        except OSError:
+            pass
+        # Twisted's write() re-validates the address on every call; ours are
+        # IP addresses already (see TxChannel.ip), so send on the socket.
+        self._write = sock.sendto
+
+    # -- requests
+    def request(self, channel: TxChannel, message: bytes, dht: str = "",
+                bucket: int | None = None) -> defer.Deferred:
+        """Send ``message`` to ``channel``'s service; the Deferred fires with
+        the reply bytes or fails with ServiceUnavailable."""
+        if self.closed:
+            return defer.fail(DomusError("this Twisted Domus client is closed; connect again"))
+        if self.transport is None:
+            try:
+                self._port = self.reactor.listenUDP(0, self, maxPacketSize=MAX_PACKET)
+            except Exception as exc:  # CannotListenError, or a reactor without UDP
+                return defer.fail(DomusError(f"cannot open a UDP socket for requests: {exc}"))
+        entry = _Pending(channel, message, dht, bucket)
+        self.channels.add(channel)
+        channel.waiting.append(entry)
+        self._pump(channel)
+        return entry.deferred
+
+    def _pump(self, channel: TxChannel) -> None:
+        """Send what waits for ``channel`` while its window has room."""
+        if channel.ip is None:
+            self._resolve(channel)
+            return
+        while channel.waiting and channel.in_flight < self.window:
+            entry = channel.waiting.popleft()
+            channel.in_flight += 1
+            entry.started = self.reactor.seconds()
+            self.pending[entry.request_id] = entry
+            self._send(entry)
+
+    def _send(self, entry: _Pending) -> None:
+        entry.tries += 1
+        entry.timer = self.reactor.callLater(entry.timeout, self._expired, entry)
+        try:
+            self._write(entry.message, (entry.channel.ip, entry.channel.port))
+        except OSError:
+            self.send_errors += 1  # a full send buffer: the retry timer sends it again
+
+    def _expired(self, entry: _Pending) -> None:
+        """The retry rule of domus.client.transport.ServiceChannel.request: resend
+        after first_timeout, then after twice that, ..., until ``deadline``
+        seconds have passed since the first send."""
+        read = getattr(self.transport, "doRead", None)
+        if read is not None:
+            # A reply already waiting in the socket beats the timer: a job
+            # that kept the reactor busy must not see retries, or worse a
+            # ServiceUnavailable, for replies that did arrive in time.
+            read()
+            if self.pending.get(entry.request_id) is not entry:
+                return
+        channel = entry.channel
+        channel.timeouts += 1
+        elapsed = self.reactor.seconds() - entry.started
+        if elapsed >= channel.deadline:
+            # The service has not answered for a whole deadline: the requests
+            # still waiting for its window fail with this one, rather than
+            # wait out a deadline each, one window after another.
+            doomed = [entry, *channel.waiting]
+            channel.waiting.clear()
+            self.forget(entry)
+            what = (f"did not answer within {channel.deadline:.1f}s ({channel.retries} retries "
+                    f"so far)")
+            for request in doomed:
+                request.deferred.errback(channel.unavailable(what, request.dht, request.bucket))
+            return
+        channel.retries += 1
+        entry.timeout = min(entry.timeout * 2, max(channel.deadline - elapsed, 0.001))
+        self._send(entry)
+
+    def forget(self, entry: _Pending) -> None:
+        """Take ``entry`` out of the table (or the queue) and free its slot."""
+        channel = entry.channel
+        if self.pending.pop(entry.request_id, None) is entry:
+            if entry.timer is not None and entry.timer.active():
+                entry.timer.cancel()
+            channel.in_flight -= 1
+            self._pump(channel)
+        elif entry in channel.waiting:
+            channel.waiting.remove(entry)
+
+    def datagramReceived(self, data: bytes, peer: Any) -> None:
+        if len(data) < wire.REPLY_HEADER_SIZE or data[0] != wire.REPLY_MAGIC:
+            self.stray += 1
+            return
+        entry = self.pending.get(data[4:8])
+        if entry is None:
+            self.late_replies += 1
+            return
+        self.forget(entry)
+        if data[2] == wire.ST_REPLY_TOO_LARGE:
+            entry.channel.request_tcp(entry.message, entry.dht, entry.bucket).chainDeferred(
+                entry.deferred)
+        else:
+            entry.deferred.callback(data)
+
+    # -- host names
+    def _resolve(self, channel: TxChannel) -> None:
+        if channel.resolving:
+            return
+        channel.resolving = True
+
+        def resolved(ip: str) -> None:
+            channel.ip = ip
+            channel.resolving = False
+            self._pump(channel)
+
+        def failed(failure: Failure) -> None:
+            channel.resolving = False
+            waiting, channel.waiting = channel.waiting, deque()
+            for entry in waiting:
+                entry.deferred.errback(channel.unavailable(
+                    f"cannot be reached: host {channel.host!r} does not resolve "
+                    f"({failure.getErrorMessage()})", entry.dht, entry.bucket))
+
+        self.reactor.resolve(channel.host).addCallbacks(resolved, failed)
+
+    def close(self) -> defer.Deferred:
+        """Fail what is outstanding and stop listening."""
+        self.closed = True
+        entries = list(self.pending.values())
+        self.pending.clear()
+        for channel in self.channels:
+            entries.extend(channel.waiting)
+            channel.waiting.clear()
+            channel.in_flight = 0
+        for entry in entries:
+            if entry.timer is not None and entry.timer.active():
+                entry.timer.cancel()
+            entry.deferred.errback(DomusError(
+                f"the Twisted Domus client was closed before service {entry.channel.name} "
+                f"answered"))
+        if self._port is not None:
+            port, self._port = self._port, None
+            return defer.maybeDeferred(port.stopListening)
+        return defer.succeed(None)
+
+
+class TxChannel:
+    """Requests to one service: over the shared UDP socket, or over this
+    channel's own TCP connection when a message does not fit a datagram."""
+
+    def __init__(self, name: str, address: str, *, requests: DatagramRequests,
+                 deadline: float, first_timeout: float = FIRST_TIMEOUT) -> None:
+        self.name = name
+        self.address = address
+        self.host, self.port = addresses.parse(address)
+        # The same limits as domus.client.transport.ServiceChannel (see there why).
+        self.deadline = min(deadline, MAX_DEADLINE)
+        self.first_timeout = min(first_timeout, self.deadline)
+        self.requests = requests
+        self.retries = 0
+        self.timeouts = 0
+        self.in_flight = 0
+        self.waiting: deque[_Pending] = deque()
+        self.ip: str | None = self.host if isIPAddress(self.host) else None
+        self.resolving = False
+        self._tcp: _Once | None = None
+        self._tcp_link: MessageProtocol | None = None
+
+    def __repr__(self) -> str:
+        return f"<TxChannel {self.name} {self.address}>"
+
+    def unavailable(self, what: str, dht: str = "",
+                    bucket: int | None = None) -> ServiceUnavailable:
+        return service_unavailable(self.name, self.address, what, dht, bucket)
+
+    def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> defer.Deferred:
+        """Send one request; fires with its reply (retried over UDP, or over
+        TCP when it is too big for a datagram)."""
+        if len(message) > wire.DEFAULT_MAX_DATAGRAM:
+            return self.request_tcp(message, dht, bucket)
+        return self.requests.request(self, message, dht, bucket)
+
+    def request_tcp(self, message: bytes, dht: str = "",
+                    bucket: int | None = None) -> defer.Deferred:
+        return defer.Deferred.fromCoroutine(self._request_tcp(message, dht, bucket))
+
+    async def _request_tcp(self, message: bytes, dht: str, bucket: int | None) -> bytes:
+        request_id = wire.U32.unpack_from(message, 4)[0]
+        for attempt in (1, 2):
+            link: MessageProtocol | None = None
+            try:
+                link = await self._connect()
+                _status, frame = await link.request(message, request_id, self.deadline)
+                return frame
+            except (TimeoutError, error.TimeoutError) as exc:
+                raise self.unavailable(f"failed over TCP ({exc})", dht, bucket) from None
+            except (ConnectionError, error.ConnectError, OSError) as exc:
+                # One reconnect (the service may have restarted); a retry of
+                # a change is answered from the service's reply cache.
+                self._drop_tcp(link)
+                if attempt == 2:
+                    raise self.unavailable(f"failed over TCP ({exc})", dht, bucket) from None
+        raise AssertionError("unreachable")
+
+    def _connect(self) -> defer.Deferred:
+        if self._tcp is None:
+            once = self._tcp = _Once()
+
+            def made(link: MessageProtocol) -> MessageProtocol:
+                self._tcp_link = link
+                link.lost.addCallback(lambda _: self._drop_tcp(link))
+                return link
+
+            def failed(failure: Failure) -> Failure:
+                if self._tcp is once:
+                    self._tcp = None
+                return failure
+
+            opening = _open_link(self.requests.reactor, self.host, self.port, self.deadline,
+                                 f"service {self.name}")
+            opening.addCallbacks(made, failed).addBoth(once.settle)
+            return once.wait()  # (self._tcp may be None again already: a failure at once)
+        return self._tcp.wait()
+
+    def _drop_tcp(self, link: MessageProtocol | None) -> None:
+        """Forget ``link`` (lost or failing) so the next request reconnects."""
+        if link is None or link is self._tcp_link:
+            self._tcp = None
+            self._tcp_link = None
+        if link is not None and link.transport is not None and link.connected:
+            link.transport.loseConnection()
+
+    def close(self) -> defer.Deferred:
+        link, self._tcp, self._tcp_link = self._tcp_link, None, None
+        if link is None or link.transport is None or not link.connected:
+            return defer.succeed(None)
+        link.transport.loseConnection()
+        return link.lost
+
+
+def connect(address: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+            reactor: Any = None, *, window: int = WINDOW) -> defer.Deferred:
+    """Connect to a deployment's supervisor: ``address`` (HOST:PORT), else
+    $DOMUS_SUPERVISOR, else 127.0.0.1:7700.  Fires with a TxCluster, or
+    fails with SupervisorUnreachable if the supervisor does not answer
+    within ``timeout`` seconds, which also bounds every later call."""
+    if reactor is None:
+        from twisted.internet import reactor as default_reactor
+
+        reactor = default_reactor
+    try:
+        cluster = TxCluster(addresses.supervisor_address(address), timeout, reactor,
+                            window=window)
+    except ValueError as exc:
+        return defer.fail(exc)
+
+    def timed_out(failure: Failure) -> Failure:
+        failure.trap(defer.TimeoutError)
+        return Failure(SupervisorUnreachable(
+            f"the Domus supervisor at {cluster.address} did not answer within {timeout:.1f}s; "
+            f"is it running (`domus up` or `domus supervisor`) and not overloaded?"))
+
+    def failed(failure: Failure) -> Failure:
+        cluster.close()
+        return failure
+
+    pinged = cluster.ping().addTimeout(timeout, reactor).addErrback(timed_out)
+    return pinged.addCallbacks(lambda _answer: cluster, failed)
+
+
+class TxCluster:
+    """A connection to one Domus deployment; every call returns a Deferred."""
+
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT, reactor: Any = None,
+                 *, window: int = WINDOW) -> None:
+        if reactor is None:
+            from twisted.internet import reactor as default_reactor
+
+            reactor = default_reactor
+        self.address = address
+        self.host, self.port = addresses.parse(address)
+        self.timeout = timeout
+        self.reactor = reactor
+        self.ids = RequestIds()
+        self.requests = DatagramRequests(reactor, window)
+        self._channels: dict[tuple[str, str], TxChannel] = {}
+        self._link: _Once | None = None
+        self._link_protocol: MessageProtocol | None = None
+        self._opening: defer.Deferred | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<domus.TxCluster supervisor={self.address}>"
+
+    def channel(self, name: str, address: str) -> TxChannel:
+        """The (shared) channel to a service, by name and address."""
+        key = (name, address)
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = self._channels[key] = TxChannel(name, address, requests=self.requests,
+                                                      deadline=self.timeout)
+        return channel
+
+    # -- the supervisor link
+    def _supervisor(self) -> defer.Deferred:
+        """The connected link to the supervisor (connecting if need be)."""
+        if self._closed:
+            return defer.fail(SupervisorUnreachable("this Twisted Domus client is closed; "
+                                                    "connect again"))
+        if self._link is None:
+            once = self._link = _Once()
+
+            def made(link: MessageProtocol) -> MessageProtocol:
+                self._link_protocol = link
+                link.lost.addCallback(lambda _: self._drop_link(link))
+                return link
+
+            def failed(failure: Failure) -> Failure:
+                if self._link is once:
+                    self._link = None
+                if failure.check(defer.CancelledError):
+                    return failure
+                return Failure(SupervisorUnreachable(
+                    f"cannot reach the Domus supervisor at {self.address}: "
+                    f"{failure.getErrorMessage()}; is it running (`domus up` or `domus "
+                    f"supervisor`)? Pass its HOST:PORT or set DOMUS_SUPERVISOR"))
+
+            self._opening = _open_link(self.reactor, self.host, self.port, self.timeout,
+                                       "supervisor")
+            self._opening.addCallbacks(made, failed).addBoth(once.settle)
+            return once.wait()  # (self._link may be None again already: a failure at once)
+        return self._link.wait()
+
+    def _drop_link(self, link: MessageProtocol) -> None:
+        if link is self._link_protocol:
+            self._link = None
+            self._link_protocol = None
+        if link.transport is not None and link.connected:
+            link.transport.loseConnection()
+
+    def call(self, op: str, timeout: float | None = None, **params: Any) -> defer.Deferred:
+        """Run control op ``op`` on the supervisor; fires with its result, or
+        fails with the matching domus.errors exception."""
+        return defer.Deferred.fromCoroutine(self._call(op, timeout, params))
+
+    async def _call(self, op: str, timeout: float | None, params: dict[str, Any]) -> Any:
+        """As domus.client.transport.SupervisorLink.call: a read-only op is sent
+        again once if the connection breaks; a change is not (it may have
+        been applied)."""
+        wait = timeout or self.timeout
+        for attempt in (1, 2) if op in READ_ONLY_CONTROL else (2,):
+            link = await self._supervisor()
+            try:
+                return await link.call(op, timeout=wait, **params)
+            except RemoteControlError as exc:
+                cls = SUPERVISOR_ERRORS.get(exc.kind, SupervisorError)
+                raise cls(exc.message or f"{op!r} failed") from None
+            except TimeoutError:
+                raise SupervisorUnreachable(
+                    f"the Domus supervisor at {self.address} did not answer {op!r} within "
+                    f"{wait:.1f}s; check that it is running and not overloaded") from None
+            except ConnectionError:
+                self._drop_link(link)
+                if attempt == 2:
+                    raise SupervisorUnreachable(
+                        f"lost the connection to the Domus supervisor at {self.address} "
+                        f"during {op!r} (if it changed something, it may or may not have "
+                        f"been applied: check before retrying); is it running?") from None
+                # one reconnect: the supervisor may have restarted
+        raise AssertionError("unreachable")
+
+    def close(self) -> defer.Deferred:
+        """Close every connection and socket; outstanding requests fail.
+        Fires when all are closed."""
+        self._closed = True
+        closing = [self.requests.close()]
+        if self._opening is not None and not self._opening.called:
+            self._opening.cancel()
+        link, self._link, self._link_protocol = self._link_protocol, None, None
+        if link is not None and link.transport is not None and link.connected:
+            link.transport.loseConnection()
+            closing.append(link.lost)
+        closing.extend(channel.close() for channel in self._channels.values())
+        self._channels.clear()
+        return defer.gatherResults(closing).addCallback(lambda _: None)
+
+    # -- the deployment
+    def ping(self) -> defer.Deferred:
+        return self.call("ping")
+
+    def status(self) -> defer.Deferred:
+        return self.call("status")
+
+    def services(self) -> defer.Deferred:
+        """Every registered service: name, address, state ("up",
+        "unresponsive", "down"), roles, buckets per DHT, resources, load."""
+        return self.call("services")
+
+    # -- DHTs
+    def create_dht(self, name: str, *, buckets: int | None = None, hash: str | None = None,
+                   storage: str | None = None, platform: str | None = None,
+                   routing: str | None = None, routing_degree: int | None = None,
+                   routing_algorithm: str | None = None, lookup: str | None = None,
+                   durability: str | None = None,
+                   routing_services: Iterable[str] | None = None,
+                   storage_services: Iterable[str] | None = None) -> defer.Deferred:
+        """Create a DHT and open it: fires with a TxDht.  Attributes left out
+        take their defaults; service sets default to every live service."""
+        try:
+            attributes = create_request(name, buckets=buckets, hash=hash, storage=storage,
+                                        platform=platform, routing=routing,
+                                        routing_degree=routing_degree,
+                                        routing_algorithm=routing_algorithm, lookup=lookup,
+                                        durability=durability,
+                                        routing_services=routing_services,
+                                        storage_services=storage_services)
+        except Exception:
+            return defer.fail()
+        creating = self.call("create_dht", timeout=max(self.timeout, 15.0), name=name,
+                             attributes=attributes)
+        return creating.addCallback(lambda descriptor: TxDht(self, descriptor))
+
+    def open_dht(self, name: str, *, lookup: str | None = None, cache: float | None = None,
+                 direct_cutoff: int | None = None) -> defer.Deferred:
+        """Open an existing DHT: fires with a TxDht.  ``lookup``, ``cache``
+        and ``direct_cutoff`` choose this client's lookup strategy, as for
+        Cluster.open_dht."""
+        try:
+            if lookup is not None:
+                check_strategy(lookup)
+        except Exception:
+            return defer.fail()
+
+        def opened(descriptor: dict[str, Any]) -> TxDht:
+            return TxDht(self, descriptor, lookup=lookup, cache=cache,
+                         direct_cutoff=direct_cutoff)
+
+        return self.call("open_dht", name=name).addCallback(opened)
+
+    def list_dhts(self) -> defer.Deferred:
+        return self.call("list_dhts")
+
+    def dht_info(self, name: str) -> defer.Deferred:
+        return self.call("dht_info", name=name)
+
+    def destroy_dht(self, name: str) -> defer.Deferred:
+        return self.call("destroy_dht", name=name).addCallback(lambda _: None)
+
+    def deactivate_dht(self, name: str) -> defer.Deferred:
+        """As Cluster.deactivate_dht: fires with the records kept per
+        storage service."""
+        return self.call("deactivate_dht", name=name, timeout=STATE_CHANGE_TIMEOUT) \
+            .addCallback(lambda answer: answer["records"])
+
+    def activate_dht(self, name: str) -> defer.Deferred:
+        """As Cluster.activate_dht: fires with the records loaded per
+        storage service."""
+        return self.call("activate_dht", name=name, timeout=STATE_CHANGE_TIMEOUT) \
+            .addCallback(lambda answer: answer["records"])
+
+    def move_bucket(self, name: str, bucket: int, *, routing: str | None = None,
+                    storage: str | None = None) -> defer.Deferred:
+        """As Cluster.move_bucket: fires with the supervisor's answer."""
+        try:
+            role, service = move_target(routing, storage)
+        except TypeError:
+            return defer.fail()
+        return self.call("move_bucket", name=name, bucket=bucket, role=role, service=service,
+                         timeout=STATE_CHANGE_TIMEOUT)
+
+
+class TxDht(DirectLookup[TxChannel]):
+    """One DHT; every data operation returns a Deferred."""
+
+    def __init__(self, cluster: TxCluster, descriptor: dict[str, Any],
+                 **options: Any) -> None:
+        self._fetches = 0                   # layout fetches started so far
+        self._refreshing: _Once | None = None
+        super().__init__(cluster, descriptor, **options)
+
+    # ------------------------------------------------------------ layout
+    def refresh(self) -> defer.Deferred:
+        """Fetch the DHT's layout from the supervisor again.  Callers that
+        ask while a fetch is under way share it."""
+        if self._refreshing is None:
+            once = self._refreshing = _Once()
+            self._fetches += 1
+            self._counters["refreshes"] += 1
+            fetching = self.cluster.call("open_dht", name=self.name)
+            fetching.addCallbacks(self._load, self._fetch_failed).addBoth(self._fetched, once)
+            return once.wait()  # (self._refreshing may be None again already)
+        return self._refreshing.wait()
+
+    def _fetch_failed(self, failure: Failure) -> Failure:
+        if failure.check(UnknownDht):
+            return Failure(UnknownDht(f"DHT {self.name!r} no longer exists (destroyed?); "
+                                      f"create or open it again"))
+        return failure
+
+    def _fetched(self, result: Any, once: _Once) -> None:
+        if self._refreshing is once:
+            self._refreshing = None
+        once.settle(result)
+
+    def _layout_mark(self) -> int:
+        return self._fetches
+
+    def _layout_after(self, mark: int) -> defer.Deferred:
+        """Wait for a layout fetched after ``mark`` (a past value of
+        ``_fetches``): one started since, or else a new one.  A thousand
+        requests told NOT_OWNER at once cause one fetch, not a thousand, and
+        none of them retries with a layout older than its own NOT_OWNER."""
+        if self._fetches > mark:
+            return self._refreshing.wait() if self._refreshing else defer.succeed(None)
+        if self._refreshing is not None:  # started before the request was sent
+            return self._refreshing.wait().addCallback(lambda _: self._layout_after(mark))
+        return self.refresh()
+
+    # ------------------------------------------------------------ single keys
+    async def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
+        """One keyed request (``value``: a PUT's packed value); returns its
+        reply.  As the synchronous client: the first method of the strategy
+        answers at once when it can, anything else takes the course that
+        domus.client.lookup lays out."""
+        ids = self.cluster.ids
+        message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
+                                      self._shift, key, value)
+        first = None
+        skip = 0
+        mark = self._fetches
+        channel = self._first_channel(bucket)
+        if channel is None:
+            walk = self._first_walk(bucket)
+            if walk is not None:
+                channel = self._first_walked(await self._drive(walk))
+                skip = channel is None
+        if channel is not None:
+            try:
+                reply = await channel.request(message, self.name, bucket)
+            except ServiceUnavailable:
+                if not await self._owner_moved(mark, bucket, channel):
+                    raise
+            else:
+                if self._first_answer(channel, reply, bucket):
+                    return reply
+                first = (channel, reply)
+        encode = self._encoder(op, key, value, message if channel is None else None)
+        return await self._drive(self._course(encode, bucket, first, mark, skip))
+
+    async def _drive(self, course: Any) -> Any:
+        """Run a course (domus.client.lookup) to its end, without blocking."""
+        result: Any = None
+        try:
+            instruction = next(course)
+            while True:
+                kind = instruction[0]
+                try:
+                    if kind == SEND:
+                        result = await instruction[1].request(instruction[2], self.name,
+                                                              instruction[3])
+                    elif kind == PAUSE:
+                        result = await task.deferLater(self.cluster.reactor, instruction[1],
+                                                       lambda: None)
+                    else:
+                        result = await self._layout_after(instruction[1])
+                except DomusError as exc:
+                    instruction = course.throw(exc)
+                    continue
+                instruction = course.send(result)
+        except StopIteration as stop:
+            return stop.value
+
+    async def _owner_moved(self, mark: int, bucket: int, channel: TxChannel) -> bool:
+        """After ``channel``'s service failed to answer: ask the supervisor
+        whether the bucket is stored elsewhere now (e.g. the service
+        re-registered at a new address).  False if not, or if the supervisor
+        cannot say."""
+        try:
+            await self._layout_after(mark)
+        except DomusError:
+            return False
+        return self._owners[bucket] is not channel
+
+    def put(self, key: Any, value: Any) -> defer.Deferred:
+        """Store ``value`` under ``key``; fires with True if the key was new."""
+        return defer.Deferred.fromCoroutine(self._put(key, value))
+
+    async def _put(self, key: Any, value: Any) -> bool:
+        packed = codec.pack_value(value)
+        if len(packed) > wire.MAX_VALUE_BYTES:
+            raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
+                                f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
+        reply = await self._request(wire.OP_PUT, key, packed)
+        return reply[-1:] == b"\x01"
+
+    def get(self, key: Any, default: Any = None) -> defer.Deferred:
+        """Fires with the value of ``key``, or ``default`` if it is absent."""
+        return defer.Deferred.fromCoroutine(self._get(key, default, raise_missing=False))
+
+    def getitem(self, key: Any) -> defer.Deferred:
+        """Fires with the value of ``key``; fails with KeyError if absent."""
+        return defer.Deferred.fromCoroutine(self._get(key, None, raise_missing=True))
+
+    async def _get(self, key: Any, default: Any, *, raise_missing: bool) -> Any:
+        reply = await self._request(wire.OP_GET, key)
+        if reply[2] == wire.ST_NOT_FOUND:
+            if raise_missing:
+                raise KeyError(key)
+            return default
+        return codec.unpack_value(reply, wire.REPLY_HEADER_SIZE)
+
+    def delete(self, key: Any) -> defer.Deferred:
+        """Remove ``key``; fires with True if it was there."""
+        return defer.Deferred.fromCoroutine(self._answer(wire.OP_DELETE, key))
+
+    def contains(self, key: Any) -> defer.Deferred:
+        """Fires with True if ``key`` is stored."""
+        return defer.Deferred.fromCoroutine(self._answer(wire.OP_CONTAINS, key))
+
+    async def _answer(self, op: int, key: Any) -> bool:
+        reply = await self._request(op, key)
+        return reply[2] == wire.ST_OK
+
+    # ------------------------------------------------------------ batches
+    def _exchange(self, requests: list[tuple[TxChannel, bytes]]) -> defer.Deferred:
+        """Every request at once; fires with the replies in request order."""
+        return _gather([channel.request(message, self.name) for channel, message in requests])
+
+    def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> defer.Deferred:
+        """Store many records, one message per service where they fit in a
+        datagram (more where they do not), all sent at once.  Fires with how
+        many keys were new.  Either every key and value is valid and all are
+        sent, or none is."""
+        return defer.Deferred.fromCoroutine(self._put_many(items))
+
+    async def _batch_owners(self, keys: list[bytes]) -> Any:
+        """As the synchronous client's: the owners of a batch's buckets by
+        the lookup strategy, distributed lookups all under way at once."""
+        owners, missing = self._batch_plan(keys)
+        if not missing:
+            return owners
+        found = await _gather([defer.Deferred.fromCoroutine(self._drive(self._locating(bucket)))
+                               for bucket in missing])
+        return self._batch_found(owners, missing, found)
+
+    async def _before_next_round(self, moved: int, moving: bool,
+                                 rounds: dict[str, Any]) -> None:
+        for step in self._batch_retry(moved, moving, rounds):
+            if step[0] == PAUSE:
+                await task.deferLater(self.cluster.reactor, step[1], lambda: None)
+            else:
+                await self._layout_after(step[1])
+
+    async def _put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        keys, values = batch.encode_pairs(pairs)
+        batch.check_values(values)
+        owners = await self._batch_owners(keys)
+        created = 0
+        rounds = self._batch_rounds()
+        while keys:
+            requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
+                                          self.id, self.cluster.ids)
+            new, keys, values, moved, moving = self._put_round(
+                requests, await self._exchange(requests))
+            created += new
+            if keys:
+                await self._before_next_round(moved, moving, rounds)
+                owners = self._owners
+        return created
+
+    def get_many(self, keys: Iterable[Any]) -> defer.Deferred:
+        """Fires with the values of the keys that are present, as a dict
+        (absent keys are left out)."""
+        return defer.Deferred.fromCoroutine(self._get_many(keys))
+
+    async def _get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
+        wanted = list(keys)
+        state = batch.GetMany(wanted, codec.encode_keys(wanted))
+        owners = await self._batch_owners(state.encoded)
+        rounds = self._batch_rounds()
+        while state.pending:
+            requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
+                                               self.cluster.ids)
+            moved = state.take(requests, batches, await self._exchange(requests),
+                               self._batch_error)
+            if moved or state.moving:
+                await self._before_next_round(moved, state.moving, rounds)
+                owners = self._owners
+        return state.found
+
+    def _batch_error(self, reply: bytes, channel: TxChannel) -> Exception:
+        return reply_error(self.name, reply, channel, None)
+
+    # ------------------------------------------------------------ whole DHT
+    def length(self) -> defer.Deferred:
+        """Fires with the number of records in the DHT."""
+        return self.records_by_service().addCallback(lambda counts: sum(counts.values()))
+
+    def records_by_service(self) -> defer.Deferred:
+        """Fires with how many records each storage service holds of this DHT."""
+        return defer.Deferred.fromCoroutine(self._records_by_service())
+
+    async def _records_by_service(self) -> dict[str, int]:
+        # The layout as the supervisor knows it now (a service buckets moved
+        # to since is counted); the one this handle has if it cannot say.
+        try:
+            await self.refresh()
+        except UnknownDht:
+            raise
+        except DomusError:
+            pass
+        ids = self.cluster.ids
+        requests = [(channel, wire.encode_length(ids.next(), ids.client_id, self.id))
+                    for channel in self._storage_channels]
+        counts = {}
+        for (channel, _message), reply in zip(requests, await self._exchange(requests)):
+            if reply[2] != wire.ST_OK:
+                raise reply_error(self.name, reply, channel, None)
+            counts[channel.name] = wire.U64.unpack_from(reply, wire.REPLY_HEADER_SIZE)[0]
+        return counts
+
+__all__ = ["connect", "TxCluster", "TxDht", "TxChannel", "DatagramRequests"]
