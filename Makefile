@@ -8,6 +8,11 @@ BIN := $(VENV)/bin
 APT_PACKAGES := python3-venv python3-dev build-essential libdb-dev libxxhash-dev redis-server
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test processes run side by side (pytest-xdist): one per core by default.
+# Integration tests start their own deployments on free ports, so any two
+# can run at once.  JOBS=0 runs everything in this one process.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
 
 C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_hotpath.py tests/unit/test_codec.py
 ASAN_DIR := build/asan
@@ -41,8 +46,20 @@ venv: system
 demo: venv
 	$(BIN)/python clients/demo.py
 
-test: venv check-c
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS) tests
+# The C tests under the sanitizers, then the whole suite; the last line says
+# how long it all took (from make's start: the set-up too) and each part.
+MAKE_START := $(shell date +%s)
+test: venv
+	@begin=$$(date +%s); \
+	$(MAKE) --no-print-directory check-c || exit $$?; \
+	middle=$$(date +%s); \
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS) tests; status=$$?; \
+	end=$$(date +%s); total=$$((end - $(MAKE_START))); \
+	printf 'make test: %s in %dm%02ds (set-up %ds, C tests under sanitizers %ds, suite %ds; %s)\n' \
+	  "$$( [ $$status = 0 ] && echo passed || echo FAILED)" $$((total / 60)) $$((total % 60)) \
+	  $$((begin - $(MAKE_START))) $$((middle - begin)) $$((end - middle)) \
+	  "$(if $(filter 0,$(JOBS)),one process,$(JOBS) test processes)"; \
+	exit $$status
 
 # The C extensions built with AddressSanitizer + UBSan in a copy of the tree
 # (so the normal in-place build is untouched), then their tests run on it,
@@ -63,7 +80,7 @@ check-c: venv
 	PYTHONPATH=$(CURDIR)/$(ASAN_DIR) PYTHONMALLOC=malloc \
 	  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	  $(CURDIR)/$(BIN)/python -m pytest -q -p no:cacheprovider $$tests
+	  $(CURDIR)/$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) $$tests
 
 lint: venv
 	$(BIN)/ruff check domus supervisor clients benchmarks tests

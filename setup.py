@@ -47,8 +47,9 @@ setup(
         "berkeleydb>=18.1",   # needs libdb-dev (make installs it)
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "redis>=5",
-                 "hiredis>=2", "ruff>=0.4", "sortedcontainers>=2.4", "matplotlib>=3.7"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3.5", "hypothesis>=6",
+                 "redis>=5", "hiredis>=2", "ruff>=0.4", "sortedcontainers>=2.4",
+                 "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["domus = domus.ops.cli:main"]},
 )
