@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from domus.supervisor.state import SupervisorState
+from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
@@ -32,23 +33,28 @@ from domus.wire.control import ControlError, MessageProtocol
 
 log = Logger(namespace="domus.supervisor")
 
-DOWN_AFTER = 5.0       # seconds without a heartbeat before a service is down
-PUSH_TIMEOUT = 10.0    # seconds a service has to acknowledge an assignment
 # Deactivating a RAM DHT writes every record it holds; activating reads them.
 STATE_CHANGE_TIMEOUT = 600.0
 SHUTDOWN_WAIT = 30.0   # seconds a service has to stop when the deployment shuts down
 
 
 class SupervisorService(Service):
-    def __init__(self, *, listen: str, data_dir: str, down_after: float = DOWN_AFTER) -> None:
+    def __init__(self, *, listen: str, data_dir: str, down_after: float = DOWN_AFTER,
+                 push_timeout: float = PUSH_TIMEOUT) -> None:
+        if not (down_after > 0 and push_timeout > 0):
+            raise ValueError(f"down_after ({down_after}) and push_timeout ({push_timeout}) "
+                             "must be positive numbers of seconds")
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
         data_dir = os.path.abspath(data_dir)
         self.state = SupervisorState(data_dir)
+        timing = [] if (down_after, push_timeout) == (DOWN_AFTER, PUSH_TIMEOUT) else [
+            "--down-after", repr(down_after), "--push-timeout", repr(push_timeout)]
         self.state.launch = launch.record("supervisor", listen, [
-            "supervisor", "--listen", listen, "--data-dir", data_dir], data_dir)
+            "supervisor", "--listen", listen, "--data-dir", data_dir, *timing], data_dir)
         self._shutting_down = False
         self.down_after = down_after
+        self.push_timeout = push_timeout
         self.links: dict[str, MessageProtocol] = {}
         self.live: dict[str, dict[str, Any]] = {}   # name -> last_seen, load, stats
         self._creating: set[str] = set()
@@ -303,7 +309,7 @@ class SupervisorService(Service):
         try:
             descriptor = self._plan(name, wanted)
             involved = self._involved(descriptor)
-            acks = [self.links[service].call("assign", dht=descriptor, timeout=PUSH_TIMEOUT)
+            acks = [self.links[service].call("assign", dht=descriptor, timeout=self.push_timeout)
                     for service in involved]
             results = yield defer.DeferredList(acks, consumeErrors=True)
             failed = [service for service, (ok, _value) in zip(involved, results) if not ok]
@@ -378,7 +384,7 @@ class SupervisorService(Service):
         for service in self._involved(descriptor):
             link_to = self.links.get(service)
             if link_to is not None:
-                drops.append(link_to.call("drop", id=descriptor["id"], timeout=PUSH_TIMEOUT)
+                drops.append(link_to.call("drop", id=descriptor["id"], timeout=self.push_timeout)
                              .addErrback(lambda failure, s=service: log.warn(
                                  "service {service} did not drop DHT {name!r}: {error}; it "
                                  "will when it next registers", service=s, name=name,
@@ -545,7 +551,7 @@ class SupervisorService(Service):
         name = descriptor["name"]
         before = self._involved(descriptor)
         involved = self._involved(moved)     # ``before``, and the new service if it was not
-        failed = yield self._push(involved, moved, PUSH_TIMEOUT)
+        failed = yield self._push(involved, moved, self.push_timeout)
         if failed:
             took = [service for service in involved if service not in failed]
             self._push_back(descriptor, took, before)
@@ -568,10 +574,10 @@ class SupervisorService(Service):
         try:
             if newcomer:
                 step = f"giving service {target} the DHT"
-                yield self._call(target, "assign", PUSH_TIMEOUT, dht=descriptor)
+                yield self._call(target, "assign", self.push_timeout, dht=descriptor)
             step = f"freezing the bucket on service {source}"
             froze = True
-            frozen = (yield self._call(source, "freeze_bucket", PUSH_TIMEOUT, id=dht_id,
+            frozen = (yield self._call(source, "freeze_bucket", self.push_timeout, id=dht_id,
                                        bucket=bucket))["records"]
             offset: int | None = 0
             first = True
@@ -596,7 +602,7 @@ class SupervisorService(Service):
                                    f"{source}")
             step = f"giving service {target} the new layout"
             told = True
-            yield self._call(target, "assign", PUSH_TIMEOUT, dht=moved)
+            yield self._call(target, "assign", self.push_timeout, dht=moved)
         except Exception as exc:
             cause = _describe(exc)
             problems = yield self._undo_move(descriptor, bucket, source, target,
@@ -612,7 +618,7 @@ class SupervisorService(Service):
         self.state.dhts[name] = moved
         self.state.save()
         lagging = yield self._push([service for service in self._involved(moved)
-                                    if service != target], moved, PUSH_TIMEOUT)
+                                    if service != target], moved, self.push_timeout)
         for service, error in sorted(lagging.items()):
             log.warn("DHT {name!r}: service {service} did not take the layout with bucket "
                      "{bucket} moved to {target}: {error}; it will when it next registers",
@@ -638,8 +644,8 @@ class SupervisorService(Service):
             if staged or told:
                 undoing.append((target, "discard_bucket", {"id": dht_id, "bucket": bucket}))
         answers = yield defer.DeferredList(
-            [self._call(service, op, PUSH_TIMEOUT, **params) for service, op, params in undoing],
-            consumeErrors=True)
+            [self._call(service, op, self.push_timeout, **params)
+             for service, op, params in undoing], consumeErrors=True)
         problems = [f"{op} on service {service}: {_error_text(failure)}"
                     for (service, op, _params), (ok, failure) in zip(undoing, answers) if not ok]
         for problem in problems:
@@ -670,9 +676,9 @@ class SupervisorService(Service):
         service next registers."""
         for service in services:
             if service in before:
-                undo = self._call(service, "assign", PUSH_TIMEOUT, dht=descriptor)
+                undo = self._call(service, "assign", self.push_timeout, dht=descriptor)
             else:
-                undo = self._call(service, "drop", PUSH_TIMEOUT, id=descriptor["id"])
+                undo = self._call(service, "drop", self.push_timeout, id=descriptor["id"])
             undo.addErrback(lambda failure, s=service: log.warn(
                 "service {service} did not undo the change of DHT {name!r}: {error}; it "
                 "will when it next registers", service=s, name=descriptor["name"],
@@ -708,7 +714,7 @@ class SupervisorService(Service):
         self._shutting_down = True
         stopping = {name: link_to for name, link_to in self.links.items() if link_to.connected}
         for link_to in stopping.values():
-            link_to.call("shutdown", timeout=PUSH_TIMEOUT).addErrback(lambda _failure: None)
+            link_to.call("shutdown", timeout=self.push_timeout).addErrback(lambda _failure: None)
         gone = yield defer.DeferredList([self._gone(link_to) for link_to in stopping.values()])
         stopped = sorted(name for name, (_ok, went) in zip(stopping, gone) if went)
         still = sorted(set(stopping) - set(stopped))

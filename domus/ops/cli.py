@@ -11,9 +11,20 @@ import time
 from typing import Any
 
 from domus.errors import DomusError
+from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from domus.wire import address as addresses
 
 SERVICE_ADMIN = ("list", "remove")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+    return seconds
 
 
 def _run_reactor(service: Any) -> int:
@@ -52,7 +63,9 @@ def _run_reactor(service: Any) -> int:
 def cmd_supervisor(args: argparse.Namespace) -> int:
     from domus.supervisor.server import SupervisorService
 
-    return _run_reactor(SupervisorService(listen=args.listen, data_dir=args.data_dir))
+    return _run_reactor(SupervisorService(listen=args.listen, data_dir=args.data_dir,
+                                          down_after=args.down_after,
+                                          push_timeout=args.push_timeout))
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -357,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
     sup = commands.add_parser("supervisor", help="run the supervisor")
     sup.add_argument("--listen", default="127.0.0.1:7700", metavar="HOST:PORT")
     sup.add_argument("--data-dir", required=True)
+    sup.add_argument("--down-after", type=_positive_seconds, default=DOWN_AFTER,
+                     metavar="SECONDS", help="a service silent this long is unresponsive "
+                     "(default %(default)s)")
+    sup.add_argument("--push-timeout", type=_positive_seconds, default=PUSH_TIMEOUT,
+                     metavar="SECONDS", help="how long a service has to acknowledge a change "
+                     "of its DHTs (default %(default)s)")
     sup.set_defaults(func=cmd_supervisor)
 
     svc = commands.add_parser("service", help="run a service (or: service list|remove)")

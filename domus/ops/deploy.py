@@ -58,7 +58,8 @@ def free_port_block(count: int, host: str = "127.0.0.1", start: int = 20000,
 class LocalDeployment:
     def __init__(self, services: int = 3, *, port: int = 7700, data_dir: str,
                  host: str = "127.0.0.1", heartbeat: float = 1.0,
-                 log_to: IO[str] | None = None, service_args: list[str] | None = None) -> None:
+                 log_to: IO[str] | None = None, service_args: list[str] | None = None,
+                 supervisor_args: list[str] | None = None) -> None:
         if services < 0:
             raise ValueError("the number of services must be >= 0")
         self.host = host
@@ -68,6 +69,7 @@ class LocalDeployment:
         self.heartbeat = heartbeat
         self.log_to = log_to
         self.service_args = service_args or []
+        self.supervisor_args = supervisor_args or []
         self.supervisor_address = f"{host}:{port}"
         self.supervisor: subprocess.Popen | None = None
         self.services: dict[str, subprocess.Popen] = {}
@@ -99,7 +101,7 @@ class LocalDeployment:
     def start_supervisor(self) -> None:
         self.supervisor = self._spawn("supervisor", [
             "supervisor", "--listen", self.supervisor_address,
-            "--data-dir", os.path.join(self.data_dir, "supervisor")])
+            "--data-dir", os.path.join(self.data_dir, "supervisor"), *self.supervisor_args])
         self.wait_for_supervisor()
 
     def start_service(self, index: int) -> None:

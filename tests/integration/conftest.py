@@ -5,6 +5,12 @@ processes, 127.0.0.1 only) in a fresh data dir; ``cluster`` is a client
 connected to it.  Teardown always stops every process the test started,
 including ones it restarted, whether the test passed or not; when a test
 fails, the tail of each process's log is printed with the failure.
+
+``shared_deployment`` is one such deployment for a whole test module, for
+tests that stop no process and change nothing outside DHTs of their own:
+``shared_cluster`` is a client of it that destroys, after the test, every
+DHT the test created, so each test finds the deployment as the module's
+first one did.  (Under pytest-xdist each worker has its own.)
 """
 
 from __future__ import annotations
@@ -21,7 +27,15 @@ import domus
 from domus.errors import DomusError
 from domus.ops.deploy import LocalDeployment, free_port_block
 
-from .support import CLIENT_TIMEOUT, HEARTBEAT
+from .support import (
+    CLIENT_TIMEOUT,
+    DOWN_AFTER,
+    HEARTBEAT,
+    PUSH_TIMEOUT,
+    service_addresses,
+    service_stats,
+    wait_until,
+)
 
 START_TIMEOUT = 30.0     # generous: other work shares this 2-core machine
 START_ATTEMPTS = 3       # a port block may be taken between the check and the bind
@@ -84,8 +98,9 @@ def start_deployment(data_dir: Path, services: int = SERVICES) -> TrackedDeploym
     something grabbed this one before our processes bound it."""
     for attempt in range(1, START_ATTEMPTS + 1):
         port = free_port_block(services + 1)
-        deployment = TrackedDeployment(services, port=port, heartbeat=HEARTBEAT,
-                                       data_dir=str(data_dir / f"run{attempt}"))
+        deployment = TrackedDeployment(
+            services, port=port, heartbeat=HEARTBEAT, data_dir=str(data_dir / f"run{attempt}"),
+            supervisor_args=["--down-after", str(DOWN_AFTER), "--push-timeout", str(PUSH_TIMEOUT)])
         try:
             return deployment.start(timeout=START_TIMEOUT)
         except DomusError:
@@ -113,11 +128,56 @@ def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Track
         yield started
     finally:
         started.stop_everything()
-        report = getattr(request.node, "report_call", None)
-        if report is not None and report.failed:
-            print(started.log_tails())
+        _print_logs_if_failed(request, started)
         leftovers = [process.pid for process in started.spawned if process.poll() is None]
         assert not leftovers, f"processes survived teardown: {leftovers}"
+
+
+def _print_logs_if_failed(request: pytest.FixtureRequest, deployment: TrackedDeployment) -> None:
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        print(deployment.log_tails())
+
+
+@pytest.fixture(scope="module")
+def shared_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrackedDeployment]:
+    started = start_deployment(tmp_path_factory.mktemp("shared"))
+    try:
+        yield started
+    finally:
+        started.stop_everything()
+        leftovers = [process.pid for process in started.spawned if process.poll() is None]
+        assert not leftovers, f"processes survived teardown: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def shared_client(shared_deployment: TrackedDeployment) -> Iterator[domus.Cluster]:
+    connected = domus.connect(shared_deployment.supervisor_address, timeout=CLIENT_TIMEOUT)
+    try:
+        yield connected
+    finally:
+        connected.close()
+
+
+@pytest.fixture
+def shared_cluster(request: pytest.FixtureRequest, shared_deployment: TrackedDeployment,
+                   shared_client: domus.Cluster) -> Iterator[domus.Cluster]:
+    dead = [name for name, process in shared_deployment.services.items()
+            if process.poll() is not None]
+    assert not dead, f"an earlier test of this module stopped {dead} of the shared deployment"
+    before = {dht["name"] for dht in shared_client.list_dhts()}
+    try:
+        yield shared_client
+    finally:
+        _print_logs_if_failed(request, shared_deployment)
+        created = {dht["name"] for dht in shared_client.list_dhts()} - before
+        for name in created:
+            shared_client.destroy_dht(name)
+        # Services drop a destroyed DHT soon after; the next test may reuse
+        # its name, so wait until none hosts it any more.
+        for service, address in service_addresses(shared_client).items():
+            wait_until(lambda address=address: not created & set(service_stats(address)["dhts"]),
+                       timeout=15, what=f"{service} to drop {sorted(created)}")
 
 
 @pytest.fixture

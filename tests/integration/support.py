@@ -18,6 +18,11 @@ from domus.wire.keys import bucket_of, encode_key
 
 LOOPBACK = "127.0.0.1"
 HEARTBEAT = 0.2          # seconds between service heartbeats in test deployments
+# The supervisor's patience in test deployments (5 s and 10 s by default):
+# ten missed heartbeats make a service unresponsive, and a service has 4 s
+# to acknowledge a change, so tests of a silent service wait that long only.
+DOWN_AFTER = 2.0
+PUSH_TIMEOUT = 4.0
 CLIENT_TIMEOUT = 5.0     # what a test client waits at most for one answer
 T = TypeVar("T")
 

@@ -232,10 +232,12 @@ def test_a_retried_put_is_applied_once(deployment):
             # Queued while s3 sleeps: A, A's retry, B, B's retry, A's next retry ...
             writer_a = threading.Thread(target=put, args=("a", dht_a, "A"))
             writer_a.start()
-            time.sleep(0.35)
+            wait_until(lambda: dht_a.stats()["retries"] >= 1, timeout=10,
+                       what="A's first retry")
             writer_b = threading.Thread(target=put, args=("b", dht_b, "B"))
             writer_b.start()
-            time.sleep(0.9)
+            wait_until(lambda: dht_b.stats()["retries"] >= 1 and dht_a.stats()["retries"] >= 2,
+                       timeout=10, what="B's first retry and A's second, after B")
         finally:
             os.kill(pid, signal.SIGCONT)
         writer_a.join(15)

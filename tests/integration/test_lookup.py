@@ -16,6 +16,7 @@ from domus.ops.cli import format_status
 from domus.routing import make_graph
 from domus.wire.keys import encode_key
 
+from .support import wait_until
 from .test_workload import SEED, Workload
 
 STRATEGIES = ["D", "D,C,R", "C,R", "R"]
@@ -191,19 +192,22 @@ def test_writes_during_a_storage_move_are_all_kept(deployment, cluster):
     def write() -> None:
         with domus.connect(deployment.supervisor_address) as own:
             handle = own.open_dht("busy", lookup="D,C,R")
-            number = 0
             while not stop.is_set():
-                key = list(base)[number % len(base)]
-                handle[key] = number
-                acknowledged[key] = number
-                number += 1
+                key = keys[written[0] % len(keys)]
+                handle[key] = written[0]
+                acknowledged[key] = written[0]
+                written[0] += 1
             acknowledged["stats"] = handle.stats()   # type: ignore[index]
 
+    keys = list(base)
+    written = [0]
     writer = threading.Thread(target=write)
     writer.start()
-    time.sleep(0.2)
+    wait_until(lambda: written[0] >= 50, timeout=30, what="the writer to get going")
     answer = cluster.move_bucket("busy", bucket, storage="s2")
-    time.sleep(0.2)
+    moved_at = written[0]
+    wait_until(lambda: written[0] >= moved_at + 50, timeout=30,
+               what="writes to the bucket on its new owner")
     stop.set()
     writer.join(30)
     stats = acknowledged.pop("stats")    # type: ignore[call-overload]

@@ -41,9 +41,9 @@ def make_disjoint(cluster):
     return alpha, beta
 
 
-def test_disjoint_sets_show_in_roles_and_buckets(cluster):
-    alpha, beta = make_disjoint(cluster)
-    services = {entry["name"]: entry for entry in cluster.services()}
+def test_disjoint_sets_show_in_roles_and_buckets(shared_cluster):
+    alpha, beta = make_disjoint(shared_cluster)
+    services = {entry["name"]: entry for entry in shared_cluster.services()}
     assert set(services) == {"s1", "s2", "s3"}
     assert services["s1"]["buckets"] == {"alpha": {"routing": 64}, "beta": {"storage": 32}}
     for name in ("s2", "s3"):
@@ -66,17 +66,18 @@ def test_disjoint_sets_show_in_roles_and_buckets(cluster):
     assert [e["name"] for e in beta.descriptor["routing_services"]] == ["s2", "s3"]
 
 
-def test_a_service_with_no_role_in_a_dht_shows_none(cluster):
-    cluster.create_dht("only-s3", buckets=4, routing_services=["s3"], storage_services=["s3"])
-    services = {entry["name"]: entry for entry in cluster.services()}
+def test_a_service_with_no_role_in_a_dht_shows_none(shared_cluster):
+    shared_cluster.create_dht("only-s3", buckets=4, routing_services=["s3"],
+                              storage_services=["s3"])
+    services = {entry["name"]: entry for entry in shared_cluster.services()}
     assert services["s3"]["buckets"] == {"only-s3": {"routing": 4, "storage": 4}}
     for name in ("s1", "s2"):
         assert services[name]["buckets"] == {}
         assert services[name]["roles"] == []
 
 
-def test_records_land_only_on_the_storage_set(cluster):
-    alpha, beta = make_disjoint(cluster)
+def test_records_land_only_on_the_storage_set(shared_cluster):
+    alpha, beta = make_disjoint(shared_cluster)
     alpha.put_many({f"a{number}": number for number in range(600)})
     for number in range(300):
         beta[f"b{number}"] = [number]
@@ -93,7 +94,7 @@ def test_records_land_only_on_the_storage_set(cluster):
     assert by_service == expected
 
     # Ask each service itself what it holds: the routing-only ones hold nothing.
-    addresses = service_addresses(cluster)
+    addresses = service_addresses(shared_cluster)
     stats = {name: service_stats(address) for name, address in addresses.items()}
     assert records_held(stats["s1"], "alpha") == 0
     # (Direct lookups only: no LOOKUP reached any service.)
@@ -111,8 +112,8 @@ def test_records_land_only_on_the_storage_set(cluster):
     assert len(alpha) == 600 and len(beta) == 300
 
 
-def test_interleaved_operations_on_two_dhts_stay_separate(cluster):
-    alpha, beta = make_disjoint(cluster)
+def test_interleaved_operations_on_two_dhts_stay_separate(shared_cluster):
+    alpha, beta = make_disjoint(shared_cluster)
     rng = random.Random(SEED)
     handles = {"alpha": alpha, "beta": beta}
     models: dict[str, dict] = {"alpha": {}, "beta": {}}
@@ -146,17 +147,17 @@ def test_interleaved_operations_on_two_dhts_stay_separate(cluster):
         assert all(value["dht"] == name for value in dict(dht.items()).values())
 
 
-def test_a_second_dht_of_the_same_name_is_refused(cluster):
-    alpha, _beta = make_disjoint(cluster)
+def test_a_second_dht_of_the_same_name_is_refused(shared_cluster):
+    alpha, _beta = make_disjoint(shared_cluster)
     alpha["kept"] = 1
     for attributes in ({}, {"buckets": 64, "routing_services": ["s1"],
                             "storage_services": ["s2", "s3"]}, {"buckets": 2}):
         with pytest.raises(DhtExists) as raised:
-            cluster.create_dht("alpha", **attributes)
+            shared_cluster.create_dht("alpha", **attributes)
         assert isinstance(raised.value, SupervisorError)
         assert "alpha" in str(raised.value)
-    assert cluster.open_dht("alpha")["kept"] == 1
-    assert [entry["name"] for entry in cluster.list_dhts()] == ["alpha", "beta"]
+    assert shared_cluster.open_dht("alpha")["kept"] == 1
+    assert [entry["name"] for entry in shared_cluster.list_dhts()] == ["alpha", "beta"]
 
 
 def test_two_clients_racing_to_create_one_name_get_one_dht(deployment):
@@ -183,28 +184,29 @@ def test_two_clients_racing_to_create_one_name_get_one_dht(deployment):
         assert [(d["name"], d["id"]) for d in cluster.list_dhts()] == [("contested", created[0])]
 
 
-def test_unknown_dht(cluster):
-    cluster.create_dht("known")
-    for call in (lambda: cluster.open_dht("unknown"), lambda: cluster.dht_info("unknown"),
-                 lambda: cluster.destroy_dht("unknown")):
+def test_unknown_dht(shared_cluster):
+    shared_cluster.create_dht("known")
+    for call in (lambda: shared_cluster.open_dht("unknown"),
+                 lambda: shared_cluster.dht_info("unknown"),
+                 lambda: shared_cluster.destroy_dht("unknown")):
         with pytest.raises(UnknownDht) as raised:
             call()
         assert isinstance(raised.value, LookupError)
         assert "unknown" in str(raised.value)
-    assert [entry["name"] for entry in cluster.list_dhts()] == ["known"]
+    assert [entry["name"] for entry in shared_cluster.list_dhts()] == ["known"]
 
 
-def test_destroy_then_open_is_unknown_and_ids_are_not_reused(cluster):
-    alpha, beta = make_disjoint(cluster)
+def test_destroy_then_open_is_unknown_and_ids_are_not_reused(shared_cluster):
+    alpha, beta = make_disjoint(shared_cluster)
     alpha.put_many({number: number for number in range(100)})
     beta.put_many({number: -number for number in range(100)})
     old_beta_id = beta.id
 
-    cluster.destroy_dht("beta")
+    shared_cluster.destroy_dht("beta")
     with pytest.raises(UnknownDht):
-        cluster.open_dht("beta")
-    assert [entry["name"] for entry in cluster.list_dhts()] == ["alpha"]
-    services = {entry["name"]: entry for entry in cluster.services()}
+        shared_cluster.open_dht("beta")
+    assert [entry["name"] for entry in shared_cluster.list_dhts()] == ["alpha"]
+    services = {entry["name"]: entry for entry in shared_cluster.services()}
     assert all("beta" not in entry["buckets"] for entry in services.values())
 
     # The services drop it soon after; then the stale handle says so.
@@ -218,7 +220,7 @@ def test_destroy_then_open_is_unknown_and_ids_are_not_reused(cluster):
     wait_until(stale_handle_refused, timeout=10, what="the services to drop 'beta'")
     with pytest.raises(UnknownDht):
         beta[2] = 2
-    s1 = service_addresses(cluster)["s1"]
+    s1 = service_addresses(shared_cluster)["s1"]
     wait_until(lambda: "beta" not in service_stats(s1)["dhts"], timeout=10,
                what="s1 to stop hosting 'beta'")
 
@@ -228,21 +230,21 @@ def test_destroy_then_open_is_unknown_and_ids_are_not_reused(cluster):
 
     # A new DHT of the same name is a new DHT: new id, empty, and the stale
     # handle (old id) never reaches it.
-    again = cluster.create_dht("beta", buckets=32, storage_services=["s1"])
+    again = shared_cluster.create_dht("beta", buckets=32, storage_services=["s1"])
     assert again.id > max(old_beta_id, alpha.id)
     assert len(again) == 0
     assert again.get(1) is None
     again[1] = "new"
     with pytest.raises(UnknownDht):
         beta.get(1)
-    assert cluster.open_dht("beta")[1] == "new"
+    assert shared_cluster.open_dht("beta")[1] == "new"
 
 
-def test_list_dhts_describes_every_dht(cluster):
-    assert cluster.list_dhts() == []
-    alpha, beta = make_disjoint(cluster)
-    gamma = cluster.create_dht("gamma", hash="blake2b")
-    listed = {entry["name"]: entry for entry in cluster.list_dhts()}
+def test_list_dhts_describes_every_dht(shared_cluster):
+    assert shared_cluster.list_dhts() == []
+    alpha, beta = make_disjoint(shared_cluster)
+    gamma = shared_cluster.create_dht("gamma", hash="blake2b")
+    listed = {entry["name"]: entry for entry in shared_cluster.list_dhts()}
     assert set(listed) == {"alpha", "beta", "gamma"}
     assert listed["alpha"]["id"] == alpha.id
     assert listed["beta"]["id"] == beta.id
@@ -265,13 +267,13 @@ def test_list_dhts_describes_every_dht(cluster):
     assert sorted(listed["gamma"]["routing_services"]) == ["s1", "s2", "s3"]
     assert sorted(listed["gamma"]["storage_services"]) == ["s1", "s2", "s3"]
 
-    info = cluster.dht_info("alpha")
+    info = shared_cluster.dht_info("alpha")
     assert info["id"] == alpha.id
     assert [(e["name"], e["count"]) for e in info["storage_services"]] == \
         [(e["name"], e["count"]) for e in alpha.descriptor["storage_services"]]
 
 
-def test_bad_attributes_are_refused_and_create_nothing(cluster):
+def test_bad_attributes_are_refused_and_create_nothing(shared_cluster):
     attempts = [
         (UnknownService, {"storage_services": ["s1", "s9"]}),
         (UnknownService, {"routing_services": ["nobody"]}),
@@ -286,10 +288,10 @@ def test_bad_attributes_are_refused_and_create_nothing(cluster):
     ]
     for error, attributes in attempts:
         with pytest.raises(error):
-            cluster.create_dht("refused", **attributes)
+            shared_cluster.create_dht("refused", **attributes)
     for bad_name in ("", "has space", "-leading", "x" * 129, "slash/name"):
         with pytest.raises(InvalidAttribute):
-            cluster.create_dht(bad_name)
-    assert cluster.list_dhts() == []
+            shared_cluster.create_dht(bad_name)
+    assert shared_cluster.list_dhts() == []
     # The refusals did not consume anything that breaks the next create.
-    assert cluster.create_dht("refused").get("anything") is None
+    assert shared_cluster.create_dht("refused").get("anything") is None

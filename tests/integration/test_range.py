@@ -82,25 +82,28 @@ def range_requests(cluster: domus.Cluster) -> dict[str, int]:
             for name, address in service_addresses(cluster).items()}
 
 
-@pytest.fixture(params=[("domus-rbt", "ram"), ("domus-bsddb-btree", "disk")],
+@pytest.fixture(scope="module", params=[("domus-rbt", "ram"), ("domus-bsddb-btree", "disk")],
                 ids=["domus-rbt", "domus-bsddb-btree-disk"])
-def ordered(cluster, request):
-    """An ordered DHT over the three services with 4000 mixed keys (values
-    of ~70 bytes: each service's part takes more than one datagram), and its
-    model."""
+def ordered(shared_client, request):
+    """An ordered DHT over the three services of the module's shared
+    deployment with 4000 mixed keys (values of ~70 bytes: each service's
+    part takes more than one datagram), and its model.  Made once per
+    platform: the tests that use it only read."""
     platform, medium = request.param
-    dht = cluster.create_dht("ordered", platform=platform, storage=medium)
+    dht = shared_client.create_dht(f"ordered-{platform}", platform=platform, storage=medium)
     assert len(dht.descriptor["storage_services"]) == 3
     rng = random.Random(SEED)
     model = {key: [f"value of {key!r}"[:30], rng.randint(0, 99), "v" * rng.randint(20, 50)]
              for key in mixed_keys(rng, 4000)}
     dht.put_many(model)
     assert len(dht) == len(model)
-    return dht, model
+    yield dht, model
+    assert len(dht) == len(model), "a test that shares this DHT changed it"
+    shared_client.destroy_dht(dht.name)
 
 
 @pytest.mark.timeout(180)
-def test_irange_equals_the_sorted_model(cluster, ordered):
+def test_irange_equals_the_sorted_model(shared_cluster, ordered):
     dht, model = ordered
     everything = list(dht.irange())
     expected = model_range(model)
@@ -112,9 +115,9 @@ def test_irange_equals_the_sorted_model(cluster, ordered):
                              f"{expected[wrong - 1:wrong + 2]!r}")
     assert list(dht.irange(reverse=True)) == expected[::-1]
 
-    before = range_requests(cluster)
+    before = range_requests(shared_cluster)
     got_items = list(dht.irange(items=True))
-    after = range_requests(cluster)
+    after = range_requests(shared_cluster)
     assert [key for key, _value in got_items] == expected
     assert all(same_value(value, model[key]) for key, value in got_items)
     # Every service answered, with values in more than one page.
@@ -179,16 +182,16 @@ def test_a_range_is_lazy_and_can_be_left_early(ordered):
 
 
 @pytest.mark.timeout(180)
-def test_large_values_come_in_many_pages_and_over_tcp(cluster):
-    dht = cluster.create_dht("big-values", platform="domus-rbt")
+def test_large_values_come_in_many_pages_and_over_tcp(shared_cluster):
+    dht = shared_cluster.create_dht("big-values", platform="domus-rbt")
     rng = random.Random(SEED)
     model: dict[Any, Any] = {f"doc-{number:04d}": rng.randbytes(10_000) for number in range(300)}
     model["doc-0150-huge"] = rng.randbytes(150_000)      # does not fit a datagram at all
     model[7] = "an int among them"
     dht.put_many(model)
-    before = range_requests(cluster)
+    before = range_requests(shared_cluster)
     got = list(dht.irange(items=True))
-    after = range_requests(cluster)
+    after = range_requests(shared_cluster)
     assert [key for key, _value in got] == model_range(model)
     assert all(same_value(value, model[key]) for key, value in got)
     # A service sends its values a datagram at a time; the one holding the
@@ -200,14 +203,14 @@ def test_large_values_come_in_many_pages_and_over_tcp(cluster):
             least = len(held) * 10_000 // wire.MAX_UDP_PAYLOAD
             assert after[name] - before[name] >= least, (name, len(held), after, before)
     # Keys only: the same keys, in far fewer pages.
-    before = range_requests(cluster)
+    before = range_requests(shared_cluster)
     assert list(dht.irange("doc-0100", "doc-0200", reverse=True)) == model_range(
         model, "doc-0100", "doc-0200", reverse=True)
-    assert sum(range_requests(cluster).values()) - sum(before.values()) == 3
+    assert sum(range_requests(shared_cluster).values()) - sum(before.values()) == 3
 
 
-def test_a_python_dict_dht_refuses_ranges_with_a_clear_error(cluster):
-    dht = cluster.create_dht("unordered", platform="python-dict")
+def test_a_python_dict_dht_refuses_ranges_with_a_clear_error(shared_cluster):
+    dht = shared_cluster.create_dht("unordered", platform="python-dict")
     dht["a"] = 1
     keys = dht.irange()                 # nothing is sent yet
     with pytest.raises(RemoteError) as raised:
@@ -223,8 +226,8 @@ def test_a_python_dict_dht_refuses_ranges_with_a_clear_error(cluster):
         dht.irange(inclusive=True)
 
 
-def test_an_empty_dht_has_empty_ranges(cluster):
-    dht = cluster.create_dht("empty-ordered", platform="domus-rbt")
+def test_an_empty_dht_has_empty_ranges(shared_cluster):
+    dht = shared_cluster.create_dht("empty-ordered", platform="domus-rbt")
     assert list(dht.irange()) == []
     assert list(dht.irange(0, "z", reverse=True, items=True)) == []
 

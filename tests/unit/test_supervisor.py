@@ -348,3 +348,17 @@ def test_moving_a_bucket_to_its_owner_does_nothing(deployment):
     assert answer["changed"] is False and answer["from"] == answer["to"] == "s1"
     assert all(not link.calls for link in links.values())
     assert_unchanged(supervisor, links, records, "s3")
+
+
+def test_the_supervisors_patience_is_set_and_kept_for_a_restart(tmp_path):
+    supervisor = SupervisorService(listen="127.0.0.1:0", data_dir=str(tmp_path),
+                                   down_after=2.0, push_timeout=4.5)
+    assert (supervisor.down_after, supervisor.push_timeout) == (2.0, 4.5)
+    # `domus deployment restart` starts it again with the same patience
+    arguments = supervisor.state.launch["arguments"]
+    assert arguments[-4:] == ["--down-after", "2.0", "--push-timeout", "4.5"]
+    default = SupervisorService(listen="127.0.0.1:0", data_dir=str(tmp_path / "default"))
+    assert "--down-after" not in default.state.launch["arguments"]
+    for bad in ({"down_after": 0}, {"push_timeout": -1.0}):
+        with pytest.raises(ValueError, match="must be positive"):
+            SupervisorService(listen="127.0.0.1:0", data_dir=str(tmp_path / "bad"), **bad)
