@@ -22,7 +22,7 @@ if SANITIZE:
 MODULES = {
     "domus._rbtree": (["cext/rbtree.c"], []),
     "domus._hotpath": (["cext/hotpath.c"], []),
-    "domus._codec": (["cext/codec.c"], ["xxhash"]),
+    "domus._codec": (["cext/codec.c"], []),
 }
 EXTENSIONS = [
     Extension(name, sources, libraries=libraries, extra_compile_args=COMPILE_ARGS,

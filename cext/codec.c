@@ -23,7 +23,7 @@
 #include <sys/types.h>
 #include <time.h>
 
-#include <xxhash.h>
+#include "hashes.h"  /* XXH3 and XXH64, from their specification */
 
 /* ------------------------------------------------------------ the protocol
  * These mirror domus/wire/protocol.py and domus/wire/keys.py. */
@@ -531,11 +531,11 @@ hash_key(const Hasher *hasher, const char *data, Py_ssize_t size, PyObject *enco
          uint64_t *hash)
 {
     if (hasher->code == HASH_XXH3) {
-        *hash = XXH3_64bits(data, (size_t)size);
+        *hash = domus_xxh3_64(data, (size_t)size);
         return 0;
     }
     if (hasher->code == HASH_XXH64) {
-        *hash = XXH64(data, (size_t)size, 0);
+        *hash = domus_xxh64(data, (size_t)size, 0);
         return 0;
     }
     PyObject *argument = encoded != NULL ? Py_NewRef(encoded)

@@ -209,6 +209,27 @@ def test_buckets_are_identical_for_every_hash_and_bucket_count(encoded_keys):
                 assert 0 <= expected < bucket_count
 
 
+@pytest.mark.parametrize("name", ["xxh3", "xxh64"])
+def test_the_c_hashes_equal_the_xxhash_package_for_every_length(name):
+    # cext/hashes.h is written from the xxHash specification; the `xxhash`
+    # package (the pure-Python path's hash) is the reference.  Every length
+    # up to 2,100 bytes covers each of XXH3's size classes and several of its
+    # 1 KiB blocks; unaligned starts, and long random inputs, do the rest.
+    import random
+
+    rng = random.Random(20261125)
+    data = rng.randbytes(2_200)
+    reference = keys.HASH_FUNCTIONS[name]
+    for length in range(2_101):
+        for start in (0, 3):
+            piece = data[start:start + length]
+            # (shift 32: the top half of the 64-bit hash, the most a bucket takes)
+            assert C.bucket_of(c_hasher(name), 32, piece) == reference(piece) >> 32, length
+    for _ in range(300):
+        piece = rng.randbytes(rng.randrange(2_100, 70_000))
+        assert C.bucket_of(c_hasher(name), 32, piece) == reference(piece) >> 32, len(piece)
+
+
 def test_codec_hasher_names_what_its_implementation_takes():
     for name in HASHES:
         hasher = codec.hasher(name)
