@@ -17,7 +17,7 @@ XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
 C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_hotpath.py tests/unit/test_codec.py
 ASAN_DIR := build/asan
 
-.PHONY: all demo test system venv lint bench check-c clean
+.PHONY: all demo test system venv lint bench check-c clean wheelhouse
 
 all: test
 
@@ -37,11 +37,48 @@ system:
 $(STAMP): setup.py pyproject.toml $(wildcard cext/*.c cext/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	DOMUS_REQUIRE_C=1 $(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 venv: system
 	@$(MAKE) --no-print-directory $(STAMP)
+
+# A directory of wheels that installs Domus with Berkeley DB on a machine
+# with no network, no compiler and no system packages, as any user:
+#   pip install --no-index --find-links wheelhouse 'domus[bdb]'
+# Domus's own sdist and wheel (built from the sdist), every dependency, the
+# berkeleydb wheel with libdb bundled (auditwheel repair, which also tags
+# each wheel with the oldest glibc it runs on), and setuptools and wheel,
+# so that the sdist builds offline too.
+WHEELHOUSE := wheelhouse
+WHEEL_SOURCES := setup.py pyproject.toml MANIFEST.in README.md $(wildcard cext/*.c cext/*.h) \
+  $(shell find domus supervisor tests clients benchmarks docs -name '*.py' -o -name '*.md' \
+    -o -name '*.pbs' -o -name '*.sbatch' 2>/dev/null)
+WORK := build/wheelhouse
+
+wheelhouse: venv
+	@$(MAKE) --no-print-directory $(WHEELHOUSE)/.built
+
+$(WHEELHOUSE)/.built: $(STAMP) $(WHEEL_SOURCES)
+	@rm -rf $(WHEELHOUSE) $(WORK) && mkdir -p $(WHEELHOUSE) $(WORK)
+	@echo "make: building the sdist and the wheel of Domus"
+	@DOMUS_REQUIRE_C=1 $(BIN)/python -m build --no-isolation --outdir $(WORK)/dist . \
+	  >$(WORK)/build.log 2>&1 || { tail -40 $(WORK)/build.log; exit 1; }
+	@echo "make: collecting wheels of every dependency (berkeleydb built against libdb)"
+	@$(BIN)/pip wheel -q --wheel-dir $(WORK)/raw "$$(ls $(WORK)/dist/domus-*.whl)[bdb]" \
+	  'setuptools>=68' wheel
+	@for wheel in $(WORK)/raw/*.whl; do \
+	  case $$wheel in \
+	    *-linux_*.whl) PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/auditwheel repair \
+	                     -w $(WHEELHOUSE) $$wheel >$(WORK)/repair.log 2>&1 \
+	                   || { cat $(WORK)/repair.log; exit 1; } ;; \
+	    *) cp $$wheel $(WHEELHOUSE)/ ;; \
+	  esac; \
+	done
+	@cp $(WORK)/dist/domus-*.tar.gz $(WHEELHOUSE)/
+	@touch $@
+	@echo "make: $(WHEELHOUSE)/ holds $$(ls $(WHEELHOUSE)/*.whl | wc -l) wheels; it installs on" \
+	  "x86_64 Linux with glibc >= $$(ls $(WHEELHOUSE) | sed -n 's/.*manylinux_\([0-9]*\)_\([0-9]*\)_.*/\1.\2/p' | sort -V | tail -1)"
 
 demo: venv
 	$(BIN)/python clients/demo.py
@@ -49,7 +86,7 @@ demo: venv
 # The C tests under the sanitizers, then the whole suite; the last line says
 # how long it all took (from make's start: the set-up too) and each part.
 MAKE_START := $(shell date +%s)
-test: venv
+test: venv wheelhouse
 	@begin=$$(date +%s); \
 	$(MAKE) --no-print-directory check-c || exit $$?; \
 	middle=$$(date +%s); \
@@ -89,4 +126,4 @@ bench: venv
 	$(BIN)/python -m benchmarks.put1
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(WHEELHOUSE)

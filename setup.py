@@ -1,15 +1,25 @@
-"""Domus packaging.  ``supervisor/`` installs as ``domus.supervisor`` (a
-top-level ``supervisor`` package would clash with the Supervisor process
-manager).  C extensions are built from ``cext/``.
+"""The parts of Domus's packaging that need code (the metadata is in
+pyproject.toml):
 
-DOMUS_SANITIZE=1 builds them with AddressSanitizer and UndefinedBehavior-
-Sanitizer (``make check-c``)."""
+- ``supervisor/`` installs as ``domus.supervisor`` (a top-level
+  ``supervisor`` package would clash with the Supervisor process manager),
+  beside every package found under ``domus/``;
+- the C extensions, built from ``cext/``.  They are optional: where no C
+  compiler (or no Python headers) is found the install goes on with the
+  pure-Python paths, says so, and ``domus status`` shows the fast path off.
+  ``DOMUS_REQUIRE_C=1`` makes a failed build an error (``make`` sets it).
+  ``DOMUS_SANITIZE=1`` builds them with AddressSanitizer and
+  UndefinedBehaviorSanitizer (``make check-c``).
+"""
 
 import os
+import sys
 
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 SANITIZE = os.environ.get("DOMUS_SANITIZE") == "1"
+REQUIRE_C = os.environ.get("DOMUS_REQUIRE_C") == "1" or SANITIZE
 COMPILE_ARGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                 "-Wno-missing-field-initializers"]
 LINK_ARGS: list[str] = []
@@ -18,38 +28,47 @@ if SANITIZE:
                      "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
     LINK_ARGS += ["-fsanitize=address,undefined"]
 
-# module name -> (sources, libraries); a module is built once its sources exist.
+# module name -> sources; nothing but the C library and Python's headers.
 MODULES = {
-    "domus._rbtree": (["cext/rbtree.c"], []),
-    "domus._hotpath": (["cext/hotpath.c"], []),
-    "domus._codec": (["cext/codec.c"], []),
+    "domus._rbtree": ["cext/rbtree.c"],
+    "domus._hotpath": ["cext/hotpath.c"],
+    "domus._codec": ["cext/codec.c"],
 }
 EXTENSIONS = [
-    Extension(name, sources, libraries=libraries, extra_compile_args=COMPILE_ARGS,
-              extra_link_args=LINK_ARGS)
-    for name, (sources, libraries) in MODULES.items()
-    if all(os.path.exists(source) for source in sources)
+    Extension(name, sources, depends=["cext/hashes.h", "cext/rbtree_api.h"],
+              extra_compile_args=COMPILE_ARGS, extra_link_args=LINK_ARGS)
+    for name, sources in MODULES.items()
 ]
 
+
+class OptionalBuildExt(build_ext):
+    """Builds each extension if it can; one that cannot be built is left
+    out with a warning (its pure-Python twin serves), unless REQUIRE_C."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as error:  # no compiler at all
+            self._skip("the C extensions", error)
+
+    def build_extension(self, extension: Extension) -> None:
+        try:
+            super().build_extension(extension)
+        except Exception as error:  # a compiler that failed on this one
+            self._skip(extension.name, error)
+
+    def _skip(self, what: str, error: Exception) -> None:
+        if REQUIRE_C:
+            raise error
+        print(f"WARNING: {what} could not be built ({error}); Domus runs on its "
+              "pure-Python paths, which are slower (domus status shows 'hot path: python'). "
+              "Install a C compiler and the Python headers (Debian: build-essential "
+              "python3-dev) and reinstall for the fast paths.", file=sys.stderr)
+
+
 setup(
-    name="domus",
-    version="0.1.0",
-    description="Distributed hash tables for cluster jobs",
-    python_requires=">=3.11",
     packages=find_packages(include=["domus", "domus.*"]) + ["domus.supervisor"],
     package_dir={"domus": "domus", "domus.supervisor": "supervisor"},
     ext_modules=EXTENSIONS,
-    install_requires=[
-        "twisted>=23.10",
-        "msgpack>=1.0",
-        "xxhash>=3.0",
-        "psutil>=5.9",
-        "berkeleydb>=18.1",   # needs libdb-dev (make installs it)
-    ],
-    extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3.5", "hypothesis>=6",
-                 "redis>=5", "hiredis>=2", "ruff>=0.4", "sortedcontainers>=2.4",
-                 "matplotlib>=3.7"],
-    },
-    entry_points={"console_scripts": ["domus = domus.ops.cli:main"]},
+    cmdclass={"build_ext": OptionalBuildExt},
 )

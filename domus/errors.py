@@ -45,6 +45,11 @@ class NoServices(SupervisorError):
     """The operation needs at least one live service and there is none."""
 
 
+class PlatformUnavailable(SupervisorError):
+    """No service (or not a named one) can run the DHT's storage platform:
+    the Berkeley DB platforms need ``domus[bdb]`` where the services run."""
+
+
 class ServiceUnavailable(DomusError, ConnectionError):
     """A service did not answer: it is dead, overloaded or unreachable.
 
@@ -105,5 +110,5 @@ class ValueTooLarge(DomusError, ValueError):
 SUPERVISOR_ERRORS: dict[str, type[SupervisorError]] = {
     cls.__name__: cls
     for cls in (SupervisorError, UnknownDht, DhtExists, InvalidAttribute,
-                UnknownService, NoServices)
+                UnknownService, NoServices, PlatformUnavailable)
 }

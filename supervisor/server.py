@@ -28,7 +28,12 @@ from domus.errors import InvalidAttribute, SupervisorError
 from domus.placement import assignment, layout
 from domus.wire import address as addresses
 from domus.wire import launch
-from domus.wire.attributes import check_request, default_bucket_count
+from domus.wire.attributes import (
+    PLATFORM_MEDIA,
+    PLATFORM_NEEDS,
+    check_request,
+    default_bucket_count,
+)
 from domus.wire.control import ControlError, MessageProtocol
 
 log = Logger(namespace="domus.supervisor")
@@ -123,14 +128,20 @@ class SupervisorService(Service):
     def op_register(self, link: MessageProtocol, *, name: str, address: str,
                     resources: dict[str, Any], held: dict[str, Any] | None = None,
                     version: str = "", pid: int = 0,
-                    launch: dict[str, Any] | None = None) -> dict[str, Any]:
+                    launch: dict[str, Any] | None = None,
+                    platforms: list[str] | None = None,
+                    hot_path: str = "") -> dict[str, Any]:
         if self._shutting_down:
             raise ControlError("SupervisorError", "the deployment is shutting down; start "
                                "this service again after `domus deployment restart`")
         if not (isinstance(name, str) and name and isinstance(address, str)
-                and isinstance(resources, dict) and isinstance(launch, dict | None)):
+                and isinstance(resources, dict) and isinstance(launch, dict | None)
+                and (platforms is None or isinstance(platforms, list)
+                     and all(isinstance(platform, str) for platform in platforms))
+                and isinstance(hot_path, str)):
             raise ControlError("SupervisorError", "register needs a non-empty string name, "
-                               "a HOST:PORT address and a map of resources")
+                               "a HOST:PORT address, a map of resources and a list of "
+                               "platform names")
         try:
             addresses.parse(address)
             for field in ("cores", "ram", "disk"):
@@ -138,7 +149,7 @@ class SupervisorService(Service):
             # The record is saved as JSON: refuse what would not save, rather
             # than poison the state (and every later save) with it.
             json.dumps({"resources": resources, "version": version, "pid": pid,
-                        "launch": launch}, sort_keys=True)
+                        "launch": launch, "hot_path": hot_path}, sort_keys=True)
         except (TypeError, ValueError) as exc:
             raise ControlError("SupervisorError", f"cannot register service {name!r}: "
                                f"{exc}") from None
@@ -158,7 +169,10 @@ class SupervisorService(Service):
         record = {"name": name, "address": address, "resources": resources,
                   "registered": known["registered"] if known else time.time(),
                   "last_registered": time.time(), "version": version, "pid": pid,
-                  "launch": launch or (known or {}).get("launch")}
+                  "launch": launch or (known or {}).get("launch"),
+                  # the storage platforms it can run (None: it did not say,
+                  # as services before 0.1.0 did not: every platform)
+                  "platforms": platforms, "hot_path": hot_path}
         self.state.services[name] = record
         moved = known is not None and known["address"] != address
         if moved:
@@ -238,7 +252,12 @@ class SupervisorService(Service):
         return {"name": name, "address": record["address"], "state": self.service_state(name),
                 "roles": sorted(roles), "buckets": buckets, "resources": record["resources"],
                 "load": live.get("load", {}), "stats": live.get("stats", {}),
-                "pid": record.get("pid"), "version": record.get("version")}
+                "pid": record.get("pid"), "version": record.get("version"),
+                "platforms": self._platforms_of(name), "hot_path": record.get("hot_path", "")}
+
+    def _platforms_of(self, name: str) -> list[str]:
+        platforms = self.state.services[name].get("platforms")
+        return list(PLATFORM_MEDIA) if platforms is None else platforms
 
     def op_remove_service(self, link: MessageProtocol, *, name: str) -> dict[str, Any]:
         if name not in self.state.services:
@@ -332,6 +351,21 @@ class SupervisorService(Service):
         finally:
             self._creating.discard(name)
 
+    def _able_to_store(self, platform: str, services: list[str], *, named: bool) -> list[str]:
+        """The services of ``services`` that can store ``platform``.  A
+        Berkeley DB platform is an optional extra: services without it are
+        left out, and a DHT none can store (or one whose named storage
+        services cannot) is refused before anything is assigned."""
+        able = [service for service in services if platform in self._platforms_of(service)]
+        unable = [service for service in services if service not in able]
+        if able and not (named and unable):
+            return able
+        need = PLATFORM_NEEDS.get(platform, "a newer Domus")
+        which = f"service(s) {unable} cannot" if named and unable else "no live service can"
+        raise ControlError("PlatformUnavailable",
+                           f"{which} store platform {platform!r}: it needs {need} where the "
+                           f"services run, then a restart of those services")
+
     def _plan(self, name: str, wanted: dict[str, Any]) -> dict[str, Any]:
         live = self.live_services()
         if not live:
@@ -347,6 +381,9 @@ class SupervisorService(Service):
                 if self.service_state(service) != "up":
                     raise ControlError("SupervisorError", f"{role} names {service!r}, which is "
                                        f"{self.service_state(service)}; start it or leave it out")
+            if role == "storage_services":
+                chosen = self._able_to_store(wanted["platform"], chosen,
+                                             named=bool(wanted.get(role)))
             sets[role] = list(chosen)
         buckets = wanted.get("buckets") or default_bucket_count(
             len(set(sets["routing_services"]) | set(sets["storage_services"])))
@@ -511,6 +548,8 @@ class SupervisorService(Service):
             raise ControlError("SupervisorError", f"DHT {name!r} is inactive; activate it "
                                f"(`domus dht activate {name}`) before moving its buckets")
         self._refuse_while_changing(name, "move a bucket of")
+        if role == "storage":
+            self._able_to_store(descriptor["platform"], [service], named=True)
         source = layout.owners(descriptor, role).owner(bucket)
         answer = {"name": name, "bucket": bucket, "role": role, "from": source, "to": service,
                   "changed": False, "records": None, "seconds": 0.0, "lagging": {}}

@@ -140,12 +140,17 @@ def _megabytes(value: float) -> str:
     return f"{value / 2**20:.0f}"
 
 
+# Platform names in `domus status`'s PLATFORMS column.
+_SHORT_PLATFORM = {"python-dict": "dict", "domus-rbt": "rbt", "domus-bsddb-btree": "bdb-btree",
+                   "domus-bsddb-hash": "bdb-hash"}
+
+
 def format_status(status: dict[str, Any]) -> str:
     supervisor = status["supervisor"]
     lines = [f"supervisor {supervisor['address']}  version {supervisor['version']}  "
              f"up {supervisor['uptime']:.0f}s  data {supervisor['data_dir']}", ""]
     rows = [("SERVICE", "ADDRESS", "STATE", "ROLES", "BUCKETS (routing/storage per DHT)",
-             "REQ/S", "LOOKUP/S", "CPU%", "RSS MiB")]
+             "REQ/S", "LOOKUP/S", "CPU%", "RSS MiB", "HOT PATH", "PLATFORMS")]
     for service in status["services"]:
         load = service.get("load") or {}
         buckets = " ".join(f"{dht}:{counts.get('routing', 0)}/{counts.get('storage', 0)}"
@@ -156,7 +161,10 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{load.get('requests_per_s', 0):.0f}" if up else "-",
                      f"{load.get('lookups_per_s', 0):.0f}" if up else "-",
                      f"{load.get('cpu', 0):.0f}" if up else "-",
-                     _megabytes(load.get("rss", 0)) if up else "-"))
+                     _megabytes(load.get("rss", 0)) if up else "-",
+                     {"c": "C", "python": "python (slow)"}.get(service.get("hot_path"), "-"),
+                     ",".join(_SHORT_PLATFORM.get(name, name)
+                              for name in service.get("platforms", [])) or "-"))
     lines += _table(rows)
     lines.append("")
     dht_rows = [("DHT", "ID", "STATE", "BUCKETS", "HASH", "STORAGE", "ROUTING", "LOOKUP",
@@ -347,9 +355,24 @@ def _bytes_for_json(value: Any) -> Any:
     raise TypeError(type(value).__name__)
 
 
+def _version_line() -> str:
+    """``domus --version``: the version, where it is installed and what it
+    runs on (the C paths or the pure-Python ones)."""
+    from domus._version import __version__
+
+    try:
+        from domus import _codec, _hotpath, _rbtree  # noqa: F401
+        paths = "C extensions built"
+    except ImportError:
+        paths = "C extensions not built: pure-Python paths (slower)"
+    location = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return f"domus {__version__} ({location}; {paths})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="domus", description="Distributed hash tables for "
                                      "cluster jobs.")
+    parser.add_argument("--version", action="version", version=_version_line())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def talks(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:

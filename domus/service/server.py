@@ -20,7 +20,7 @@ from domus._version import __version__
 from domus.service.handler import RequestHandler
 from domus.service.resources import LoadSampler, base_resources
 from domus.service.udp import UdpServer
-from domus.storage import StorageFault
+from domus.storage import StorageFault, available_platforms
 from domus.wire import address as addresses
 from domus.wire import launch
 from domus.wire import protocol as wire
@@ -143,7 +143,9 @@ class DomusService(Service):
         held = {str(dht_id): sorted(hosted.repos) for dht_id, hosted in self.handler.dhts.items()}
         registering = link.call("register", name=self.service_name, address=self.address,
                                 resources=self.resources, version=__version__, held=held,
-                                pid=os.getpid(), launch=self.launch)
+                                pid=os.getpid(), launch=self.launch,
+                                platforms=list(available_platforms()),
+                                hot_path="c" if self.handler.fast is not None else "python")
         registering.addCallbacks(self._registered, self._register_failed, errbackArgs=(link,))
 
     def _registered(self, answer: dict[str, Any]) -> None:

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 
-from domus.storage.base import FailedRepository, RamStore, Repository, StorageFault, Store
+from domus.storage.base import (
+    FailedRepository,
+    RamStore,
+    Repository,
+    StorageFault,
+    Store,
+    UnavailableStore,
+)
 from domus.storage.pydict import DictRepository
 from domus.storage.rbt import RBTreeRepository
-from domus.wire.attributes import MEDIA, PLANNED_PLATFORMS, PLATFORM_MEDIA
+from domus.wire.attributes import MEDIA, PLANNED_PLATFORMS, PLATFORM_MEDIA, PLATFORM_NEEDS
 
 
 @dataclass(frozen=True)
@@ -35,8 +42,12 @@ def _ram_store(factory: Callable[[], Repository], _medium: str, _home: str | Non
 
 def _berkeley_store(method: str, medium: str, home: str | None, label: str = "DHT",
                     durability: str = "async") -> Store:
-    from domus.storage.bsddb import BerkeleyStore  # imports Berkeley DB only when used
-
+    try:
+        from domus.storage.bsddb import BerkeleyStore  # imports Berkeley DB only when used
+    except ImportError as exc:
+        return UnavailableStore(f"{label}: this service cannot store platform "
+                                f"'domus-bsddb-{method}' ({exc}); it needs "
+                                f"{PLATFORM_NEEDS['domus-bsddb-' + method]}")
     return BerkeleyStore(method, medium, home, label, durability)
 
 
@@ -51,6 +62,21 @@ PLATFORMS: dict[str, Platform] = {
     name: Platform(PLATFORM_MEDIA[name], *_IMPLEMENTATIONS[name]) for name in PLATFORM_MEDIA
 }
 
-__all__ = ["PLATFORMS", "MEDIA", "PLANNED_PLATFORMS", "Platform", "Repository", "Store",
-           "RamStore", "FailedRepository", "StorageFault", "DictRepository",
+@cache
+def available_platforms() -> tuple[str, ...]:
+    """The platforms this process can open stores of: every one whose
+    library imports (Berkeley DB's is an optional extra)."""
+    names = []
+    for name in PLATFORMS:
+        if name.startswith("domus-bsddb-"):
+            try:
+                import berkeleydb.db  # noqa: F401
+            except ImportError:
+                continue
+        names.append(name)
+    return tuple(names)
+
+
+__all__ = ["PLATFORMS", "available_platforms", "MEDIA", "PLANNED_PLATFORMS", "Platform",
+           "Repository", "Store", "RamStore", "FailedRepository", "StorageFault", "DictRepository",
            "RBTreeRepository"]

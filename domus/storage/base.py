@@ -148,6 +148,26 @@ class FailedRepository(Repository):
         raise self._fail()
 
 
+class UnavailableStore(Store):
+    """The store of a DHT whose platform this service cannot run (its
+    library is not installed).  The service still routes the DHT's buckets;
+    it is never given one to store (the supervisor places storage only on
+    services that report the platform), and a bucket opened here anyway
+    fails every request with ``reason``."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def open(self, bucket: int) -> Repository:
+        raise StorageFault(self.reason)
+
+    def remove(self, bucket: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class RamStore(Store):
     """Repositories that are Python objects in the service's memory: a
     factory's instances, one per bucket."""

@@ -32,6 +32,11 @@ PLATFORM_MEDIA: dict[str, frozenset[str]] = {
     "domus-bsddb-btree": MEDIA,
     "domus-bsddb-hash": MEDIA,
 }
+# What a platform needs that a plain ``pip install domus`` lacks, and how to
+# get it: named in the errors of a service or supervisor that cannot run it.
+_BERKELEY_DB = ("Berkeley DB: pip install 'domus[bdb]' (the berkeleydb package, built "
+                "against libdb, Debian's libdb-dev, or installed from a wheelhouse)")
+PLATFORM_NEEDS = {"domus-bsddb-btree": _BERKELEY_DB, "domus-bsddb-hash": _BERKELEY_DB}
 # Platforms the design names that later work adds; asking for one gets a
 # message that says so rather than "unknown platform".
 PLANNED_PLATFORMS: frozenset[str] = frozenset()

@@ -362,3 +362,61 @@ def test_the_supervisors_patience_is_set_and_kept_for_a_restart(tmp_path):
     for bad in ({"down_after": 0}, {"push_timeout": -1.0}):
         with pytest.raises(ValueError, match="must be positive"):
             SupervisorService(listen="127.0.0.1:0", data_dir=str(tmp_path / "bad"), **bad)
+
+
+# ------------------------------------------- platforms a service can run
+
+WITHOUT_BDB = ["python-dict", "domus-rbt"]     # what `pip install domus` alone runs
+
+
+def create(supervisor, name, **attributes):
+    return result_of(supervisor.op_create_dht(None, name=name, attributes=attributes))
+
+
+def storage_of(descriptor):
+    return [entry["name"] for entry in descriptor["storage_services"]]
+
+
+def test_a_berkeley_db_dht_is_stored_only_on_services_that_have_it(deployment):
+    supervisor, links, records = deployment
+    supervisor.state.services["s3"]["platforms"] = WITHOUT_BDB
+    disk = create(supervisor, "on-disk", platform="domus-bsddb-btree", storage="disk")
+    assert storage_of(disk) == ["s1", "s2"]
+    assert [entry["name"] for entry in disk["routing_services"]] == ["s1", "s2", "s3"]
+    assert storage_of(create(supervisor, "in-ram", platform="domus-rbt")) == ["s1", "s2", "s3"]
+    view = {entry["name"]: entry for entry in supervisor.op_services(None)}
+    assert view["s3"]["platforms"] == WITHOUT_BDB
+    assert "domus-bsddb-hash" in view["s1"]["platforms"]    # said nothing: every platform
+
+
+def test_a_berkeley_db_dht_no_service_can_store_is_refused_naming_the_extra(deployment):
+    supervisor, links, records = deployment
+    for name in ("s1", "s2", "s3"):
+        supervisor.state.services[name]["platforms"] = WITHOUT_BDB
+    with pytest.raises(ControlError, match=r"no live service can store platform "
+                       r"'domus-bsddb-hash'.*domus\[bdb\].*libdb") as refused:
+        create(supervisor, "nowhere", platform="domus-bsddb-hash")
+    assert refused.value.kind == "PlatformUnavailable"
+    assert "nowhere" not in supervisor.state.dhts
+    assert all(link.calls == [] for link in links.values())     # nothing was assigned
+
+
+def test_named_storage_services_without_the_platform_are_refused(deployment):
+    supervisor, links, records = deployment
+    supervisor.state.services["s3"]["platforms"] = WITHOUT_BDB
+    with pytest.raises(ControlError, match=r"service\(s\) \['s3'\] cannot store platform "
+                       r"'domus-bsddb-btree'.*domus\[bdb\]"):
+        create(supervisor, "named", platform="domus-bsddb-btree",
+               storage_services=["s2", "s3"])
+    assert "named" not in supervisor.state.dhts
+
+
+@pytest.mark.parametrize("deployment", ["domus-bsddb-btree"], indirect=True)
+def test_a_berkeley_db_bucket_is_not_moved_to_a_service_without_it(deployment):
+    supervisor, links, records = deployment
+    supervisor.state.services["s3"]["platforms"] = WITHOUT_BDB
+    with pytest.raises(ControlError, match=r"service\(s\) \['s3'\] cannot.*domus\[bdb\]"):
+        move(supervisor)
+    assert_unchanged(supervisor, links, records, "s3")
+    # its routing has no platform to need
+    assert result_of(move(supervisor, role="routing"))["changed"]
