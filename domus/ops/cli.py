@@ -369,10 +369,20 @@ def _version_line() -> str:
     return f"domus {__version__} ({location}; {paths})"
 
 
+class _VersionAction(argparse.Action):
+    """``--version``, printed as one line (argparse's own wraps it)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(_version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="domus", description="Distributed hash tables for "
                                      "cluster jobs.")
-    parser.add_argument("--version", action="version", version=_version_line())
+    parser.add_argument("--version", action=_VersionAction, nargs=0,
+                        help="print the version, where Domus runs from and whether its C "
+                        "extensions are built, then exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def talks(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
