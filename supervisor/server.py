@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+from domus.supervisor import balancer
 from domus.supervisor.state import SupervisorState
 from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from twisted.application.service import Service
@@ -41,25 +42,47 @@ log = Logger(namespace="domus.supervisor")
 # Deactivating a RAM DHT writes every record it holds; activating reads them.
 STATE_CHANGE_TIMEOUT = 600.0
 SHUTDOWN_WAIT = 30.0   # seconds a service has to stop when the deployment shuts down
+BALANCE_INTERVAL = 2.0  # seconds between two rounds of the balancer (--balance auto)
+BALANCE_MODES = ("auto", "manual")
 
 
 class SupervisorService(Service):
     def __init__(self, *, listen: str, data_dir: str, down_after: float = DOWN_AFTER,
-                 push_timeout: float = PUSH_TIMEOUT) -> None:
+                 push_timeout: float = PUSH_TIMEOUT, balance: str = "auto",
+                 balancer_settings: balancer.Settings | None = None) -> None:
         if not (down_after > 0 and push_timeout > 0):
             raise ValueError(f"down_after ({down_after}) and push_timeout ({push_timeout}) "
                              "must be positive numbers of seconds")
+        if balance not in BALANCE_MODES:
+            raise ValueError(f"balance must be one of {BALANCE_MODES}, not {balance!r}")
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
         data_dir = os.path.abspath(data_dir)
         self.state = SupervisorState(data_dir)
         timing = [] if (down_after, push_timeout) == (DOWN_AFTER, PUSH_TIMEOUT) else [
             "--down-after", repr(down_after), "--push-timeout", repr(push_timeout)]
+        if balance != "auto":
+            timing += ["--balance", balance]
+        knobs = balancer_settings or balancer.Settings()
+        for flag, value, default in (
+                ("--balance-settle", knobs.settle, balancer.Settings.settle),
+                ("--balance-max-moves", knobs.max_moves, balancer.Settings.max_moves),
+                ("--balance-cooldown", knobs.cooldown, balancer.Settings.cooldown)):
+            if value != default:
+                timing += [flag, repr(value)]
         self.state.launch = launch.record("supervisor", listen, [
             "supervisor", "--listen", listen, "--data-dir", data_dir, *timing], data_dir)
         self._shutting_down = False
         self.down_after = down_after
         self.push_timeout = push_timeout
+        # The balancer (domus.supervisor.balancer): its mode, knobs and
+        # memory; the services being drained; what it is doing now.
+        self.balance = balance
+        self.balancer_settings = balancer_settings or balancer.Settings()
+        self.memory = balancer.Memory()
+        self.draining: set[str] = set()
+        self._balancing: str | None = None
+        self._balance_timer: task.LoopingCall | None = None
         self.links: dict[str, MessageProtocol] = {}
         self.live: dict[str, dict[str, Any]] = {}   # name -> last_seen, load, stats
         self._creating: set[str] = set()
@@ -88,13 +111,16 @@ class SupervisorService(Service):
         self.state.save()     # with this process's launch record
         self._watch = task.LoopingCall(self._watch_services)
         self._watch.start(1.0, now=False)
+        self._balance_timer = task.LoopingCall(self._balance_round)
+        self._balance_timer.start(BALANCE_INTERVAL, now=False)
         log.info("supervisor listening on {address}; state in {path} ({services} services, "
                  "{dhts} DHTs known)", address=self.address, path=self.state.path,
                  services=len(self.state.services), dhts=len(self.state.dhts))
 
     def stopService(self) -> defer.Deferred:
-        if self._watch is not None and self._watch.running:
-            self._watch.stop()
+        for timer in (self._watch, self._balance_timer):
+            if timer is not None and timer.running:
+                timer.stop()
         for link in list(self.links.values()):
             if link.transport is not None:
                 link.transport.loseConnection()
@@ -259,18 +285,44 @@ class SupervisorService(Service):
         platforms = self.state.services[name].get("platforms")
         return list(PLATFORM_MEDIA) if platforms is None else platforms
 
-    def op_remove_service(self, link: MessageProtocol, *, name: str) -> dict[str, Any]:
+    def op_remove_service(self, link: MessageProtocol, *, name: str) -> Any:
         if name not in self.state.services:
             raise ControlError("UnknownService", f"no service named {name!r} is registered")
-        users = [dht for dht, descriptor in self.state.dhts.items()
-                 if any(entry["name"] == name for role in ("routing_services", "storage_services")
-                        for entry in descriptor[role])]
-        if users:
-            raise ControlError("SupervisorError", f"service {name!r} still takes part in "
-                               f"DHT(s) {users}; destroy them first")
+        held = self._held_by(name)
+        if held:
+            stats = (self.live.get(name, {}).get("stats") or {}).get("dhts", {})
+            records = sum((stats.get(dht) or {}).get("records", 0) for dht in held)
+            raise ControlError("SupervisorError", f"service {name!r} still holds buckets of "
+                               f"DHT(s) {held} ({records} records); drain it first "
+                               f"(`domus service drain {name}`), then remove it")
+        # It holds nothing: take it out of the DHTs that still list it (with
+        # count 0 once rebased; a count left means a layout that needs it).
+        listing = self._descriptors_for(name)
+        for descriptor in listing:
+            counted = [entry for role in ("routing_services", "storage_services")
+                       for entry in descriptor[role] if entry["name"] == name and entry["count"]]
+            if counted:
+                raise ControlError("SupervisorError", f"service {name!r} holds no bucket, but "
+                                   f"DHT {descriptor['name']!r} still counts it in its layout; "
+                                   f"run `domus dht rebalance {descriptor['name']}` first")
+        changed = []
+        for descriptor in listing:
+            stripped = dict(descriptor)
+            for role in ("routing_services", "storage_services"):
+                stripped[role] = [entry for entry in descriptor[role] if entry["name"] != name]
+            self.state.dhts[descriptor["name"]] = stripped
+            changed.append(stripped)
         del self.state.services[name]
+        self.draining.discard(name)
         self.state.save()
-        return {"removed": name}
+        old_link = self.links.pop(name, None)
+        pushes = [self._push(self._involved(descriptor), descriptor, self.push_timeout)
+                  for descriptor in changed]
+        if old_link is not None:
+            pushes.append(old_link.call("shutdown", timeout=self.push_timeout)
+                          .addErrback(lambda _failure: None))
+        return defer.DeferredList(pushes, consumeErrors=True).addCallback(
+            lambda _: {"removed": name})
 
     # -------------------------------------------------------------- DHTs
     def _descriptors_for(self, name: str) -> list[dict[str, Any]]:
@@ -394,6 +446,9 @@ class SupervisorService(Service):
             "routing_algorithm": wanted["routing_algorithm"], "lookup": wanted["lookup"],
             "durability": wanted["durability"], "state": "active",
             "created": time.time(),
+            # roles given no service list follow the deployment: services
+            # that register later get their share (the balancer)
+            "follow": [role for role in layout.ROLES if not wanted.get(f"{role}_services")],
         }
         for role, role_name in (("routing_services", "routing"), ("storage_services", "storage")):
             services = sets[role]
@@ -582,6 +637,188 @@ class SupervisorService(Service):
             return result
 
         return moving.addCallback(done).addBoth(finished)
+
+    # ------------------------------------------------------------ balancing
+    def _balancer_view(self) -> dict[str, dict[str, Any]]:
+        """What the balancer knows of each service."""
+        return {name: {"resources": record["resources"], "state": self.service_state(name),
+                       "load": self.live.get(name, {}).get("load", {}),
+                       "platforms": record.get("platforms")}
+                for name, record in self.state.services.items()}
+
+    def _records_per_bucket(self, dht: str) -> dict[str, float]:
+        """service -> records per bucket it stores of ``dht`` (its last
+        heartbeat's counts): the balancer's estimate of a move's size."""
+        estimate = {}
+        for name, live in self.live.items():
+            held = (live.get("stats") or {}).get("dhts", {}).get(dht)
+            if held and held.get("storage_buckets"):
+                estimate[name] = held["records"] / held["storage_buckets"]
+        return estimate
+
+    def _whole_plan(self, name: str) -> list[balancer.Move]:
+        """Every move that takes DHT ``name`` to its targets now, with no
+        wait, budget or rest (``rebalance``, a drain)."""
+        unbounded = balancer.Settings(**{**self.balancer_settings.__dict__,
+                                         "max_moves": 1 << 30, "records_per_round": 1 << 62,
+                                         "cooldown": 0.0})
+        scratch = balancer.Memory(factors=dict(self.memory.factors),
+                                  others=dict(self.memory.others))
+        return balancer.plan(self.state.dhts[name], self._balancer_view(), scratch, unbounded,
+                             immediate=True, draining=self.draining,
+                             records=self._records_per_bucket(name))
+
+    def _balance_round(self) -> None:
+        """One round of ``--balance auto``: at most one DHT's moves at a time."""
+        if self._balancing or self._shutting_down:
+            return
+        services = self._balancer_view()
+        now = time.monotonic()
+        balancer.adjust_for_load(services, self.memory, self.balancer_settings, now)
+        if self.balance != "auto":
+            return
+        for name, descriptor in sorted(self.state.dhts.items()):
+            if (name in self._changing or descriptor.get("state", "active") != "active"):
+                continue
+            moves = balancer.plan(descriptor, services, self.memory, self.balancer_settings, now,
+                                  draining=self.draining, records=self._records_per_bucket(name))
+            if moves:
+                self._balancing = f"moving {len(moves)} bucket(s) of DHT {name!r}"
+                self._carry_out(moves, "balancer").addErrback(
+                    lambda failure: log.failure("balancer round failed", failure)
+                ).addBoth(lambda _: setattr(self, "_balancing", None))
+                return
+
+    @defer.inlineCallbacks
+    def _carry_out(self, moves: list[balancer.Move], by: str) -> Any:
+        """Make ``moves`` one after the other (each all or nothing, as
+        ``move_bucket``); stop at the first that fails.  Then describe each
+        DHT by counts again where its layout allows.  Returns what was done."""
+        done = []
+        for move in moves:
+            if move.dht not in self.state.dhts:
+                break
+            try:
+                result = yield self.op_move_bucket(None, name=move.dht, bucket=move.bucket,
+                                                   role=move.role, service=move.target)
+            except Exception as exc:  # reported, and the round ends
+                self.memory.note(time.monotonic(), f"{by}: moving {move.role} of bucket "
+                                 f"{move.bucket} of DHT {move.dht!r} from {move.source} to "
+                                 f"{move.target} failed: {_describe(exc)}", **move.as_dict())
+                log.warn("{by}: moving {role} of bucket {bucket} of DHT {dht!r} failed: "
+                         "{error}", by=by, role=move.role, bucket=move.bucket, dht=move.dht,
+                         error=_describe(exc))
+                break
+            self.memory.moved_at[(move.dht, move.role, move.bucket)] = time.monotonic()
+            record = move.as_dict() | {"records": result.get("records"), "by": by,
+                                       "seconds": round(result.get("seconds", 0.0), 3)}
+            self.memory.note(time.monotonic(), f"{by}: moved {move.role} of bucket "
+                             f"{move.bucket} of DHT {move.dht!r} from {move.source} to "
+                             f"{move.target}: {move.why}", **record)
+            log.info("{by}: DHT {dht!r}: {role} of bucket {bucket} moved from {source} to "
+                     "{target}: {why}", by=by, dht=move.dht, role=move.role, bucket=move.bucket,
+                     source=move.source, target=move.target, why=move.why)
+            done.append(record)
+        for name in sorted({move.dht for move in moves}):
+            yield self._rebase(name)
+        return done
+
+    @defer.inlineCallbacks
+    def _rebase(self, name: str) -> Any:
+        """Describe DHT ``name``'s layout by counts alone again, if it can be
+        (domus.supervisor.balancer.rebase), and tell its services."""
+        descriptor = self.state.dhts.get(name)
+        if descriptor is None or name in self._changing:
+            return
+        rebased = balancer.rebase(descriptor)
+        if rebased == descriptor:
+            return
+        self._changing[name] = "being described by counts again"
+        try:
+            self.state.dhts[name] = rebased
+            self.state.save()
+            # Same owners, other words: a service that misses it gets it at
+            # its next registration and serves the same buckets meanwhile.
+            yield self._push(self._involved(rebased), rebased, self.push_timeout)
+        finally:
+            self._changing.pop(name, None)
+
+    @defer.inlineCallbacks
+    def _wait_for_balancer(self) -> Any:
+        from twisted.internet import reactor
+
+        while self._balancing:
+            yield task.deferLater(reactor, 0.05, lambda: None)
+
+    def op_rebalance(self, link: MessageProtocol, *, name: str,
+                     dry_run: bool = False) -> Any:
+        self._find(name)
+        if dry_run:
+            return {"name": name, "dry_run": True,
+                    "moves": [move.as_dict() for move in self._whole_plan(name)]}
+        self._refuse_while_changing(name, "rebalance")
+        return self._rebalance_now(name)
+
+    @defer.inlineCallbacks
+    def _rebalance_now(self, name: str) -> Any:
+        yield self._wait_for_balancer()
+        self._balancing = f"rebalancing DHT {name!r} by hand"
+        try:
+            planned = self._whole_plan(name)
+            done = yield self._carry_out(planned, "rebalance")
+        finally:
+            self._balancing = None
+        if len(done) < len(planned):
+            raise ControlError("SupervisorError", f"rebalancing DHT {name!r} stopped after "
+                               f"{len(done)} of {len(planned)} moves: "
+                               f"{self.memory.decisions[-1]['decision']}")
+        return {"name": name, "dry_run": False, "moves": done}
+
+    def _held_by(self, service: str) -> dict[str, dict[str, int]]:
+        """DHT -> role -> buckets that ``service`` holds now."""
+        held: dict[str, dict[str, int]] = {}
+        for name, descriptor in self.state.dhts.items():
+            for role in layout.ROLES:
+                count = layout.owners(descriptor, role).buckets(service)
+                if count:
+                    held.setdefault(name, {})[role] = count
+        return held
+
+    def op_drain_service(self, link: MessageProtocol, *, name: str) -> Any:
+        if name not in self.state.services:
+            raise ControlError("UnknownService", f"no service named {name!r} is registered")
+        return self._drain(name)
+
+    @defer.inlineCallbacks
+    def _drain(self, name: str) -> Any:
+        self.draining.add(name)
+        self.memory.note(time.monotonic(), f"draining service {name}", service=name)
+        yield self._wait_for_balancer()
+        self._balancing = f"draining service {name}"
+        moved: list[dict[str, Any]] = []
+        try:
+            for dht in sorted(self._held_by(name)):
+                if dht in self.state.dhts:
+                    planned = self._whole_plan(dht)
+                    moved += (yield self._carry_out(planned, f"drain of {name}"))
+        finally:
+            self._balancing = None
+        left = self._held_by(name)
+        if left:
+            state = self.service_state(name)
+            why = (f"it is {state}, so its records cannot be copied; start it again"
+                   if state != "up" else self.memory.decisions[-1]["decision"])
+            raise ControlError("SupervisorError", f"service {name} still holds buckets of "
+                               f"{left} after the drain: {why}")
+        records = sum(move["records"] or 0 for move in moved if move["role"] == "storage")
+        return {"drained": name, "moves": len(moved), "records": records}
+
+    def op_balancer_status(self, link: MessageProtocol) -> dict[str, Any]:
+        return {"mode": self.balance, "settings": dict(self.balancer_settings.__dict__),
+                "doing": self._balancing, "draining": sorted(self.draining),
+                "damped": dict(self.memory.factors),
+                "balancing": sorted(f"{dht}/{role}" for dht, role in self.memory.active),
+                "decisions": list(self.memory.decisions)[-30:]}
 
     @defer.inlineCallbacks
     def _move_routing(self, descriptor: dict[str, Any], moved: dict[str, Any],

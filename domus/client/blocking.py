@@ -199,6 +199,32 @@ class Cluster:
                                     service=service,
                                     timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
 
+    def rebalance(self, name: str, dry_run: bool = False) -> list[dict[str, Any]]:
+        """Move DHT ``name``'s buckets to their targets now (the balancer's
+        plan, without its waits and budgets), one move after the other, each
+        all or nothing; with ``dry_run``, only say which.  Returns the moves:
+        ``bucket, role, source, target, records, why``."""
+        return self.supervisor.call("rebalance", name=name, dry_run=dry_run,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))["moves"]
+
+    def drain_service(self, name: str) -> dict[str, Any]:
+        """Move every bucket off service ``name``; returns once it holds
+        none: ``drained, moves, records``.  It gets none back until it is
+        removed (``remove_service``) and registers anew."""
+        return self.supervisor.call("drain_service", name=name,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+
+    def remove_service(self, name: str) -> None:
+        """Take a service that holds no bucket out of the deployment (and
+        tell it to stop); one that still holds buckets is refused: drain it
+        first."""
+        self.supervisor.call("remove_service", name=name)
+
+    def balancer_status(self) -> dict[str, Any]:
+        """The balancer's mode, knobs, what it is doing, and its last
+        decisions with their reasons."""
+        return self.supervisor.call("balancer_status")
+
     def services(self) -> list[dict[str, Any]]:
         """Every registered service: name, address, state ("up",
         "unresponsive", "down"), roles, buckets per DHT, resources, load."""

@@ -44,7 +44,7 @@ FIRST_TIMEOUT = 0.25
 MAX_DEADLINE = wire.MAX_DEADLINE
 REFUSED_LIMIT = 3
 READ_ONLY_CONTROL = frozenset({"ping", "open_dht", "dht_info", "list_dhts", "services",
-                               "status"})
+                               "status", "balancer_status"})
 WINDOW = 4              # datagrams in flight per service in a pipelined batch
 RECV_BUFFER = 4 * 1024 * 1024
 _roundtrip = codec.roundtrip   # None without the C codec

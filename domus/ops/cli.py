@@ -11,10 +11,11 @@ import time
 from typing import Any
 
 from domus.errors import DomusError
+from domus.supervisor.balancer import Settings
 from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from domus.wire import address as addresses
 
-SERVICE_ADMIN = ("list", "remove")
+SERVICE_ADMIN = ("list", "remove", "drain")
 
 
 def _positive_seconds(text: str) -> float:
@@ -65,7 +66,12 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
 
     return _run_reactor(SupervisorService(listen=args.listen, data_dir=args.data_dir,
                                           down_after=args.down_after,
-                                          push_timeout=args.push_timeout))
+                                          push_timeout=args.push_timeout,
+                                          balance=args.balance,
+                                          balancer_settings=Settings(
+                                              settle=args.balance_settle,
+                                              max_moves=args.balance_max_moves,
+                                              cooldown=args.balance_cooldown)))
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -203,8 +209,43 @@ def cmd_service_admin(args: argparse.Namespace) -> int:
                          for s in services]
                 print("\n".join(_table(rows)))
         elif args.action == "remove":
-            cluster.supervisor.call("remove_service", name=args.name)
+            cluster.remove_service(args.name)
             print(f"removed service {args.name}")
+        elif args.action == "drain":
+            drained = cluster.drain_service(args.name)
+            print(f"drained service {args.name}: {drained['moves']} bucket moves, "
+                  f"{drained['records']:,} records copied; it holds no bucket now "
+                  f"(`domus service remove {args.name}` takes it out)")
+    return 0
+
+
+def format_moves(moves: list[dict[str, Any]]) -> str:
+    """The balancer's moves as a table (``domus dht rebalance``)."""
+    if not moves:
+        return "nothing to move: every bucket is where its targets want it"
+    rows = [("BUCKET", "ROLE", "FROM", "TO", "RECORDS", "WHY")]
+    rows += [(str(move["bucket"]), move["role"], move["source"], move["target"],
+              "-" if move["records"] is None else f"{move['records']:,}", move["why"])
+             for move in moves]
+    return "\n".join(_table(rows))
+
+
+def cmd_balancer(args: argparse.Namespace) -> int:
+    with _cluster(args) as cluster:
+        status = cluster.balancer_status()
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+        return 0
+    print(f"mode {status['mode']}; now: {status['doing'] or 'idle'}; draining: "
+          f"{', '.join(status['draining']) or 'none'}; balancing: "
+          f"{', '.join(status['balancing']) or 'none'}")
+    for service, factor in sorted(status["damped"].items()):
+        print(f"{service}: weight x{factor:.2f} while it is busy")
+    decisions = status["decisions"]
+    print(f"last {len(decisions)} decisions:" if decisions else "no decisions yet")
+    for decision in decisions:
+        at = time.strftime("%H:%M:%S", time.localtime(decision["at"]))
+        print(f"  {at}  {decision['decision']}")
     return 0
 
 
@@ -245,6 +286,12 @@ def cmd_dht(args: argparse.Namespace) -> int:
             print(f"activated DHT {args.name!r}"
                   + (f": {sum(loaded.values())} saved records loaded ({_per_service(loaded)})"
                      if any(loaded.values()) else ""))
+        elif args.action == "rebalance":
+            moves = cluster.rebalance(args.name, dry_run=args.dry_run)
+            print(format_moves(moves))
+            if moves:
+                print(f"{'would move' if args.dry_run else 'moved'} {len(moves)} bucket(s) of "
+                      f"DHT {args.name!r}")
         elif args.action == "move":
             answer = cluster.move_bucket(args.name, args.bucket, routing=args.routing,
                                          storage=args.storage)
@@ -409,6 +456,19 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument("--push-timeout", type=_positive_seconds, default=PUSH_TIMEOUT,
                      metavar="SECONDS", help="how long a service has to acknowledge a change "
                      "of its DHTs (default %(default)s)")
+    sup.add_argument("--balance", choices=("auto", "manual"), default="auto",
+                     help="auto: buckets follow resources and load by themselves; manual: "
+                     "only `domus dht rebalance` and drains move them (default auto)")
+    knobs = Settings()
+    sup.add_argument("--balance-settle", type=_positive_seconds, default=knobs.settle,
+                     metavar="SECONDS", help="how long an imbalance must last before the "
+                     "balancer moves anything (default %(default)s)")
+    sup.add_argument("--balance-max-moves", type=int, default=knobs.max_moves, metavar="N",
+                     help="buckets the balancer moves per round, one DHT at a time "
+                     "(default %(default)s)")
+    sup.add_argument("--balance-cooldown", type=_positive_seconds, default=knobs.cooldown,
+                     metavar="SECONDS", help="how long a moved bucket is left where it is "
+                     "(default %(default)s)")
     sup.set_defaults(func=cmd_supervisor)
 
     svc = commands.add_parser("service", help="run a service (or: service list|remove)")
@@ -460,7 +520,18 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--routing", metavar="SERVICE", help="the service to route the bucket")
     target.add_argument("--storage", metavar="SERVICE",
                         help="the service to store the bucket (its records are copied there)")
+    rebalance = talks(actions.add_parser("rebalance", help="move a DHT's buckets to the "
+                                         "balancer's targets now (or --dry-run: say which)"))
+    rebalance.add_argument("name")
+    rebalance.add_argument("--dry-run", action="store_true", help="print the plan, move nothing")
     dht.set_defaults(func=cmd_dht)
+
+    balance = commands.add_parser("balancer", help="what the balancer does and why")
+    balance_actions = balance.add_subparsers(dest="action", required=True, metavar="ACTION")
+    balance_status = talks(balance_actions.add_parser("status", help="mode, moves in flight, "
+                                                      "last decisions with their reasons"))
+    balance_status.add_argument("--json", action="store_true")
+    balance.set_defaults(func=cmd_balancer)
 
     deployment = commands.add_parser("deployment", help="shut a whole deployment down, or "
                                      "restart it with every disk (and saved RAM) DHT")
@@ -505,7 +576,7 @@ def _service_admin_parser() -> argparse.ArgumentParser:
         sub.add_argument("--supervisor", default=None, metavar="HOST:PORT")
         sub.add_argument("--timeout", type=float, default=5.0)
         sub.add_argument("--json", action="store_true")
-        if action == "remove":
+        if action in ("remove", "drain"):
             sub.add_argument("name")
     return parser
 

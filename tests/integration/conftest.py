@@ -93,14 +93,19 @@ class TrackedDeployment(LocalDeployment):
         return "\n".join(parts)
 
 
-def start_deployment(data_dir: Path, services: int = SERVICES) -> TrackedDeployment:
+def start_deployment(data_dir: Path, services: int = SERVICES,
+                     supervisor_args: tuple[str, ...] = ("--balance", "manual")
+                     ) -> TrackedDeployment:
     """Start a deployment on a free block of ports, trying another block if
-    something grabbed this one before our processes bound it."""
+    something grabbed this one before our processes bound it.  Its balancer
+    is manual unless asked otherwise: a test's buckets stay where it put
+    them."""
     for attempt in range(1, START_ATTEMPTS + 1):
         port = free_port_block(services + 1)
         deployment = TrackedDeployment(
             services, port=port, heartbeat=HEARTBEAT, data_dir=str(data_dir / f"run{attempt}"),
-            supervisor_args=["--down-after", str(DOWN_AFTER), "--push-timeout", str(PUSH_TIMEOUT)])
+            supervisor_args=["--down-after", str(DOWN_AFTER), "--push-timeout", str(PUSH_TIMEOUT),
+                             *supervisor_args])
         try:
             return deployment.start(timeout=START_TIMEOUT)
         except DomusError:

@@ -1,0 +1,308 @@
+"""The balancer: where a DHT's buckets should be, and the moves that take
+them there.  Pure: it reads descriptors and what services reported, and
+returns moves; the supervisor carries them out (domus.supervisor.server).
+Tests drive it with made-up clusters.
+
+Targets.  For each role of a DHT, the *eligible* services are the role's
+listed services, in their listed order, that are up, not draining and (for
+storage) able to run the DHT's platform; a DHT that follows the deployment
+(created without a service list for that role) also takes every other up
+service, appended in name order.  Each gets a share of the buckets in
+proportion to its capacity (``capacity``): cores not used by other work on
+its node for routing; its RAM for a RAM DHT's storage, its disk for a disk
+DHT's.  The counts come from ``proportional_counts`` (within one bucket of
+the exact share) and the target layout is their *contiguous placement* in
+that order: the same rule as at creation.  So once every move is done the
+descriptor is rebased (``rebase``: the counts become the target counts and
+no moved bucket is listed), and the direct lookup rebuilds the whole layout
+from the counts alone again, as the paper wants; the price is that a
+joining service shifts the ranges of those listed after it.
+
+Routing capacity uses the balancer's own slow average of what other work
+uses of each node (``smoothing``), so that a burst of another job's CPU
+does not move routing back and forth.
+
+Load.  A service whose own CPU stays above ``cpu_busy`` while another
+eligible one is under ``cpu_room`` is damped: its weight is multiplied by
+``damping`` (down to ``min_factor``), so its share, and its load, shrink;
+the factor recovers by the same step once its CPU is back under
+``cpu_room``.  Nothing else changes weights, so equal services under noisy
+load never trade buckets.
+
+Hysteresis and budgets.  A role is rebalanced only if some service is off
+its target count by more than ``tolerance`` buckets and more than
+``relative_tolerance`` of its share, and that
+has lasted ``settle`` seconds (a drain or ``immediate`` skips the wait);
+then it is balanced until its layout is exactly the target, so shares end
+within one bucket of their exact value; a
+round moves at most ``max_moves`` buckets and about ``records_per_round``
+records; a bucket moved within ``cooldown`` seconds is left alone unless a
+drain needs it.  Every move carries its reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from domus.placement import layout
+from domus.placement.assignment import proportional_counts
+from domus.placement.bucketmap import BucketMap
+
+ROLES = layout.ROLES
+
+
+@dataclass(frozen=True)
+class Settings:
+    tolerance: int = 1              # buckets a share may be off target
+    relative_tolerance: float = 0.1  # ... or this fraction of the share, if more
+    smoothing: float = 0.05         # weight of a new CPU sample in the balancer's averages
+    settle: float = 10.0            # seconds an imbalance must last
+    max_moves: int = 16             # buckets moved per round
+    records_per_round: int = 2_000_000
+    cooldown: float = 60.0          # seconds a moved bucket is left alone
+    cpu_busy: float = 85.0          # a service's own CPU %, sustained, that sheds load
+    cpu_room: float = 50.0          # own CPU % under which a service can take load
+    damping: float = 0.8            # weight factor per round of sustained overload
+    min_factor: float = 0.25
+
+
+@dataclass(frozen=True)
+class Move:
+    dht: str
+    bucket: int
+    role: str
+    source: str
+    target: str
+    records: int | None
+    why: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Memory:
+    """What the balancer keeps between rounds."""
+    imbalanced_since: dict[tuple[str, str], float] = field(default_factory=dict)
+    active: set[tuple[str, str]] = field(default_factory=set)   # (dht, role) being balanced
+    moved_at: dict[tuple[str, str, int], float] = field(default_factory=dict)
+    factors: dict[str, float] = field(default_factory=dict)      # service -> load damping
+    others: dict[str, float] = field(default_factory=dict)   # service -> smoothed others' CPU
+    decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=200))
+
+    def note(self, now: float, text: str, **details: Any) -> None:
+        """Keep a decision (``now`` on the balancer's clock, ``at`` the
+        wall-clock time) for ``domus balancer status``."""
+        self.decisions.append({"time": now, "at": time.time(), "decision": text, **details})
+
+
+def others_busy(service: Mapping[str, Any]) -> float:
+    """The fraction of its node's CPU that work other than this service
+    uses now (its node's CPU less its own)."""
+    cores = float((service.get("resources") or {}).get("cores") or 1)
+    load = service.get("load") or {}
+    node = float(load.get("node_cpu") or 0) / 100            # of the whole node
+    own = float(load.get("cpu") or 0) / (100 * cores)         # this process's part
+    return min(max(node - own, 0.0), 0.95)
+
+
+def capacity(service: Mapping[str, Any], role: str, medium: str,
+             others: float | None = None) -> float:
+    """How much of ``role`` a service can take, from its registered
+    resources and (routing) the CPU other work leaves it: ``others``, the
+    balancer's smoothed ``others_busy``, or the last sample."""
+    resources = service.get("resources") or {}
+    if role == "routing":
+        cores = float(resources.get("cores") or 1)
+        return cores * (1 - (others_busy(service) if others is None else others))
+    if medium == "disk":
+        return float(resources.get("disk") or 1)
+    return float(resources.get("ram") or 1)
+
+
+def eligible(descriptor: Mapping[str, Any], role: str, services: Mapping[str, Mapping[str, Any]],
+             draining: Iterable[str] = ()) -> list[str]:
+    """The services that should hold ``role`` of the DHT, in layout order."""
+    leaving = set(draining)
+
+    def fit(name: str) -> bool:
+        service = services.get(name)
+        if service is None or service.get("state") != "up" or name in leaving:
+            return False
+        platforms = service.get("platforms")
+        return role == "routing" or platforms is None or descriptor["platform"] in platforms
+
+    listed = [entry["name"] for entry in descriptor[f"{role}_services"]]
+    chosen = [name for name in listed if fit(name)]
+    if role in descriptor.get("follow", ()):
+        chosen += [name for name in sorted(services) if name not in listed and fit(name)]
+    return chosen
+
+
+def targets(descriptor: Mapping[str, Any], role: str, services: Mapping[str, Mapping[str, Any]],
+            memory: Memory, draining: Iterable[str] = ()) -> dict[str, int]:
+    """service -> the number of buckets it should hold, in layout order."""
+    names = eligible(descriptor, role, services, draining)
+    if not names:
+        return {}
+    weights = [capacity(services[name], role, descriptor["storage"], memory.others.get(name))
+               * memory.factors.get(name, 1.0) for name in names]
+    return dict(zip(names, proportional_counts(descriptor["buckets"], weights)))
+
+
+def target_layout(descriptor: Mapping[str, Any], counts: Mapping[str, int]) -> BucketMap[str]:
+    names = list(counts)
+    return BucketMap.from_counts([counts[name] for name in names], names, descriptor["buckets"])
+
+
+def adjust_for_load(services: Mapping[str, Mapping[str, Any]], memory: Memory,
+                    settings: Settings, now: float) -> None:
+    """One step of load damping (see the module's docstring)."""
+    def cpu(name: str) -> float:
+        return float((services[name].get("load") or {}).get("cpu") or 0)
+
+    up = [name for name, service in services.items() if service.get("state") == "up"]
+    for name in up:
+        sample = others_busy(services[name])
+        previous = memory.others.get(name, sample)
+        memory.others[name] = previous + settings.smoothing * (sample - previous)
+    room = [name for name in up if cpu(name) < settings.cpu_room]
+    for name in up:
+        factor = memory.factors.get(name, 1.0)
+        if cpu(name) > settings.cpu_busy and room:
+            damped = max(settings.min_factor, factor * settings.damping)
+            if damped < factor:
+                memory.factors[name] = damped
+                memory.note(now, f"{name} is busy (CPU {cpu(name):.0f}%) while {room} have "
+                            f"room: its weight factor goes to {damped:.2f}", service=name)
+        elif factor < 1.0 and cpu(name) < settings.cpu_room:
+            memory.factors[name] = min(1.0, factor / settings.damping)
+            if memory.factors[name] == 1.0:
+                del memory.factors[name]
+
+
+def plan(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]],
+         memory: Memory, settings: Settings, now: float | None = None, *,
+         draining: Iterable[str] = (), immediate: bool = False,
+         records: Mapping[str, float] | None = None) -> list[Move]:
+    """The moves of this round for one DHT (empty: nothing to do yet).
+    ``records``: service -> records per bucket it stores (an estimate, for
+    the budget and the plan's table)."""
+    now = time.monotonic() if now is None else now
+    draining = set(draining)
+    name = descriptor["name"]
+    moves: list[Move] = []
+    budget = settings.records_per_round
+    for role in ROLES:
+        counts = targets(descriptor, role, services, memory, draining)
+        if not counts:
+            continue
+        current = layout.owners(descriptor, role)
+        absent = sorted(service for service in current.owners()
+                        if (services.get(service) or {}).get("state") != "up")
+        if absent:
+            # Records cannot be copied off a service that does not answer,
+            # and a routing change must reach every service: wait for it.
+            continue
+        held = {service: current.buckets(service) for service in set(counts) | current.owners()}
+        leaving = {service for service in current.owners() if service not in counts}
+        off = [abs(held.get(service, 0) - share) > max(settings.tolerance,
+                                                       settings.relative_tolerance * share)
+               for service, share in counts.items()]
+        key = (name, role)
+        wanted = target_layout(descriptor, counts)
+        if key not in memory.active:
+            if not leaving and not any(off):
+                memory.imbalanced_since.pop(key, None)
+                continue
+            since = memory.imbalanced_since.setdefault(key, now)
+            if not (immediate or leaving) and now - since < settings.settle:
+                continue
+            memory.active.add(key)
+            memory.note(now, f"DHT {name!r}: balancing its {role}", dht=name, role=role)
+        if list(current.ranges()) == list(wanted.ranges()):
+            memory.active.discard(key)              # there: wait for the next imbalance
+            memory.imbalanced_since.pop(key, None)
+            continue
+        for bucket, owner, goal in _differences(current, wanted):
+            must = owner in leaving
+            if not must and now - memory.moved_at.get((name, role, bucket), -1e18) \
+                    < settings.cooldown:
+                continue
+            estimate = (records or {}).get(owner) if role == "storage" else None
+            if len(moves) >= settings.max_moves or (
+                    estimate is not None and budget < estimate and moves):
+                return moves
+            if estimate is not None:
+                budget -= int(estimate)
+            moves.append(Move(name, bucket, role, owner, goal,
+                              int(estimate) if estimate is not None else None,
+                              _why(owner, goal, role, held, counts, leaving, services,
+                                   descriptor["storage"], draining)))
+    return moves
+
+
+def _differences(current: BucketMap[str], wanted: BucketMap[str]):
+    """(bucket, owner now, owner wanted) of every bucket whose owner
+    changes, in bucket order; by ranges, not bucket by bucket."""
+    for first, end, owner in current.ranges():
+        for low, high, goal in wanted.ranges(first, end):
+            if goal != owner:
+                for bucket in range(low, high):
+                    yield bucket, owner, goal
+
+
+def _why(source: str, target: str, role: str, held: Mapping[str, int],
+         counts: Mapping[str, int], leaving: set[str],
+         services: Mapping[str, Mapping[str, Any]], medium: str, draining: set[str]) -> str:
+    if source in leaving:
+        cause = ("draining" if source in draining
+                 else (services.get(source) or {}).get("state", "gone"))
+        return f"{source} is {cause}; {target} holds {held.get(target, 0)} of its " \
+               f"{counts[target]}-bucket {role} share"
+    what = "cores free" if role == "routing" else f"{medium} capacity"
+    return (f"{source} holds {held.get(source, 0)} {role} buckets for a share of "
+            f"{counts.get(source, 0)}, {target} {held.get(target, 0)} for "
+            f"{counts[target]} (shares follow {what})")
+
+
+def settled(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]],
+            memory: Memory, draining: Iterable[str] = ()) -> bool:
+    """Whether every role's owners are exactly its target layout."""
+    for role in ROLES:
+        counts = targets(descriptor, role, services, memory, draining)
+        if counts and list(layout.owners(descriptor, role).ranges()) != list(
+                target_layout(descriptor, counts).ranges()):
+            return False
+    return True
+
+
+def rebase(descriptor: Mapping[str, Any]) -> dict[str, Any]:
+    """The same layout, described by counts alone where it can be: each
+    role whose owners are a contiguous run per service in listed order gets
+    those counts and no moved buckets.  Returned as a new descriptor."""
+    changed = dict(descriptor)
+    for role in ROLES:
+        owners = layout.owners(descriptor, role)
+        runs = [(first, end, owner) for first, end, owner in owners.ranges()]
+        order = [owner for _first, _end, owner in runs]
+        if len(order) != len(set(order)):
+            continue                      # some service holds two runs: keep the moves
+        entries = {entry["name"]: entry for entry in descriptor[f"{role}_services"]}
+        listed = list(entries)
+        holders = [name for name in listed if name in order]
+        if holders != order:
+            continue                      # not in listed order
+        sizes = {owner: end - first for first, end, owner in runs}
+        changed[f"{role}_services"] = [dict(entry, count=sizes.get(name, 0))
+                                       for name, entry in entries.items()]
+        changed.pop(f"{role}_moves", None)
+    return changed
+
+
+__all__ = ["Settings", "Move", "Memory", "others_busy", "capacity", "eligible", "targets",
+           "target_layout", "adjust_for_load", "plan", "settled", "rebase"]

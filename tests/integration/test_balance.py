@@ -1,0 +1,146 @@
+"""The balancer with real processes: a service that joins gets its share,
+a drained service gives everything away and can then be removed, and a
+rebalance by hand does what its dry run said, while a writer keeps putting
+and every acknowledged write reads back."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+import domus
+from domus.errors import SupervisorError
+from domus.ops.deploy import free_port_block
+
+from .conftest import TrackedDeployment, start_deployment
+from .support import CLIENT_TIMEOUT, LOOPBACK, wait_until
+
+AUTO = ("--balance", "auto", "--balance-settle", "1", "--balance-cooldown", "5")
+
+
+class Writer:
+    """Puts distinct keys one after the other from its own client until
+    stopped, keeping every acknowledged one, and any error it met."""
+
+    def __init__(self, address: str, name: str) -> None:
+        self.acknowledged: dict[str, int] = {}
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address, name))
+        self._thread.start()
+
+    def _run(self, address: str, name: str) -> None:
+        try:
+            with domus.connect(address, timeout=CLIENT_TIMEOUT) as own:
+                dht = own.open_dht(name)
+                number = 0
+                while not self._stop.is_set():
+                    key = f"w{number}"
+                    dht[key] = number
+                    self.acknowledged[key] = number
+                    number += 1
+        except BaseException as exc:  # reported by the test
+            self.errors.append(exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "the writer did not stop"
+
+    def wrote_more_than(self, count: int) -> bool:
+        return len(self.acknowledged) > count
+
+
+def storage_held(cluster: domus.Cluster, dht: str) -> dict[str, int]:
+    return {entry["name"]: entry["buckets"].get(dht, {}).get("storage", 0)
+            for entry in cluster.services()}
+
+
+@pytest.fixture
+def elastic(tmp_path) -> Iterator[tuple[TrackedDeployment, domus.Cluster]]:
+    deployment = start_deployment(tmp_path, services=2, supervisor_args=AUTO)
+    cluster = domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT)
+    try:
+        yield deployment, cluster
+    finally:
+        cluster.close()
+        deployment.stop_everything()
+
+
+@pytest.mark.timeout(240)
+def test_a_joining_service_gets_its_share_and_a_drained_one_can_leave(elastic):
+    deployment, cluster = elastic
+    dht = cluster.create_dht("elastic", buckets=64)
+    assert storage_held(cluster, "elastic") == {"s1": 32, "s2": 32}
+    writer = Writer(deployment.supervisor_address, "elastic")
+    try:
+        wait_until(lambda: writer.wrote_more_than(200), timeout=30, what="the writer")
+        # s3 registers later: the DHT follows the deployment
+        deployment.spawn_service("s3", f"{LOOPBACK}:{free_port_block(1)}")
+        deployment.wait_until_up(["s3"], timeout=30)
+        wait_until(lambda: storage_held(cluster, "elastic") == {"s1": 22, "s2": 21, "s3": 21},
+                   timeout=90, what="s3 to get its third of the buckets")
+        # routing follows the cores that other work leaves free, which moves
+        # with the load of this busy test machine: every service has some
+        routing = {entry["name"]: entry["buckets"]["elastic"]["routing"]
+                   for entry in cluster.services()}
+        assert sum(routing.values()) == 64 and all(routing.values()), routing
+        decisions = [d["decision"] for d in cluster.balancer_status()["decisions"]]
+        assert any("to s3" in text and "share" in text for text in decisions), decisions
+
+        # a service that holds buckets cannot just be removed
+        with pytest.raises(SupervisorError, match="drain it first"):
+            cluster.remove_service("s2")
+        drained = cluster.drain_service("s2")
+        assert drained["drained"] == "s2" and drained["moves"] > 0
+        assert storage_held(cluster, "elastic")["s2"] == 0
+        assert drained["records"] > 0
+        written = len(writer.acknowledged)
+        wait_until(lambda: writer.wrote_more_than(written + 200), timeout=30,
+                   what="writes after the drain")
+    finally:
+        writer.stop()
+    assert writer.errors == [], writer.errors
+    cluster.remove_service("s2")
+    assert "s2" not in {entry["name"] for entry in cluster.services()}
+    wait_until(lambda: deployment.services["s2"].poll() is not None, timeout=30,
+               what="the removed service to stop")
+    # every acknowledged write, once, with its value
+    assert len(dht) == len(writer.acknowledged)
+    assert dht.get_many(list(writer.acknowledged)) == writer.acknowledged
+    held = storage_held(cluster, "elastic")
+    assert held == {"s1": 32, "s3": 32}
+    assert "storage_moves" not in cluster.dht_info("elastic")   # counts describe it again
+
+
+@pytest.mark.timeout(180)
+def test_a_rebalance_by_hand_does_what_its_dry_run_said(tmp_path):
+    deployment = start_deployment(tmp_path, services=2)       # manual balancer
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            dht = cluster.create_dht("manual", buckets=16, platform="domus-rbt")
+            dht.put_many({number: str(number) for number in range(2_000)})
+            deployment.spawn_service("s3", f"{LOOPBACK}:{free_port_block(1)}")
+            deployment.wait_until_up(["s3"], timeout=30)
+            assert cluster.balancer_status()["mode"] == "manual"
+            # manual: nothing moves by itself
+            assert storage_held(cluster, "manual") == {"s1": 8, "s2": 8, "s3": 0}
+            plan = cluster.rebalance("manual", dry_run=True)
+            assert plan and {move["target"] for move in plan} <= {"s2", "s3"}
+            assert all(move["why"] for move in plan)
+            assert storage_held(cluster, "manual") == {"s1": 8, "s2": 8, "s3": 0}
+            done = cluster.rebalance("manual")
+
+            def storage_moves(moves):   # (routing follows CPU, which may shift between)
+                return [(m["bucket"], m["source"], m["target"]) for m in moves
+                        if m["role"] == "storage"]
+
+            assert storage_moves(done) == storage_moves(plan) != []
+            assert storage_held(cluster, "manual") == {"s1": 6, "s2": 5, "s3": 5}
+            assert sum(m["records"] for m in done if m["role"] == "storage") > 0
+            assert dht.get_many(range(2_000)) == {number: str(number) for number in range(2_000)}
+            assert storage_moves(cluster.rebalance("manual", dry_run=True)) == []
+    finally:
+        deployment.stop_everything()

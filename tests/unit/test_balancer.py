@@ -1,0 +1,188 @@
+"""domus.supervisor.balancer on made-up clusters: targets by capacity,
+hysteresis, budgets, drains, load damping, and rebasing the descriptor."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from domus.supervisor import balancer
+from domus.supervisor.balancer import Memory, Settings
+
+from domus.placement import layout
+
+GIB = 1 << 30
+
+
+def service(cores=4, ram=8 * GIB, disk=100 * GIB, state="up", cpu=0.0, node_cpu=0.0,
+            platforms=None):
+    return {"resources": {"cores": cores, "ram": ram, "disk": disk}, "state": state,
+            "load": {"cpu": cpu, "node_cpu": node_cpu}, "platforms": platforms}
+
+
+def descriptor(buckets=64, storage=("s1", "s2"), routing=None, follow=("routing", "storage"),
+               medium="ram", platform="python-dict", counts=None):
+    routing = routing or storage
+    def entries(names, role_counts):
+        role_counts = role_counts or [buckets // len(names)] * len(names)
+        role_counts[-1] += buckets - sum(role_counts)
+        return [{"name": name, "address": f"127.0.0.1:{7701 + i}", "count": count}
+                for i, (name, count) in enumerate(zip(names, role_counts))]
+    return {"id": 1, "name": "d", "buckets": buckets, "storage": medium, "platform": platform,
+            "routing_services": entries(list(routing), counts and list(counts)),
+            "storage_services": entries(list(storage), counts and list(counts)),
+            "follow": list(follow)}
+
+
+def run_to_the_end(dht, services, memory=None, settings=Settings(settle=0, cooldown=0),
+                   draining=(), rounds=200):
+    """Apply the balancer's moves round after round until it has none;
+    returns the final descriptor and every move made."""
+    memory = memory or Memory()
+    made = []
+    for round_number in range(rounds):
+        moves = balancer.plan(dht, services, memory, settings, now=float(round_number),
+                              draining=draining)
+        if not moves:
+            return balancer.rebase(dht), made
+        for move in moves:
+            dht = layout.move(dht, move.role, move.bucket, move.target, "127.0.0.1:1")
+            memory.moved_at[(move.dht, move.role, move.bucket)] = float(round_number)
+        made += moves
+    raise AssertionError("the balancer never settled")
+
+
+def held(dht, role="storage"):
+    owners = layout.owners(dht, role)
+    return {name: owners.buckets(name) for name in owners.owners()}
+
+
+def test_a_joining_service_gets_its_share_and_the_layout_is_counts_again():
+    services = {"s1": service(), "s2": service()}
+    dht = descriptor(buckets=64)
+    assert balancer.plan(dht, services, Memory(), Settings(settle=0)) == []
+    services["s3"] = service()
+    final, moves = run_to_the_end(dht, services)
+    assert held(final) == {"s1": 22, "s2": 21, "s3": 21}
+    assert held(final, "routing") == {"s1": 22, "s2": 21, "s3": 21}
+    assert "storage_moves" not in final and "routing_moves" not in final   # rebased
+    assert [entry["count"] for entry in final["storage_services"]] == [22, 21, 21]
+    assert all(move.target in ("s2", "s3") for move in moves)
+    assert {move.role for move in moves} == {"routing", "storage"}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_heterogeneous_services_end_within_one_bucket_of_their_weighted_targets(seed):
+    rng = random.Random(seed)
+    services = {f"s{i}": service(cores=rng.choice([1, 2, 8, 32]),
+                                 ram=rng.choice([2, 4, 16, 64]) * GIB,
+                                 disk=rng.choice([10, 50, 500]) * GIB) for i in range(1, 6)}
+    medium = rng.choice(["ram", "disk"])
+    dht = descriptor(buckets=rng.choice([64, 256, 1024]), storage=["s1", "s2"], medium=medium)
+    final, _moves = run_to_the_end(dht, services)
+    for role, field in (("storage", "disk" if medium == "disk" else "ram"),
+                        ("routing", "cores")):
+        weights = {name: s["resources"][field] for name, s in services.items()}
+        total = sum(weights.values())
+        for name, count in held(final, role).items():
+            exact = final["buckets"] * weights[name] / total
+            assert abs(count - exact) < 1, (role, name, count, exact)
+        assert set(held(final, role)) == set(services)
+
+
+def test_no_move_until_the_imbalance_has_lasted_settle_seconds():
+    services = {"s1": service(), "s2": service(), "s3": service()}
+    dht = descriptor()
+    memory = Memory()
+    settings = Settings(settle=10)
+    assert balancer.plan(dht, services, memory, settings, now=100.0) == []
+    assert balancer.plan(dht, services, memory, settings, now=109.0) == []
+    assert balancer.plan(dht, services, memory, settings, now=110.0) != []
+    # an imbalance that went away starts its clock again
+    assert balancer.plan(dht, services | {"s3": service(state="down")}, memory, settings,
+                         now=111.0) == []
+    assert balancer.plan(dht, services, memory, settings, now=112.0) == []
+
+
+def test_equal_services_under_noisy_load_never_trade_buckets():
+    rng = random.Random(7)
+    services = {"s1": service(), "s2": service()}
+    dht = descriptor(buckets=128)
+    memory = Memory()
+    for second in range(600):
+        for name in services:
+            services[name] = service(cpu=rng.uniform(0, 80), node_cpu=rng.uniform(0, 60))
+        balancer.adjust_for_load(services, memory, Settings(), float(second))
+        assert balancer.plan(dht, services, memory, Settings(settle=5),
+                             now=float(second)) == [], second
+
+
+def test_routing_follows_the_cores_other_work_leaves_free():
+    # s2's node is 75% busy with someone else's job: it routes less
+    services = {"s1": service(cores=4), "s2": service(cores=4, node_cpu=75.0, cpu=0.0)}
+    final, _moves = run_to_the_end(descriptor(buckets=100), services)
+    assert held(final, "routing") == {"s1": 80, "s2": 20}
+    assert held(final, "storage") == {"s1": 50, "s2": 50}     # RAM is unchanged
+
+
+def test_a_round_is_bounded_by_moves_and_records_and_a_moved_bucket_rests():
+    services = {"s1": service(), "s2": service(), "s3": service()}
+    dht = descriptor(buckets=64, follow=("storage",))
+    memory = Memory()
+    settings = Settings(settle=0, max_moves=5, cooldown=30, records_per_round=1_000)
+    moves = balancer.plan(dht, services, memory, settings, now=0.0,
+                          records={"s1": 300.0, "s2": 300.0})
+    assert len(moves) == 3                 # 3 x 300 records fit in 1,000; a 4th does not
+    assert all(move.records == 300 for move in moves)
+    moves = balancer.plan(dht, services, memory, settings, now=0.0)
+    assert len(moves) == 5
+    for move in moves:
+        dht = layout.move(dht, move.role, move.bucket, move.target, "a")
+        dht = layout.move(dht, move.role, move.bucket, move.source, "a")   # and back
+        memory.moved_at[(move.dht, move.role, move.bucket)] = 0.0
+    again = balancer.plan(dht, services, memory, settings, now=10.0)
+    assert not {move.bucket for move in moves} & {move.bucket for move in again}
+    later = balancer.plan(dht, services, memory, settings, now=31.0)
+    assert {move.bucket for move in moves} & {move.bucket for move in later}
+
+
+def test_a_drain_moves_everything_off_at_once_and_says_why():
+    services = {"s1": service(), "s2": service(), "s3": service()}
+    dht = descriptor(storage=("s1", "s2", "s3"), follow=())
+    memory = Memory()
+    moves = balancer.plan(dht, services, memory, Settings(settle=3600, max_moves=1000),
+                          now=0.0, draining={"s2"})
+    assert {move.source for move in moves} == {"s2"} or all(
+        move.target != "s2" for move in moves)
+    assert any("s2 is draining" in move.why for move in moves)
+    final, _moves = run_to_the_end(dht, services, draining={"s2"})
+    assert "s2" not in held(final) and "s2" not in held(final, "routing")
+
+
+def test_a_berkeley_db_dht_is_balanced_only_over_services_that_have_it():
+    services = {"s1": service(), "s2": service(),
+                "s3": service(platforms=["python-dict", "domus-rbt"])}
+    final, _moves = run_to_the_end(descriptor(platform="domus-bsddb-btree"), services)
+    assert set(held(final)) == {"s1", "s2"}
+    assert set(held(final, "routing")) == {"s1", "s2", "s3"}
+
+
+def test_nothing_moves_while_a_holder_is_down():
+    services = {"s1": service(), "s2": service(state="down"), "s3": service()}
+    assert balancer.plan(descriptor(), services, Memory(), Settings(settle=0)) == []
+
+
+def test_a_busy_service_is_damped_and_recovers():
+    services = {"s1": service(cpu=99.0), "s2": service(cpu=10.0)}
+    memory = Memory()
+    settings = Settings()
+    for second in range(3):
+        balancer.adjust_for_load(services, memory, settings, float(second))
+    assert memory.factors["s1"] == pytest.approx(0.8 ** 3)
+    assert "s1 is busy" in memory.decisions[-1]["decision"]
+    final, _moves = run_to_the_end(descriptor(buckets=100), services, memory)
+    assert held(final)["s1"] < held(final)["s2"]
+    services["s1"] = service(cpu=5.0)
+    for second in range(3, 10):
+        balancer.adjust_for_load(services, memory, settings, float(second))
+    assert "s1" not in memory.factors
