@@ -156,7 +156,8 @@ def format_status(status: dict[str, Any]) -> str:
     lines = [f"supervisor {supervisor['address']}  version {supervisor['version']}  "
              f"up {supervisor['uptime']:.0f}s  data {supervisor['data_dir']}", ""]
     rows = [("SERVICE", "ADDRESS", "STATE", "ROLES", "BUCKETS (routing/storage per DHT)",
-             "REQ/S", "LOOKUP/S", "CPU%", "RSS MiB", "HOT PATH", "PLATFORMS")]
+             "REQ/S", "LOOKUP/S", "CPU%", "NODE CPU%", "RSS MiB", "FREE RAM", "FREE DISK",
+             "NET KB/S", "HOT PATH", "PLATFORMS")]
     for service in status["services"]:
         load = service.get("load") or {}
         buckets = " ".join(f"{dht}:{counts.get('routing', 0)}/{counts.get('storage', 0)}"
@@ -167,7 +168,11 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{load.get('requests_per_s', 0):.0f}" if up else "-",
                      f"{load.get('lookups_per_s', 0):.0f}" if up else "-",
                      f"{load.get('cpu', 0):.0f}" if up else "-",
+                     f"{load.get('node_cpu', 0):.0f}" if up else "-",
                      _megabytes(load.get("rss", 0)) if up else "-",
+                     _size(load.get("free_ram")) if up else "-",
+                     _size(load.get("free_disk")) if up else "-",
+                     f"{load.get('net_bytes_per_s', 0) / 1000:.0f}" if up else "-",
                      {"c": "C", "python": "python (slow)"}.get(service.get("hot_path"), "-"),
                      ",".join(_SHORT_PLATFORM.get(name, name)
                               for name in service.get("platforms", [])) or "-"))
@@ -182,6 +187,15 @@ def format_status(status: dict[str, Any]) -> str:
                          ",".join(dht["routing_services"]), ",".join(dht["storage_services"])))
     lines += _table(dht_rows) if status["dhts"] else ["no DHTs"]
     return "\n".join(lines)
+
+
+def _size(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value / 1024:.0f} KiB"
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

@@ -353,6 +353,14 @@ class HostedDht:
         return (sum(len(repo) for repo in self.repos.values())
                 + sum(len(repo) for repo, _keys in self.frozen.values()))
 
+    def bucket_records(self, limit: int = 1024) -> dict[int, int]:
+        """bucket -> records, for the buckets stored here: every one, or the
+        ``limit`` that hold the most (what a heartbeat reports)."""
+        counts = {bucket: len(repo) for bucket, repo in self.repos.items()}
+        if len(counts) > limit:
+            counts = dict(sorted(counts.items(), key=lambda item: -item[1])[:limit])
+        return counts
+
     def storage_bytes(self) -> int | None:
         """The bytes the DHT's records occupy here, as its platform counts
         them (Berkeley DB: its databases' pages); None when the platform

@@ -26,35 +26,57 @@ def base_resources(data_dir: str, cores: float | None = None, ram: int | None = 
 
 
 class LoadSampler:
-    """Smoothed CPU, memory and request rate of this process and node."""
+    """What a service reports in each heartbeat of its process and node:
+    smoothed CPU (``cpu``: this process, % of one core; ``node_cpu``: the
+    whole node, % of all cores), request and lookup rates, and network bytes
+    per second (sent and received, every interface); and as they are now,
+    its RSS, the node's free RAM and the free disk under its data dir."""
 
-    def __init__(self, alpha: float = 0.3) -> None:
+    def __init__(self, alpha: float = 0.3, data_dir: str | None = None) -> None:
         self.alpha = alpha
+        self.data_dir = data_dir
         self.process = psutil.Process(os.getpid())
         self.process.cpu_percent(None)
         psutil.cpu_percent(None)
         self._last_requests: int | None = None
         self._last_lookups = 0
         self._last_time: float | None = None
+        self._last_net = _net_bytes()
         self.load: dict[str, float] = {"cpu": 0.0, "node_cpu": 0.0, "rss": 0.0,
-                                       "requests_per_s": 0.0, "lookups_per_s": 0.0}
+                                       "requests_per_s": 0.0, "lookups_per_s": 0.0,
+                                       "net_bytes_per_s": 0.0}
 
     def sample(self, requests: int, now: float, lookups: int = 0) -> dict[str, float]:
         """``requests``: every request answered so far; ``lookups``: the
         LOOKUPs among them (the routing load)."""
-        rate = lookup_rate = 0.0
+        rate = lookup_rate = net_rate = 0.0
+        net = _net_bytes()
         if self._last_time is not None and now > self._last_time:
             rate = (requests - (self._last_requests or 0)) / (now - self._last_time)
             lookup_rate = (lookups - self._last_lookups) / (now - self._last_time)
+            net_rate = max(net - self._last_net, 0) / (now - self._last_time)
         self._last_requests, self._last_lookups, self._last_time = requests, lookups, now
+        self._last_net = net
         fresh = {
             "cpu": self.process.cpu_percent(None),
             "node_cpu": psutil.cpu_percent(None),
             "rss": float(self.process.memory_info().rss),
             "requests_per_s": rate,
             "lookups_per_s": lookup_rate,
+            "net_bytes_per_s": net_rate,
         }
         for name, value in fresh.items():
             self.load[name] = self.alpha * value + (1 - self.alpha) * self.load[name]
         self.load["rss"] = fresh["rss"]
+        self.load["free_ram"] = float(psutil.virtual_memory().available)
+        if self.data_dir is not None:
+            try:
+                self.load["free_disk"] = float(psutil.disk_usage(self.data_dir).free)
+            except OSError:          # the data dir went away: say nothing of it
+                self.load.pop("free_disk", None)
         return dict(self.load)
+
+
+def _net_bytes() -> int:
+    counters = psutil.net_io_counters()
+    return (counters.bytes_sent + counters.bytes_recv) if counters is not None else 0

@@ -56,7 +56,7 @@ class DomusService(Service):
             "--data-dir", self.data_dir, "--heartbeat", str(heartbeat), *declared],
             self.data_dir)
         self.handler = RequestHandler(self.service_name, data_dir=data_dir)
-        self.sampler = LoadSampler()
+        self.sampler = LoadSampler(data_dir=self.data_dir)
         self.started = time.time()
         self.link: MessageProtocol | None = None
         self.registered = False
@@ -186,7 +186,10 @@ class DomusService(Service):
         beat = self.link.call("heartbeat", name=self.service_name, load=load,
                               stats={"requests": stats["requests"], "malformed": stats["malformed"],
                                      "errors": stats["errors"], "replayed": stats["replayed"],
-                                     "dhts": stats["dhts"]},
+                                     "dhts": stats["dhts"],
+                                     "bucket_records": {
+                                         hosted.name: hosted.bucket_records()
+                                         for hosted in self.handler.dhts.values()}},
                               timeout=max(5.0, 3 * self.heartbeat_interval))
         beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: {error}",
                                                  name=self.service_name,

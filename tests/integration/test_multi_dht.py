@@ -16,6 +16,7 @@ from domus.errors import (
     UnknownDht,
     UnknownService,
 )
+from domus.ops.cli import format_status
 
 from .support import (
     CLIENT_TIMEOUT,
@@ -295,3 +296,25 @@ def test_bad_attributes_are_refused_and_create_nothing(shared_cluster):
     assert shared_cluster.list_dhts() == []
     # The refusals did not consume anything that breaks the next create.
     assert shared_cluster.create_dht("refused").get("anything") is None
+
+
+def test_services_report_their_node_and_what_they_hold_bucket_by_bucket(shared_cluster):
+    dht = shared_cluster.create_dht("watched", buckets=16)
+    dht.put_many({number: number for number in range(500)})
+
+    def reported():
+        entries = {entry["name"]: entry for entry in shared_cluster.services()}
+        held = {name: entry["stats"].get("bucket_records", {}).get("watched", {})
+                for name, entry in entries.items()}
+        return entries if sum(sum(counts.values()) for counts in held.values()) == 500 else None
+
+    entries = wait_until(reported, timeout=15, what="heartbeats with the new records")
+    for name, entry in entries.items():
+        load = entry["load"]
+        assert load["free_ram"] > 0 and load["free_disk"] > 0, load
+        assert load["net_bytes_per_s"] >= 0 and 0 <= load["node_cpu"] <= 100, load
+        counts = entry["stats"]["bucket_records"]["watched"]
+        # the buckets it stores now, as the supervisor counts them
+        assert len(counts) == entry["buckets"]["watched"]["storage"], (name, counts)
+    status = format_status(shared_cluster.status())
+    assert "FREE RAM" in status and "NET KB/S" in status
