@@ -116,10 +116,12 @@ class HostedDht:
         # A frozen bucket still stored here keeps its repository in
         # ``frozen`` until the supervisor thaws it: opening it afresh would
         # serve an empty (or a second) copy of it.
+        adopted = False
         for bucket in sorted(stored - self.repos.keys() - self.frozen.keys()):
             staged = self.staged.pop(bucket, None)
             if staged is not None:          # moved here: its records came first
                 self.repos[bucket] = staged
+                adopted = True
                 continue
             try:
                 self.repos[bucket] = self.store.open(bucket)
@@ -128,6 +130,11 @@ class HostedDht:
                 log.error("service {service}: {problem}", service=self.service_name,
                           problem=str(exc))
                 self.repos[bucket] = FailedRepository(str(exc))
+        if adopted and self.medium == "disk":
+            # A moved bucket is as durable here as the DHT promises before
+            # this service acknowledges the layout that makes it the owner:
+            # only then does the source delete its copy.
+            self.store.flush()
         for bucket in sorted(self.repos.keys() - stored):
             dropped = self.repos.pop(bucket)
             log.warn("service {service}: DHT {dht!r} bucket {bucket} is no longer "

@@ -420,3 +420,31 @@ def test_a_berkeley_db_bucket_is_not_moved_to_a_service_without_it(deployment):
     assert_unchanged(supervisor, links, records, "s3")
     # its routing has no platform to need
     assert result_of(move(supervisor, role="routing"))["changed"]
+
+
+@pytest.mark.parametrize("deployment", ["domus-bsddb-btree"], indirect=True)
+def test_a_disk_bucket_is_on_the_targets_disk_before_the_source_deletes_it(deployment,
+                                                                           monkeypatch):
+    # an async disk DHT: without a flush the moved records would sit in the
+    # target's cache while the source deleted its file, and a crash of the
+    # target then would lose the whole bucket
+    from domus.storage import bsddb
+
+    supervisor, links, records = deployment
+    events = []
+    flush, remove = bsddb.BerkeleyStore.flush, bsddb.BerkeleyStore.remove
+
+    def flushing(store):
+        events.append(("flush", store.home))
+        return flush(store)
+
+    def removing(store, bucket):
+        events.append(("remove", store.home, bucket))
+        return remove(store, bucket)
+
+    monkeypatch.setattr(bsddb.BerkeleyStore, "flush", flushing)
+    monkeypatch.setattr(bsddb.BerkeleyStore, "remove", removing)
+    assert result_of(move(supervisor))["records"] == 20
+    target_home, source_home = links["s3"].hosted.home, links["s1"].hosted.home
+    removed = events.index(("remove", source_home, MOVED))
+    assert ("flush", target_home) in events[:removed], events
