@@ -42,6 +42,12 @@ log = Logger(namespace="domus.supervisor")
 # Deactivating a RAM DHT writes every record it holds; activating reads them.
 STATE_CHANGE_TIMEOUT = 600.0
 SHUTDOWN_WAIT = 30.0   # seconds a service has to stop when the deployment shuts down
+# A live storage move catches up with writes made during the copy for at
+# most CATCH_UP_ROUNDS rounds, and freezes the bucket (requests on it wait,
+# answered MOVING) for the last one once a round brings no more than
+# FREEZE_AFTER_CHANGES changed keys, or after the last round.
+CATCH_UP_ROUNDS = 20
+FREEZE_AFTER_CHANGES = 500
 BALANCE_INTERVAL = 2.0  # seconds between two rounds of the balancer (--balance auto)
 BALANCE_MODES = ("auto", "manual")
 
@@ -851,10 +857,10 @@ class SupervisorService(Service):
             if newcomer:
                 step = f"giving service {target} the DHT"
                 yield self._call(target, "assign", self.push_timeout, dht=descriptor)
-            step = f"freezing the bucket on service {source}"
-            froze = True
-            frozen = (yield self._call(source, "freeze_bucket", self.push_timeout, id=dht_id,
-                                       bucket=bucket))["records"]
+            step = f"tracking the bucket's changes on service {source}"
+            froze = True            # (thawing also ends the tracking)
+            yield self._call(source, "track_bucket", self.push_timeout, id=dht_id,
+                             bucket=bucket)
             offset: int | None = 0
             first = True
             staged_count = 0
@@ -871,6 +877,27 @@ class SupervisorService(Service):
                                                  first=first))["records"]
                 first = False
                 offset = page["next"]
+            # Catch up with what writers changed meanwhile, while they write;
+            # freeze for the last round only, once a round brings few changes.
+            for _round in range(CATCH_UP_ROUNDS):
+                step = f"catching up with changes on service {source}"
+                changes = (yield self._call(source, "catch_up_bucket", STATE_CHANGE_TIMEOUT,
+                                            id=dht_id, bucket=bucket))["records"]
+                if changes:
+                    step = f"staging changes on service {target}"
+                    yield self._call(target, "stage_bucket", STATE_CHANGE_TIMEOUT, id=dht_id,
+                                     bucket=bucket, records=changes, first=False)
+                if len(changes) // 2 <= FREEZE_AFTER_CHANGES:
+                    break
+            step = f"freezing the bucket on service {source}"
+            frozen = (yield self._call(source, "freeze_bucket", self.push_timeout, id=dht_id,
+                                       bucket=bucket))["records"]
+            step = f"staging the last changes on service {target}"
+            changes = (yield self._call(source, "catch_up_bucket", self.push_timeout,
+                                        id=dht_id, bucket=bucket))["records"]
+            staged_count = (yield self._call(target, "stage_bucket", self.push_timeout,
+                                             id=dht_id, bucket=bucket, records=changes,
+                                             first=False))["records"]
             if staged_count != frozen:
                 step = "checking the copy"
                 raise ControlError("SupervisorError", f"service {target} staged "

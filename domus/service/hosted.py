@@ -16,6 +16,7 @@ from domus.placement.bucketmap import BucketMap
 from domus.routing import FEWEST_HOPS, RoutingGraph, make_graph
 from domus.routing.base import contains
 from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store, snapshot
+from domus.storage.base import TrackedRepository
 from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
@@ -68,6 +69,8 @@ class HostedDht:
         # the source, with the keys to export; staged here as the target.
         self.frozen: dict[int, tuple[Repository, list[bytes]]] = {}
         self.staged: dict[int, Repository] = {}
+        # bucket -> its keys when its move began (what export pages through)
+        self.snapshots: dict[int, list[bytes]] = {}
         self.routed: list[tuple[int, int]] = []       # bucket ranges routed here
         self.storage_refs: BucketMap[str] = BucketMap(max(descriptor["buckets"], 1))
         self.storage_layout: BucketMap[str] = self.storage_refs     # every bucket -> SS
@@ -137,6 +140,7 @@ class HostedDht:
             self.store.flush()
         for bucket in sorted(self.repos.keys() - stored):
             dropped = self.repos.pop(bucket)
+            self.snapshots.pop(bucket, None)
             log.warn("service {service}: DHT {dht!r} bucket {bucket} is no longer "
                      "stored here; dropping its {records} records",
                      service=self.service_name, dht=self.name, bucket=bucket,
@@ -146,6 +150,7 @@ class HostedDht:
             self.store.remove(bucket)
         for bucket in sorted(self.frozen.keys() - stored):   # moved away: done
             self.frozen.pop(bucket)
+            self.snapshots.pop(bucket, None)
             self.store.remove(bucket)
 
     def _route(self, descriptor: dict[str, Any], storage: BucketMap[str]) -> None:
@@ -255,40 +260,86 @@ class HostedDht:
             self.store = None
 
     # ------------------------------------------------------------ moving a bucket
-    # A bucket's storage moves from a source service to a target in four
+    # A bucket's storage moves from a source service to a target in these
     # steps, driven by the supervisor, so that no acknowledged write is lost
-    # and none is applied twice:
-    #   1. the source freezes the bucket: from then on every request on it is
-    #      answered MOVING (clients retry), so its records stop changing;
-    #   2. the supervisor pages the records out of the source (export) and
-    #      into a staged repository on the target (stage);
-    #   3. the supervisor publishes the new layout; the target adopts the
-    #      staged repository and serves it, the source deletes its copy;
-    #   4. on any failure before 3, the source thaws the bucket and the target
-    #      discards what it staged: nothing changed.
+    # and none is applied twice, while the bucket is served all along but
+    # for a short final pause:
+    #   1. the source tracks the bucket: it keeps serving it, and every key a
+    #      change touches is noted (``TrackedRepository``; the C hot path
+    #      leaves the bucket to Python meanwhile);
+    #   2. the supervisor pages the records out of the source (export, from
+    #      a snapshot of the keys taken when tracking began) and into a
+    #      staged repository on the target (stage); then, round after round,
+    #      the keys changed meanwhile, with their values now (catch up);
+    #   3. once a round brings few changes, the source freezes the bucket:
+    #      from then on every request on it is answered MOVING (clients
+    #      retry), so its records stop changing; the last changes are
+    #      staged, and the supervisor checks that both copies hold as many
+    #      records;
+    #   4. the supervisor publishes the new layout; the target adopts the
+    #      staged repository (flushed to disk first, for a disk DHT) and
+    #      serves it, the source deletes its copy;
+    #   5. on any failure before 4, the source thaws and stops tracking the
+    #      bucket and the target discards what it staged: nothing changed.
+    # A key written during step 2 is staged by its page or by a catch-up
+    # round after it (it is noted when written, and sent with its value at
+    # the time of sending), and nothing changes during the final round, so
+    # the staged copy equals the source's when the layout is published.
     # A move is driven over one link to the supervisor.  A service that
     # registers again (a new link, or a restarted supervisor) is in no move
     # any more: it thaws and discards what it was left with
     # (``abandon_moves``), then takes the layout it is sent, so a bucket can
     # never stay frozen for want of a supervisor to thaw it.
+    def track(self, bucket: int) -> int:
+        """Step 1 (source): note every change to ``bucket`` from now on, and
+        take the snapshot of its keys that export pages through; returns its
+        records."""
+        repo = self.repos.get(bucket)
+        if repo is None or not self.active:
+            raise StorageFault(f"{self.label}: service {self.service_name} does not store "
+                               f"bucket {bucket}, so it cannot move it")
+        if not isinstance(repo, TrackedRepository):
+            repo = self.repos[bucket] = TrackedRepository(repo)
+        keys = repo.key_snapshot()
+        self.snapshots[bucket] = keys
+        return len(keys)
+
+    def catch_up(self, bucket: int) -> list[bytes | None]:
+        """Step 2 (source): the keys of ``bucket`` changed since the last
+        call, each with its value now (None: deleted)."""
+        repo = self.repos.get(bucket)
+        if repo is None and bucket in self.frozen:
+            repo = self.frozen[bucket][0]
+        if not isinstance(repo, TrackedRepository):
+            raise StorageFault(f"{self.label}: service {self.service_name} is not moving "
+                               f"bucket {bucket} (the move was abandoned); start it again")
+        return repo.take_changes()
+
     def freeze(self, bucket: int) -> int:
-        """Step 1 (source): stop serving ``bucket``; returns its records."""
+        """Step 3 (source): stop serving ``bucket``; returns its records."""
         if bucket in self.frozen:
             return len(self.frozen[bucket][0])
         repo = self.repos.get(bucket)
         if repo is None or not self.active:
             raise StorageFault(f"{self.label}: service {self.service_name} does not store "
                                f"bucket {bucket}, so it cannot move it")
-        keys = repo.key_snapshot()
+        keys = self.snapshots.get(bucket)
+        if keys is None:               # frozen without tracking: export pages from here
+            keys = self.snapshots[bucket] = repo.key_snapshot()
         self.frozen[bucket] = (self.repos.pop(bucket), keys)
-        return len(keys)
+        return len(self.frozen[bucket][0])
 
     def export(self, bucket: int, offset: int, max_bytes: int) -> tuple[list[bytes], int | None]:
-        """Step 2 (source): records of a frozen bucket from key ``offset`` of
-        its snapshot, as a flat [key, value, ...] list of at most
-        ``max_bytes`` (or one record, if that is larger), and the offset to
-        ask for next (None: no more)."""
-        repo, keys = self.frozen[bucket]
+        """Step 2 (source): records of a tracked (or frozen) bucket from key
+        ``offset`` of its snapshot, as a flat [key, value, ...] list of at
+        most ``max_bytes`` (or one record, if that is larger), and the
+        offset to ask for next (None: no more).  A key deleted since the
+        snapshot is skipped."""
+        keys = self.snapshots.get(bucket)
+        repo = self.repos.get(bucket) if bucket not in self.frozen else self.frozen[bucket][0]
+        if keys is None or repo is None:
+            raise StorageFault(f"{self.label}: bucket {bucket} is not being moved from "
+                               f"service {self.service_name}")
         page: list[bytes] = []
         size = 0
         position = offset
@@ -304,10 +355,15 @@ class HostedDht:
         return page, (position if position < len(keys) else None)
 
     def thaw(self, bucket: int) -> None:
-        """Step 4 (source): serve a frozen bucket again, unchanged."""
+        """Step 5 (source): serve a frozen bucket again, unchanged, and stop
+        tracking it."""
         frozen = self.frozen.pop(bucket, None)
         if frozen is not None:
             self.repos[bucket] = frozen[0]
+        self.snapshots.pop(bucket, None)
+        repo = self.repos.get(bucket)
+        if isinstance(repo, TrackedRepository):
+            self.repos[bucket] = repo.inner
 
     def stage(self, bucket: int, records: list[bytes], first: bool) -> int:
         """Step 2 (target): store records of a bucket moving here, not yet
@@ -330,7 +386,11 @@ class HostedDht:
                                f"bucket {bucket} to add records to (the move was abandoned); "
                                f"start it again")
         for index in range(0, len(records), 2):
-            repo.put(records[index], records[index + 1])
+            key, value = records[index], records[index + 1]
+            if value is None:                   # deleted since it was sent
+                repo.delete(key)
+            else:
+                repo.put(key, value)
         return len(repo)
 
     def discard(self, bucket: int) -> None:
@@ -339,8 +399,8 @@ class HostedDht:
             self.store.remove(bucket)
 
     def abandon_moves(self) -> None:
-        """Step 4 for every move under way here, as source or target."""
-        for bucket in list(self.frozen):
+        """Step 5 for every move under way here, as source or target."""
+        for bucket in {*self.frozen, *self.snapshots}:
             self.thaw(bucket)
         for bucket in list(self.staged):
             self.discard(bucket)

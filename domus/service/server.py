@@ -31,8 +31,8 @@ log = Logger(namespace="domus.service")
 HEARTBEAT_INTERVAL = 1.0
 FLUSH_INTERVAL = 1.0
 RECONNECT_MAX_DELAY = 2.0
-MOVE_OPS = frozenset({"freeze_bucket", "export_bucket", "thaw_bucket", "stage_bucket",
-                      "discard_bucket"})
+MOVE_OPS = frozenset({"track_bucket", "catch_up_bucket", "freeze_bucket", "export_bucket",
+                      "thaw_bucket", "stage_bucket", "discard_bucket"})
 EXPORT_PAGE_BYTES = 4 << 20    # records per export page, well under a TCP frame
 
 
@@ -228,11 +228,13 @@ class DomusService(Service):
             raise ControlError("DomusError", f"service {self.service_name}: {op} needs the id "
                                f"of a DHT hosted here and a bucket number")
         try:
+            if op == "track_bucket":
+                return {"records": hosted.track(bucket)}
+            if op == "catch_up_bucket":
+                return {"records": hosted.catch_up(bucket)}
             if op == "freeze_bucket":
                 return {"records": hosted.freeze(bucket)}
             if op == "export_bucket":
-                if bucket not in hosted.frozen:
-                    raise StorageFault(f"bucket {bucket} is not frozen here")
                 records, following = hosted.export(bucket, int(body.get("offset", 0)),
                                                    EXPORT_PAGE_BYTES)
                 return {"records": records, "next": following}

@@ -65,6 +65,62 @@ class Repository(ABC):
         """Release what the repository holds (nothing, for RAM platforms)."""
 
 
+class TrackedRepository(Repository):
+    """A bucket's repository while its storage moves away (a live move,
+    domus.service.hosted): it serves as before, and notes every key a
+    change touched so that the copy on the target can catch up.  The C hot
+    path does not drive it, so every change to the bucket passes here."""
+
+    def __init__(self, inner: Repository) -> None:
+        self.inner = inner
+        self.ordered = inner.ordered
+        self.changed: set[bytes] = set()
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        created = self.inner.put(key, value)
+        self.changed.add(key)
+        return created
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.inner.get(key)
+
+    def delete(self, key: bytes) -> bool:
+        deleted = self.inner.delete(key)
+        if deleted:
+            self.changed.add(key)
+        return deleted
+
+    def contains(self, key: bytes) -> bool:
+        return self.inner.contains(key)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def key_snapshot(self) -> list[bytes]:
+        return self.inner.key_snapshot()
+
+    def records(self) -> Iterator[tuple[bytes, bytes]]:
+        return self.inner.records()
+
+    def key_range(self, low: bytes | None, high: bytes | None, *,
+                  inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
+                  items: bool = False) -> Iterator[bytes] | Iterator[tuple[bytes, bytes]]:
+        return self.inner.key_range(low, high, inclusive=inclusive, reverse=reverse,
+                                    items=items)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def take_changes(self) -> list[bytes | None]:
+        """The keys changed since the last call, each with its value now
+        (None: deleted), as a flat [key, value, ...] list."""
+        changed, self.changed = self.changed, set()
+        flat: list[bytes | None] = []
+        for key in sorted(changed):
+            flat += (key, self.inner.get(key))
+        return flat
+
+
 class MappingRepository(Repository):
     """A Repository that is also a mutable mapping of bytes to bytes (a dict
     or an RBTree subclass): the writes in mapping terms.  ``get`` and

@@ -8,12 +8,13 @@ import time
 import pytest
 from domus.supervisor.server import SupervisorService
 from domus.supervisor.state import SupervisorState
-from test_handler import DHT_ID, call, descriptor, keyed, keys_in, put
+from test_handler import DHT_ID, call, descriptor, keyed, keys_in, parse, put
 from twisted.internet import defer
 from twisted.python.failure import Failure
 
 from domus.service import server as service_server
 from domus.service.server import DomusService
+from domus.storage.base import TrackedRepository
 from domus.wire import protocol as wire
 from domus.wire.control import ControlError, RemoteControlError
 
@@ -146,7 +147,9 @@ def assert_unchanged(supervisor, links, records, target):
         mine = {key: value for bucket in buckets for key, value in in_bucket(records,
                                                                              bucket).items()}
         assert served_by(links, mine, name) == mine
-        assert not links[name].hosted.frozen
+        assert not links[name].hosted.frozen and not links[name].hosted.snapshots
+        assert not any(isinstance(repo, TrackedRepository)
+                       for repo in links[name].hosted.repos.values())
     hosted = links[target].hosted
     if hosted is not None:
         assert MOVED not in hosted.repos and not hosted.staged
@@ -193,6 +196,9 @@ def test_an_empty_bucket_moves_too(deployment):
 # (link, op, nth call of op, after it is applied)
 FAILURES = {
     "the newcomer cannot host the DHT": ("s3", "assign", 1, False),
+    "tracking fails": ("s1", "track_bucket", 1, False),
+    "catching up fails": ("s1", "catch_up_bucket", 1, False),
+    "the last catch-up, frozen, fails": ("s1", "catch_up_bucket", 2, False),
     "freezing fails": ("s1", "freeze_bucket", 1, False),
     "exporting fails": ("s1", "export_bucket", 2, False),
     "staging fails": ("s3", "stage_bucket", 2, False),
@@ -448,3 +454,50 @@ def test_a_disk_bucket_is_on_the_targets_disk_before_the_source_deletes_it(deplo
     target_home, source_home = links["s3"].hosted.home, links["s1"].hosted.home
     removed = events.index(("remove", source_home, MOVED))
     assert ("flush", target_home) in events[:removed], events
+
+
+@pytest.mark.parametrize("deployment", ["python-dict", "domus-rbt", "domus-bsddb-btree"],
+                         indirect=True)
+def test_writes_made_while_a_bucket_is_copied_reach_its_new_owner(deployment, monkeypatch):
+    """A live move: the bucket is served while it is copied; writes made
+    meanwhile (new keys, overwrites, deletes; through the C hot path where
+    it is built) are caught up, and the final copy is exact."""
+    supervisor, links, records = deployment
+    monkeypatch.setattr(service_server, "EXPORT_PAGE_BYTES", 100)      # several pages
+    source = links["s1"]
+    moving = in_bucket(records, MOVED)
+    old_keys = sorted(moving)
+    fresh = keys_in(MOVED, 30, prefix="new-")
+    expected = dict(moving)
+    call_through = source.call
+    pages = []
+
+    def write(key, value):
+        request = keyed(wire.OP_PUT, key, value)
+        reply = parse(source.handler.handle_fast(request, wire.MAX_UDP_PAYLOAD), request)
+        assert reply[0] == wire.ST_OK, reply       # served, not MOVING, while it copies
+        expected[key] = value
+
+    def writing(op, timeout=None, **params):
+        if op == "export_bucket":
+            pages.append(params["offset"])
+            if len(pages) == 2:                    # mid-copy
+                for key in fresh[:10]:
+                    write(key, b"written during the copy")
+                write(old_keys[0], b"overwritten during the copy")
+                reply = source.handler.handle_fast(keyed(wire.OP_DELETE, old_keys[1]),
+                                                   wire.MAX_UDP_PAYLOAD)
+                assert reply[2] == wire.ST_OK
+                del expected[old_keys[1]]
+        if op == "catch_up_bucket" and len(pages) and "caught" not in pages:
+            pages.append("caught")
+            for key in fresh[10:20]:               # during the first catch-up
+                write(key, b"written during a catch-up")
+        return call_through(op, timeout=timeout, **params)
+
+    monkeypatch.setattr(source, "call", writing)
+    answer = result_of(move(supervisor))
+    assert answer["records"] == len(expected)
+    assert served_by(links, expected, "s3") == expected
+    assert links["s3"].get(old_keys[1]) == (wire.ST_NOT_FOUND, b"")
+    assert source.calls.count("catch_up_bucket") >= 2
