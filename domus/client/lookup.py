@@ -41,6 +41,7 @@ common case, the first method answering at once, never enters it.
 from __future__ import annotations
 
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
@@ -77,6 +78,11 @@ NEAR_PROBES = 64             # cache probes for the entry nearest a target
 MOVING_FIRST_PAUSE = 0.002   # seconds before asking a MOVING bucket again
 MOVING_MAX_PAUSE = 0.1
 MOVING_PATIENCE = 60.0       # seconds a bucket may answer MOVING before giving up
+
+# A client that followed this many redirects since it last fetched its
+# DHT's layout fetches it again, at most once every REFRESH_INTERVAL s.
+REFRESH_AFTER_REDIRECTS = 32
+REFRESH_INTERVAL = 0.25
 
 # Instructions a request's course yields to its driver.
 SEND = 0      # (SEND, channel, message, bucket) -> the reply; ServiceUnavailable thrown in
@@ -189,6 +195,13 @@ class DirectLookup(Generic[Channel]):
         self.hop_limit = self.graph.hop_bound() + HOP_SLACK
         self.cache_capacity = max(1, int(self.cache_fraction * self.bucket_count))
         self._named.clear()     # (addresses may have changed)
+        self._redirects_since_refresh = 0
+        self._refreshed_at = time.monotonic()
+        if "D" in self.strategy and not descriptor.get("storage_moves"):
+            # The counts describe the layout exactly again (the balancer
+            # rebases a DHT once it settles): direct lookups hit again.
+            self._direct_on = True
+            self.direct_misses = 0
         self._in_use()
 
     def _channel_map(self, names: BucketMap[str], channels: dict[str, Channel]
@@ -354,6 +367,12 @@ class DirectLookup(Generic[Channel]):
             self._counters["redirects"] += 1
             reply = yield from self._send(self.cluster.channel(*redirect), encode, bucket)
             if reply[2] != wire.ST_NOT_OWNER:
+                # Many redirects mean the layout moved on (buckets were
+                # rebalanced): fetch it again (at most 4 times a second).
+                self._redirects_since_refresh += 1
+                if (self._redirects_since_refresh >= REFRESH_AFTER_REDIRECTS
+                        and time.monotonic() - self._refreshed_at >= REFRESH_INTERVAL):
+                    yield (REFRESH, mark)
                 return reply
         # Last resort: the layout as the supervisor knows it now.
         yield (REFRESH, mark)

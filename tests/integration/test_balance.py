@@ -127,6 +127,7 @@ def test_a_rebalance_by_hand_does_what_its_dry_run_said(tmp_path):
             assert cluster.balancer_status()["mode"] == "manual"
             # manual: nothing moves by itself
             assert storage_held(cluster, "manual") == {"s1": 8, "s2": 8, "s3": 0}
+            direct = cluster.open_dht("manual", lookup="D")     # counts from before
             plan = cluster.rebalance("manual", dry_run=True)
             assert plan and {move["target"] for move in plan} <= {"s2", "s3"}
             assert all(move["why"] for move in plan)
@@ -142,5 +143,20 @@ def test_a_rebalance_by_hand_does_what_its_dry_run_said(tmp_path):
             assert sum(m["records"] for m in done if m["role"] == "storage") > 0
             assert dht.get_many(range(2_000)) == {number: str(number) for number in range(2_000)}
             assert storage_moves(cluster.rebalance("manual", dry_run=True)) == []
+            # The rebalanced DHT is described by counts again: a D client of
+            # the old layout follows redirects, then fetches the new layout
+            # and hits directly again (no redirect per request for ever).
+            def reads_all() -> bool:
+                assert direct.get_many(range(2_000)) == {n: str(n) for n in range(2_000)}
+                for number in range(0, 2_000, 7):
+                    assert direct[number] == str(number)
+                return direct.stats()["refreshes"] >= 1
+
+            wait_until(reads_all, timeout=20, what="the D client to fetch the new layout")
+            settled = direct.stats()
+            assert settled["in_use"] == "D", settled
+            for number in range(2_000):
+                assert direct[number] == str(number)
+            assert direct.stats()["redirects"] == settled["redirects"]
     finally:
         deployment.stop_everything()
