@@ -4,8 +4,9 @@ returns moves; the supervisor carries them out (domus.supervisor.server).
 Tests drive it with made-up clusters.
 
 Targets.  For each role of a DHT, the *eligible* services are the role's
-listed services, in their listed order, that are up, not draining and (for
-storage) able to run the DHT's platform; a DHT that follows the deployment
+listed services, in their listed order, that are up, not draining, not
+leaving the DHT (``<role>_leaving``) and (for storage) able to run the
+DHT's platform; a DHT that follows the deployment
 (created without a service list for that role) also takes every other up
 service, appended in name order.  Each gets a share of the buckets in
 proportion to its capacity (``capacity``): cores not used by other work on
@@ -127,7 +128,7 @@ def capacity(service: Mapping[str, Any], role: str, medium: str,
 def eligible(descriptor: Mapping[str, Any], role: str, services: Mapping[str, Mapping[str, Any]],
              draining: Iterable[str] = ()) -> list[str]:
     """The services that should hold ``role`` of the DHT, in layout order."""
-    leaving = set(draining)
+    leaving = set(draining) | set(descriptor.get(f"{role}_leaving", ()))
 
     def fit(name: str) -> bool:
         service = services.get(name)

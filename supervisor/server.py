@@ -780,6 +780,101 @@ class SupervisorService(Service):
                                f"{self.memory.decisions[-1]['decision']}")
         return {"name": name, "dry_run": False, "moves": done}
 
+    def op_dht_services(self, link: MessageProtocol, *, name: str, add: list[str] = (),
+                        remove: list[str] = (), roles: list[str] = layout.ROLES) -> Any:
+        """Change the services a DHT's roles are listed on: ``add`` get their
+        share, ``remove`` give theirs away and are taken off the lists; the
+        roles changed stop following the deployment.  Done at once."""
+        descriptor = self._find(name)
+        roles = list(roles)
+        add, remove = list(add), list(remove)
+        if not roles or any(role not in layout.ROLES for role in roles):
+            raise ControlError("SupervisorError", f"roles must be among {layout.ROLES}, "
+                               f"not {roles!r}")
+        for service in add + remove:
+            if service not in self.state.services:
+                raise ControlError("UnknownService", f"no service named {service!r} is "
+                                   f"registered (services: {sorted(self.state.services)})")
+        if set(add) & set(remove):
+            raise ControlError("SupervisorError", f"{sorted(set(add) & set(remove))} cannot "
+                               f"be both added and removed")
+        for service in add:
+            if self.service_state(service) != "up":
+                raise ControlError("SupervisorError", f"service {service!r} is "
+                                   f"{self.service_state(service)}; start it first")
+        if "storage" in roles and add:
+            self._able_to_store(descriptor["platform"], add, named=True)
+        self._refuse_while_changing(name, "change the services of")
+        changed = dict(descriptor)
+        for role in roles:
+            entries = list(changed[f"{role}_services"])
+            listed = {entry["name"] for entry in entries}
+            entries += [{"name": service, "address": self.state.services[service]["address"],
+                         "count": 0} for service in add if service not in listed]
+            changed[f"{role}_services"] = entries
+            leaving = (set(changed.get(f"{role}_leaving", ())) | set(remove)) - set(add)
+            changed.pop(f"{role}_leaving", None)
+            if leaving:
+                changed[f"{role}_leaving"] = sorted(leaving)
+            stayers = [entry["name"] for entry in entries if entry["name"] not in leaving]
+            if not stayers:
+                raise ControlError("SupervisorError", f"DHT {name!r} would have no {role} "
+                                   f"service left")
+        changed["follow"] = [role for role in changed.get("follow", ()) if role not in roles]
+        return self._change_services(name, descriptor, changed)
+
+    @defer.inlineCallbacks
+    def _change_services(self, name: str, before: dict[str, Any],
+                         changed: dict[str, Any]) -> Any:
+        self._changing[name] = "having its services changed"
+        try:
+            failed = yield self._push(self._involved(changed), changed, self.push_timeout)
+            if failed:
+                took = [service for service in self._involved(changed) if service not in failed]
+                self._push_back(before, took, self._involved(before))
+                raise ControlError("SupervisorError", f"could not change the services of "
+                                   f"DHT {name!r}; nothing changed: {failed}")
+            self.state.dhts[name] = changed
+            self.state.save()
+        finally:
+            self._changing.pop(name, None)
+        yield self._wait_for_balancer()
+        self._balancing = f"changing the services of DHT {name!r}"
+        try:
+            done = yield self._carry_out(self._whole_plan(name), "dht services")
+        finally:
+            self._balancing = None
+        yield self._strip_leavers(name)
+        return {"name": name, "moves": done, "dht": self.state.dhts.get(name)}
+
+    @defer.inlineCallbacks
+    def _strip_leavers(self, name: str) -> Any:
+        """Take off a DHT's lists the services leaving it that hold nothing
+        of it and no longer count in its layout."""
+        descriptor = self.state.dhts.get(name)
+        if descriptor is None:
+            return
+        changed = dict(descriptor)
+        for role in layout.ROLES:
+            leaving = set(descriptor.get(f"{role}_leaving", ()))
+            gone = {entry["name"] for entry in descriptor[f"{role}_services"]
+                    if entry["name"] in leaving and not entry["count"]
+                    and not layout.owners(descriptor, role).buckets(entry["name"])}
+            if gone:
+                changed[f"{role}_services"] = [entry for entry in descriptor[f"{role}_services"]
+                                               if entry["name"] not in gone]
+                changed.pop(f"{role}_leaving")
+                if leaving - gone:
+                    changed[f"{role}_leaving"] = sorted(leaving - gone)
+        if changed != descriptor:
+            self.state.dhts[name] = changed
+            self.state.save()
+            dropped = set(self._involved(descriptor)) - set(self._involved(changed))
+            yield self._push(self._involved(changed), changed, self.push_timeout)
+            yield defer.DeferredList([self._call(service, "drop", self.push_timeout,
+                                                 id=changed["id"]) for service in dropped],
+                                     consumeErrors=True)
+
     def _held_by(self, service: str) -> dict[str, dict[str, int]]:
         """DHT -> role -> buckets that ``service`` holds now."""
         held: dict[str, dict[str, int]] = {}

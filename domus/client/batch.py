@@ -27,6 +27,9 @@ ErrorFor = Callable[[bytes, Any], DomusError]
 __all__ = ["Member", "chunks", "encode_pairs", "check_values", "put_requests",
            "GetMany"]
 
+# Replies that leave a batch's keys to its next round.
+_NOT_FINAL = frozenset({wire.ST_NOT_OWNER, wire.ST_MOVING, wire.ST_UNKNOWN_DHT})
+
 
 def encode_pairs(pairs: list[Any]) -> tuple[list[bytes], list[bytes]]:
     """Encoded keys and packed values of (key, value) pairs.  Of several bad
@@ -95,8 +98,8 @@ class GetMany:
         moved = False
         self.moving = False
         for (channel, _message), batch, reply in zip(requests, batches, replies):
-            if reply[2] == wire.ST_NOT_OWNER or reply[2] == wire.ST_MOVING:
-                moved = moved or reply[2] == wire.ST_NOT_OWNER
+            if reply[2] in _NOT_FINAL:       # (UNKNOWN_DHT: a service that left it)
+                moved = moved or reply[2] != wire.ST_MOVING
                 self.moving = self.moving or reply[2] == wire.ST_MOVING
                 still.extend(batch)
                 continue

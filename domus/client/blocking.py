@@ -26,6 +26,7 @@ from collections.abc import (
     KeysView,
     Mapping,
     MutableMapping,
+    Sequence,
     ValuesView,
 )
 from operator import itemgetter
@@ -205,6 +206,16 @@ class Cluster:
         all or nothing; with ``dry_run``, only say which.  Returns the moves:
         ``bucket, role, source, target, records, why``."""
         return self.supervisor.call("rebalance", name=name, dry_run=dry_run,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))["moves"]
+
+    def dht_services(self, name: str, *, add: Sequence[str] = (), remove: Sequence[str] = (),
+                     roles: Sequence[str] = ("routing", "storage")) -> list[dict[str, Any]]:
+        """Change the services DHT ``name`` is listed on, for ``roles``:
+        those in ``add`` get their share of its buckets, those in ``remove``
+        give theirs away and are taken off; the changed roles stop following
+        the deployment.  Returns the moves made (as ``rebalance``)."""
+        return self.supervisor.call("dht_services", name=name, add=list(add),
+                                    remove=list(remove), roles=list(roles),
                                     timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))["moves"]
 
     def drain_service(self, name: str) -> dict[str, Any]:

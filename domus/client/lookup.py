@@ -84,6 +84,10 @@ MOVING_PATIENCE = 60.0       # seconds a bucket may answer MOVING before giving 
 REFRESH_AFTER_REDIRECTS = 32
 REFRESH_INTERVAL = 0.25
 
+# Replies the fast path leaves to a request's course: a service that does
+# not (or no longer) hold the bucket, or the DHT, and a bucket being moved.
+_NOT_FINAL = frozenset({wire.ST_NOT_OWNER, wire.ST_MOVING, wire.ST_UNKNOWN_DHT})
+
 # Instructions a request's course yields to its driver.
 SEND = 0      # (SEND, channel, message, bucket) -> the reply; ServiceUnavailable thrown in
 PAUSE = 1     # (PAUSE, seconds) -> None
@@ -91,6 +95,7 @@ REFRESH = 2   # (REFRESH, mark) -> None: a layout fetched after ``mark``; DomusE
 
 Course = Generator[tuple[Any, ...], Any, bytes]
 _LOOKUP_REPLY = wire.LOOKUP_REPLY.unpack_from
+_AS_MISS = bytes([wire.REPLY_MAGIC, wire.VERSION, wire.ST_NOT_OWNER])
 _REF_AT = wire.REPLY_HEADER_SIZE + wire.LOOKUP_REPLY.size   # the service reference
 METHOD_NAMES = {"D": "direct", "C": "cached", "R": "random"}
 
@@ -164,6 +169,12 @@ class DirectLookup(Generic[Channel]):
 
     # ------------------------------------------------------------ layout
     def _load(self, descriptor: dict[str, Any]) -> None:
+        known = getattr(self, "id", None)
+        if known is not None and descriptor["id"] != known:
+            # A handle stays on the DHT it was opened on, never a namesake.
+            raise UnknownDht(f"DHT {descriptor['name']!r} (id {known}) was destroyed; the DHT "
+                             f"of that name now is another one (id {descriptor['id']}): open "
+                             f"it again to use it")
         self.descriptor = descriptor
         self.name: str = descriptor["name"]
         self.id: int = descriptor["id"]
@@ -297,7 +308,7 @@ class DirectLookup(Generic[Channel]):
         if status <= wire.ST_NOT_FOUND:
             self._first_hit()
             return True
-        if status != wire.ST_NOT_OWNER and status != wire.ST_MOVING:
+        if status not in _NOT_FINAL:
             raise self._error(reply, channel, bucket)
         return False
 
@@ -463,6 +474,11 @@ class DirectLookup(Generic[Channel]):
         received), asking again while the bucket is MOVING; returns the
         reply."""
         reply = given if given is not None else (yield (SEND, channel, encode(), bucket))
+        if reply[2] == wire.ST_UNKNOWN_DHT:
+            # A service that left the DHT (it was taken off its lists) knows
+            # nothing of it: a miss, as NOT_OWNER with no redirect.  If the
+            # DHT itself is gone, the layout fetched last says so.
+            reply = _AS_MISS + reply[3:]
         pause, waited = MOVING_FIRST_PAUSE, 0.0
         while reply[2] == wire.ST_MOVING:
             if waited >= MOVING_PATIENCE:
@@ -569,11 +585,11 @@ class DirectLookup(Generic[Channel]):
             status = reply[2]
             if status == wire.ST_OK:
                 created += wire.U16X2.unpack_from(reply, wire.REPLY_HEADER_SIZE)[1]
-            elif status == wire.ST_NOT_OWNER or status == wire.ST_MOVING:
+            elif status in _NOT_FINAL:
                 for _bucket, key, value in wire.decode_put_many(message)[1]:
                     keys.append(key)
                     values.append(value)
-                moved += status == wire.ST_NOT_OWNER
+                moved += status != wire.ST_MOVING
                 moving = moving or status == wire.ST_MOVING
             else:
                 raise reply_error(self.name, reply, channel, None)

@@ -306,6 +306,15 @@ def cmd_dht(args: argparse.Namespace) -> int:
             if moves:
                 print(f"{'would move' if args.dry_run else 'moved'} {len(moves)} bucket(s) of "
                       f"DHT {args.name!r}")
+        elif args.action == "services":
+            roles = [args.role] if args.role else ["routing", "storage"]
+            moves = cluster.dht_services(args.name, add=_names(args.add) or [],
+                                         remove=_names(args.remove) or [], roles=roles)
+            print(format_moves(moves))
+            info = cluster.dht_info(args.name)
+            for role in roles:
+                print(f"{role} services: "
+                      f"{', '.join(entry['name'] for entry in info[f'{role}_services'])}")
         elif args.action == "move":
             answer = cluster.move_bucket(args.name, args.bucket, routing=args.routing,
                                          storage=args.storage)
@@ -534,6 +543,13 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--routing", metavar="SERVICE", help="the service to route the bucket")
     target.add_argument("--storage", metavar="SERVICE",
                         help="the service to store the bucket (its records are copied there)")
+    services = talks(actions.add_parser("services", help="add services to a DHT, or take "
+                                        "them off it; its buckets move at once"))
+    services.add_argument("name")
+    services.add_argument("--add", metavar="S1,S2", help="services that get a share")
+    services.add_argument("--remove", metavar="S1,S2", help="services that give theirs away")
+    services.add_argument("--role", choices=("routing", "storage"),
+                          help="change this role only (default: both)")
     rebalance = talks(actions.add_parser("rebalance", help="move a DHT's buckets to the "
                                          "balancer's targets now (or --dry-run: say which)"))
     rebalance.add_argument("name")

@@ -160,3 +160,28 @@ def test_a_rebalance_by_hand_does_what_its_dry_run_said(tmp_path):
             assert direct.stats()["redirects"] == settled["redirects"]
     finally:
         deployment.stop_everything()
+
+
+@pytest.mark.timeout(180)
+def test_a_dht_with_its_own_service_lists_changes_them_by_hand(tmp_path):
+    deployment = start_deployment(tmp_path, services=3)       # manual balancer
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            dht = cluster.create_dht("listed", buckets=16, routing_services=["s1", "s2"],
+                                     storage_services=["s1", "s2"])
+            dht.put_many({number: number for number in range(3_000)})
+            moves = cluster.dht_services("listed", add=["s3"], remove=["s1"])
+            assert moves and all(move["target"] in ("s2", "s3") for move in moves)
+            assert storage_held(cluster, "listed") == {"s1": 0, "s2": 8, "s3": 8}
+            info = cluster.dht_info("listed")
+            for role in ("routing", "storage"):
+                assert [entry["name"] for entry in info[f"{role}_services"]] == ["s2", "s3"]
+                assert f"{role}_leaving" not in info
+            assert info["follow"] == []
+            # s1 has nothing of it left and may go
+            cluster.remove_service("s1")
+            assert dht.get_many(range(3_000)) == {number: number for number in range(3_000)}
+            with pytest.raises(SupervisorError, match="no storage service left"):
+                cluster.dht_services("listed", remove=["s2", "s3"], roles=["storage"])
+    finally:
+        deployment.stop_everything()

@@ -26,7 +26,7 @@ from domus.errors import (
     ValueTooLarge,
 )
 from domus.wire import protocol as wire
-from domus.wire.control import MessageProtocol
+from domus.wire.control import ControlError, MessageProtocol
 from domus.wire.keys import bucket_of, encode_key
 
 S1 = ("127.0.0.1", 7701)
@@ -328,8 +328,7 @@ def test_get_decodes_values_and_defaults(cluster) -> None:
     assert isinstance(missing[0].value, KeyError)
 
 
-@pytest.mark.parametrize(("status", "error"), [(wire.ST_UNKNOWN_DHT, UnknownDht),
-                                               (wire.ST_STORAGE_ERROR, StorageError),
+@pytest.mark.parametrize(("status", "error"), [(wire.ST_STORAGE_ERROR, StorageError),
                                                (wire.ST_TOO_LARGE, ValueTooLarge)])
 def test_error_replies_raise_what_the_sync_client_raises(cluster, status, error) -> None:
     cluster, transport = cluster
@@ -449,3 +448,30 @@ def test_a_redirect_is_followed_when_the_strategy_has_nothing_else(reactor, clus
     stats = dht.stats()
     assert stats["redirects"] == 1 and stats["refreshes"] == 0
     assert stats["lookups"]["D"]["misses"] == 1 and stats["direct_misses"] == 1
+
+
+def test_a_service_that_does_not_know_the_dht_sends_the_client_to_the_supervisor(
+        reactor, cluster) -> None:
+    # (a service taken off the DHT's lists, or the DHT destroyed: the
+    # supervisor knows which)
+    cluster, transport = cluster
+    dht = TxDht(cluster, descriptor([8]))
+    result = outcome(dht.delete("k"))
+    cluster.requests.datagramReceived(reply_to(transport.sent[0][0], wire.ST_UNKNOWN_DHT,
+                                               b"why"), S1)
+    assert result == []                     # not the answer yet: it asks the supervisor
+    calls = []
+
+    def refuse(body, link):
+        calls.append(body)
+        raise ControlError("UnknownDht", "no DHT named 'words'")
+
+    supervisor = MessageProtocol()
+    supervisor.control_handler = refuse
+    (_host, _port, factory, _timeout, _bind), = reactor.tcpClients
+    link = factory.buildProtocol(None)
+    iosim.connect(supervisor, iosim.makeFakeServer(supervisor),
+                  link, iosim.makeFakeClient(link)).flush()
+    assert calls == [{"op": "open_dht", "name": "words"}]
+    assert isinstance(result[0].value, UnknownDht)
+    assert "no longer exists" in str(result[0].value)
