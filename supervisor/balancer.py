@@ -305,5 +305,58 @@ def rebase(descriptor: Mapping[str, Any]) -> dict[str, Any]:
     return changed
 
 
+def describe(descriptor: Mapping[str, Any], role: str, owners: BucketMap[str],
+             entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A copy of ``descriptor`` whose ``role`` lists ``entries`` (name,
+    address, count: the counts must add up to the bucket count) and whose
+    layout for that role is ``owners``: the buckets where ``owners``
+    differs from the counts' placement are listed as moved."""
+    changed = dict(descriptor)
+    changed[f"{role}_services"] = entries
+    changed.pop(f"{role}_moves", None)
+    placed = layout.initial(changed, role)
+    differences = {str(bucket): owner for bucket, _placed, owner in _differences(placed, owners)}
+    if differences:
+        changed[f"{role}_moves"] = differences
+    return changed
+
+
+def force_out(descriptor: Mapping[str, Any], service: str,
+              services: Mapping[str, Mapping[str, Any]], memory: Memory,
+              draining: Iterable[str] = ()) -> dict[str, Any]:
+    """``descriptor`` without ``service``: each bucket it held goes, empty,
+    to the service the targets give it to, and ``service`` leaves the
+    lists (its count goes to the service listed before it, or after).  For
+    a service removed with the records it holds (``remove --force``)."""
+    changed = dict(descriptor)
+    for role in ROLES:
+        entries = [dict(entry) for entry in descriptor[f"{role}_services"]]
+        names = [entry["name"] for entry in entries]
+        if service not in names:
+            continue
+        counts = targets(descriptor, role, services, memory, {*draining, service})
+        if not counts:
+            raise ValueError(f"no other service can take the {role} of DHT "
+                             f"{descriptor['name']!r}")
+        wanted = target_layout(descriptor, counts)
+        owners = layout.owners(descriptor, role)
+        for first, end, owner in list(owners.ranges()):
+            if owner == service:
+                for low, high, goal in list(wanted.ranges(first, end)):
+                    owners.assign(low, high, goal)
+        index = names.index(service)
+        gone = entries.pop(index)
+        if entries:
+            heir = entries[index - 1] if index > 0 else entries[0]
+            heir["count"] += gone["count"]
+        known = {entry["name"] for entry in entries}
+        for owner in owners.owners() - known:
+            entries.append({"name": owner, "address": services[owner].get("address", ""),
+                            "count": 0})
+        changed = describe(changed, role, owners, entries)
+    return changed
+
+
 __all__ = ["Settings", "Move", "Memory", "others_busy", "capacity", "eligible", "targets",
-           "target_layout", "adjust_for_load", "plan", "settled", "rebase"]
+           "target_layout", "adjust_for_load", "plan", "settled", "rebase", "describe",
+           "force_out"]

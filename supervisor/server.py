@@ -291,16 +291,20 @@ class SupervisorService(Service):
         platforms = self.state.services[name].get("platforms")
         return list(PLATFORM_MEDIA) if platforms is None else platforms
 
-    def op_remove_service(self, link: MessageProtocol, *, name: str) -> Any:
+    def op_remove_service(self, link: MessageProtocol, *, name: str,
+                          force: bool = False) -> Any:
         if name not in self.state.services:
             raise ControlError("UnknownService", f"no service named {name!r} is registered")
         held = self._held_by(name)
-        if held:
-            stats = (self.live.get(name, {}).get("stats") or {}).get("dhts", {})
-            records = sum((stats.get(dht) or {}).get("records", 0) for dht in held)
+        stats = (self.live.get(name, {}).get("stats") or {}).get("dhts", {})
+        records = sum((stats.get(dht) or {}).get("records", 0) for dht in held)
+        if held and not force:
             raise ControlError("SupervisorError", f"service {name!r} still holds buckets of "
                                f"DHT(s) {held} ({records} records); drain it first "
-                               f"(`domus service drain {name}`), then remove it")
+                               f"(`domus service drain {name}`), then remove it, or remove "
+                               f"it with --force, which loses those records")
+        if held:
+            return self._force_out(name, held, records)
         # It holds nothing: take it out of the DHTs that still list it (with
         # count 0 once rebased; a count left means a layout that needs it).
         listing = self._descriptors_for(name)
@@ -648,6 +652,7 @@ class SupervisorService(Service):
     def _balancer_view(self) -> dict[str, dict[str, Any]]:
         """What the balancer knows of each service."""
         return {name: {"resources": record["resources"], "state": self.service_state(name),
+                       "address": record["address"],
                        "load": self.live.get(name, {}).get("load", {}),
                        "platforms": record.get("platforms")}
                 for name, record in self.state.services.items()}
@@ -874,6 +879,44 @@ class SupervisorService(Service):
             yield defer.DeferredList([self._call(service, "drop", self.push_timeout,
                                                  id=changed["id"]) for service in dropped],
                                      consumeErrors=True)
+
+    @defer.inlineCallbacks
+    def _force_out(self, name: str, held: dict[str, dict[str, int]], records: int) -> Any:
+        """``remove --force``: every bucket ``name`` holds goes, empty, to
+        the service the balancer's targets give it to; then it is removed."""
+        busy = [dht for dht in held if dht in self._changing]
+        if busy:
+            raise ControlError("SupervisorError", f"DHT(s) {busy} are being changed; try "
+                               f"again once that is done")
+        yield self._wait_for_balancer()
+        self._balancing = f"removing service {name} by force"
+        try:
+            view = self._balancer_view()
+            for dht in sorted(held):
+                descriptor = self.state.dhts[dht]
+                try:
+                    changed = balancer.force_out(descriptor, name, view, self.memory,
+                                                 self.draining)
+                except ValueError as exc:
+                    raise ControlError("SupervisorError", f"cannot remove service {name!r}: "
+                                       f"{exc}") from None
+                self.state.dhts[dht] = changed
+                self.state.save()
+                lagging = yield self._push(self._involved(changed), changed, self.push_timeout)
+                for service, error in sorted(lagging.items()):
+                    log.warn("DHT {dht!r}: service {service} did not take the layout without "
+                             "{name}: {error}; it will when it next registers", dht=dht,
+                             service=service, name=name, error=error)
+                yield self._rebase(dht)
+            log.warn("service {name} removed by force: {records} records of {dhts} lost",
+                     name=name, records=records, dhts=sorted(held))
+            self.memory.note(time.monotonic(), f"service {name} removed by force; its buckets "
+                             f"of {sorted(held)} went, empty, to the others: {records} records "
+                             f"lost", service=name)
+        finally:
+            self._balancing = None
+        answer = yield self.op_remove_service(None, name=name)
+        return answer | {"lost_records": records, "dhts": sorted(held)}
 
     def _held_by(self, service: str) -> dict[str, dict[str, int]]:
         """DHT -> role -> buckets that ``service`` holds now."""

@@ -225,11 +225,14 @@ class Cluster:
         return self.supervisor.call("drain_service", name=name,
                                     timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
 
-    def remove_service(self, name: str) -> None:
+    def remove_service(self, name: str, force: bool = False) -> dict[str, Any]:
         """Take a service that holds no bucket out of the deployment (and
         tell it to stop); one that still holds buckets is refused: drain it
-        first."""
-        self.supervisor.call("remove_service", name=name)
+        first.  With ``force`` its buckets go, empty, to the other services
+        and its records are lost (``lost_records`` says how many it last
+        reported): for a service that is gone for good."""
+        return self.supervisor.call("remove_service", name=name, force=force,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
 
     def balancer_status(self) -> dict[str, Any]:
         """The balancer's mode, knobs, what it is doing, and its last

@@ -223,8 +223,11 @@ def cmd_service_admin(args: argparse.Namespace) -> int:
                          for s in services]
                 print("\n".join(_table(rows)))
         elif args.action == "remove":
-            cluster.remove_service(args.name)
-            print(f"removed service {args.name}")
+            answer = cluster.remove_service(args.name, force=args.force)
+            lost = answer.get("lost_records")
+            print(f"removed service {args.name}" + (
+                "" if lost is None else f" by force: its buckets of {answer['dhts']} went, "
+                f"empty, to the other services; {lost:,} records lost"))
         elif args.action == "drain":
             drained = cluster.drain_service(args.name)
             print(f"drained service {args.name}: {drained['moves']} bucket moves, "
@@ -608,6 +611,9 @@ def _service_admin_parser() -> argparse.ArgumentParser:
         sub.add_argument("--json", action="store_true")
         if action in ("remove", "drain"):
             sub.add_argument("name")
+        if action == "remove":
+            sub.add_argument("--force", action="store_true", help="remove it even if it holds "
+                             "buckets: they go, empty, to the others, and its records are lost")
     return parser
 
 

@@ -5,6 +5,7 @@ and every acknowledged write reads back."""
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Iterator
 
@@ -15,7 +16,7 @@ from domus.errors import SupervisorError
 from domus.ops.deploy import free_port_block
 
 from .conftest import TrackedDeployment, start_deployment
-from .support import CLIENT_TIMEOUT, LOOPBACK, wait_until
+from .support import CLIENT_TIMEOUT, LOOPBACK, owner_of, wait_until
 
 AUTO = ("--balance", "auto", "--balance-settle", "1", "--balance-cooldown", "5")
 
@@ -185,3 +186,44 @@ def test_a_dht_with_its_own_service_lists_changes_them_by_hand(tmp_path):
                 cluster.dht_services("listed", remove=["s2", "s3"], roles=["storage"])
     finally:
         deployment.stop_everything()
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_service_removed_by_force_loses_only_its_records(tmp_path):
+    deployment = start_deployment(tmp_path, services=3)       # manual balancer
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            dht = cluster.create_dht("forced", buckets=16)
+            dht.put_many({number: number for number in range(3_000)})
+            on_s2 = set(wait_until(lambda: {
+                key for key in range(3_000)
+                if owner_of(dht, key) == "s2"}, timeout=5, what="keys on s2"))
+            wait_until(lambda: storage_reported(cluster, "s2", "forced") == len(on_s2),
+                       timeout=15, what="s2's heartbeat with its records")
+            deployment.kill_service("s2", signal.SIGKILL)
+            wait_until(lambda: {e["name"]: e["state"] for e in cluster.services()}["s2"]
+                       == "down", timeout=15, what="s2 down")
+            with pytest.raises(SupervisorError, match="drain it first.*--force"):
+                cluster.remove_service("s2")
+            answer = cluster.remove_service("s2", force=True)
+            assert answer["lost_records"] == len(on_s2) and answer["dhts"] == ["forced"]
+            assert "s2" not in {entry["name"] for entry in cluster.services()}
+            info = cluster.dht_info("forced")
+            assert all(entry["name"] != "s2" for role in ("routing", "storage")
+                       for entry in info[f"{role}_services"])
+            # the rest is there, s2's records are gone, and its buckets take writes
+            fresh = cluster.open_dht("forced")
+            kept = {key: key for key in range(3_000) if key not in on_s2}
+            assert fresh.get_many(range(3_000)) == kept
+            for stale in (dht, fresh):
+                assert stale.get(next(iter(on_s2))) is None
+            fresh.put_many({key: -key for key in on_s2})
+            assert dht.get_many(on_s2) == {key: -key for key in on_s2}
+            assert len(dht) == 3_000
+    finally:
+        deployment.stop_everything()
+
+
+def storage_reported(cluster: domus.Cluster, service: str, dht: str) -> int:
+    entry = {e["name"]: e for e in cluster.services()}[service]
+    return ((entry.get("stats") or {}).get("dhts", {}).get(dht) or {}).get("records", -1)

@@ -186,3 +186,23 @@ def test_a_busy_service_is_damped_and_recovers():
     for second in range(3, 10):
         balancer.adjust_for_load(services, memory, settings, float(second))
     assert "s1" not in memory.factors
+
+
+def test_a_service_forced_out_leaves_the_lists_and_its_buckets_go_to_the_targets():
+    services = {"s1": service(), "s2": service(state="down"), "s3": service()}
+    for name, info in services.items():
+        info["address"] = f"127.0.0.1:{name[-1]}"
+    dht = descriptor(buckets=60, storage=("s1", "s2", "s3"), follow=())
+    gone = balancer.force_out(dht, "s2", services, Memory())
+    for role in ("routing", "storage"):
+        names = [entry["name"] for entry in gone[f"{role}_services"]]
+        assert names == ["s1", "s3"]
+        assert sum(entry["count"] for entry in gone[f"{role}_services"]) == 60
+        owners = layout.owners(gone, role)
+        before = layout.owners(dht, role)
+        for bucket in range(60):
+            if before.owner(bucket) != "s2":
+                assert owners.owner(bucket) == before.owner(bucket)   # others keep theirs
+            else:
+                assert owners.owner(bucket) in ("s1", "s3")
+        assert held(gone, role) == {"s1": 30, "s3": 30}
