@@ -12,6 +12,7 @@ the full set of DHTs it takes part in, and drops any other.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -670,9 +671,8 @@ class SupervisorService(Service):
     def _whole_plan(self, name: str) -> list[balancer.Move]:
         """Every move that takes DHT ``name`` to its targets now, with no
         wait, budget or rest (``rebalance``, a drain)."""
-        unbounded = balancer.Settings(**{**self.balancer_settings.__dict__,
-                                         "max_moves": 1 << 30, "records_per_round": 1 << 62,
-                                         "cooldown": 0.0})
+        unbounded = dataclasses.replace(self.balancer_settings, max_moves=1 << 30,
+                                        records_per_round=1 << 62, cooldown=0.0)
         scratch = balancer.Memory(factors=dict(self.memory.factors),
                                   others=dict(self.memory.others))
         return balancer.plan(self.state.dhts[name], self._balancer_view(), scratch, unbounded,
@@ -958,7 +958,7 @@ class SupervisorService(Service):
         return {"drained": name, "moves": len(moved), "records": records}
 
     def op_balancer_status(self, link: MessageProtocol) -> dict[str, Any]:
-        return {"mode": self.balance, "settings": dict(self.balancer_settings.__dict__),
+        return {"mode": self.balance, "settings": dataclasses.asdict(self.balancer_settings),
                 "doing": self._balancing, "draining": sorted(self.draining),
                 "damped": dict(self.memory.factors),
                 "balancing": sorted(f"{dht}/{role}" for dht, role in self.memory.active),
