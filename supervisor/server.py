@@ -30,6 +30,7 @@ from domus.errors import InvalidAttribute, SupervisorError
 from domus.placement import assignment, layout
 from domus.wire import address as addresses
 from domus.wire import launch
+from domus.wire import protocol as wire
 from domus.wire.attributes import (
     PLATFORM_MEDIA,
     PLATFORM_NEEDS,
@@ -1028,6 +1029,7 @@ class SupervisorService(Service):
                 if len(changes) // 2 <= FREEZE_AFTER_CHANGES:
                     break
             step = f"freezing the bucket on service {source}"
+            asked_freeze = time.monotonic()
             frozen = (yield self._call(source, "freeze_bucket", self.push_timeout, id=dht_id,
                                        bucket=bucket))["records"]
             step = f"staging the last changes on service {target}"
@@ -1036,6 +1038,11 @@ class SupervisorService(Service):
             staged_count = (yield self._call(target, "stage_bucket", self.push_timeout,
                                              id=dht_id, bucket=bucket, records=changes,
                                              first=False))["records"]
+            if time.monotonic() - asked_freeze > wire.FREEZE_LEASE / 4:
+                step = "finishing while the source's freeze lasts"
+                raise ControlError("SupervisorError", f"the last catch-up took "
+                                   f"{time.monotonic() - asked_freeze:.1f}s, too long for "
+                                   f"the source's {wire.FREEZE_LEASE:.0f}s freeze")
             if staged_count != frozen:
                 step = "checking the copy"
                 raise ControlError("SupervisorError", f"service {target} staged "

@@ -7,6 +7,7 @@ import ctypes
 import functools
 import os
 import shutil
+import time
 from typing import Any
 
 from twisted.logger import Logger
@@ -18,6 +19,8 @@ from domus.routing.base import contains
 from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store, snapshot
 from domus.storage.base import TrackedRepository
 from domus.wire import protocol as wire
+
+FREEZE_LEASE = wire.FREEZE_LEASE    # see domus.wire.protocol
 
 log = Logger(namespace="domus.service")
 
@@ -71,6 +74,9 @@ class HostedDht:
         self.staged: dict[int, Repository] = {}
         # bucket -> its keys when its move began (what export pages through)
         self.snapshots: dict[int, list[bytes]] = {}
+        # bucket -> when it was frozen here (source) or last staged (target)
+        self.frozen_at: dict[int, float] = {}
+        self.staged_at: dict[int, float] = {}
         self.routed: list[tuple[int, int]] = []       # bucket ranges routed here
         self.storage_refs: BucketMap[str] = BucketMap(max(descriptor["buckets"], 1))
         self.storage_layout: BucketMap[str] = self.storage_refs     # every bucket -> SS
@@ -120,9 +126,19 @@ class HostedDht:
         # ``frozen`` until the supervisor thaws it: opening it afresh would
         # serve an empty (or a second) copy of it.
         adopted = False
+        now = time.monotonic()
+        for bucket in sorted(stored & self.staged.keys()):
+            waited = now - self.staged_at.get(bucket, 0.0)
+            if waited > FREEZE_LEASE / 2:   # (checked before anything changes)
+                raise StorageFault(f"{self.label}: service {self.service_name} will not "
+                                   f"serve bucket {bucket}: its copy was staged "
+                                   f"{waited:.0f}s ago, and its source may serve it "
+                                   f"again by now; move it again")
         for bucket in sorted(stored - self.repos.keys() - self.frozen.keys()):
-            staged = self.staged.pop(bucket, None)
+            staged = self.staged.get(bucket)
             if staged is not None:          # moved here: its records came first
+                self.staged.pop(bucket)
+                self.staged_at.pop(bucket, None)
                 self.repos[bucket] = staged
                 adopted = True
                 continue
@@ -150,6 +166,7 @@ class HostedDht:
             self.store.remove(bucket)
         for bucket in sorted(self.frozen.keys() - stored):   # moved away: done
             self.frozen.pop(bucket)
+            self.frozen_at.pop(bucket, None)
             self.snapshots.pop(bucket, None)
             self.store.remove(bucket)
 
@@ -327,7 +344,18 @@ class HostedDht:
         if keys is None:               # frozen without tracking: export pages from here
             keys = self.snapshots[bucket] = repo.key_snapshot()
         self.frozen[bucket] = (self.repos.pop(bucket), keys)
+        self.frozen_at[bucket] = time.monotonic()
         return len(self.frozen[bucket][0])
+
+    def thaw_expired(self) -> list[int]:
+        """Thaw the buckets frozen here for longer than FREEZE_LEASE (their
+        move was abandoned); returns them."""
+        now = time.monotonic()
+        expired = [bucket for bucket, since in self.frozen_at.items()
+                   if now - since > FREEZE_LEASE]
+        for bucket in expired:
+            self.thaw(bucket)
+        return expired
 
     def export(self, bucket: int, offset: int, max_bytes: int) -> tuple[list[bytes], int | None]:
         """Step 2 (source): records of a tracked (or frozen) bucket from key
@@ -360,6 +388,7 @@ class HostedDht:
         frozen = self.frozen.pop(bucket, None)
         if frozen is not None:
             self.repos[bucket] = frozen[0]
+        self.frozen_at.pop(bucket, None)
         self.snapshots.pop(bucket, None)
         repo = self.repos.get(bucket)
         if isinstance(repo, TrackedRepository):
@@ -385,6 +414,7 @@ class HostedDht:
             raise StorageFault(f"{self.label}: service {self.service_name} has no staged "
                                f"bucket {bucket} to add records to (the move was abandoned); "
                                f"start it again")
+        self.staged_at[bucket] = time.monotonic()
         for index in range(0, len(records), 2):
             key, value = records[index], records[index + 1]
             if value is None:                   # deleted since it was sent
@@ -395,6 +425,7 @@ class HostedDht:
 
     def discard(self, bucket: int) -> None:
         """Step 4 (target): drop what was staged for a bucket."""
+        self.staged_at.pop(bucket, None)
         if self.staged.pop(bucket, None) is not None and self.store is not None:
             self.store.remove(bucket)
 

@@ -18,6 +18,7 @@ from twisted.logger import Logger
 
 from domus._version import __version__
 from domus.service.handler import RequestHandler
+from domus.service.hosted import FREEZE_LEASE
 from domus.service.resources import LoadSampler, base_resources
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
@@ -93,7 +94,7 @@ class DomusService(Service):
                  dir=self.data_dir)
         # The reply cache rotates its generations every ttl/2; polling each
         # second keeps that within a second.
-        expire = task.LoopingCall(self.handler.reply_cache.expire)
+        expire = task.LoopingCall(self._expire)
         expire.start(1.0, now=False)
         heartbeat = task.LoopingCall(self._heartbeat)
         heartbeat.start(self.heartbeat_interval, now=False)
@@ -176,6 +177,17 @@ class DomusService(Service):
         if not self._stopping:
             log.warn("service {name}: lost the supervisor; reconnecting (data keeps being "
                      "served meanwhile)", name=self.service_name)
+
+    def _expire(self) -> None:
+        """Each second: the reply cache's generations, and the leases of
+        buckets frozen for a move the supervisor never finished."""
+        self.handler.reply_cache.expire()
+        for hosted in list(self.handler.dhts.values()):
+            for bucket in hosted.thaw_expired():
+                log.warn("service {name}: DHT {dht!r}: bucket {bucket} was frozen for a move "
+                         "that did not finish within {lease:.0f}s; serving it again",
+                         name=self.service_name, dht=hosted.name, bucket=bucket,
+                         lease=FREEZE_LEASE)
 
     def _heartbeat(self) -> None:
         load = self.sampler.sample(self.handler.requests, time.monotonic(),

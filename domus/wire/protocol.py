@@ -89,6 +89,15 @@ STATUS_NAMES = {
 REPLY_CACHE_TTL = 30.0
 MAX_DEADLINE = REPLY_CACHE_TTL / 2
 
+# Moves.  A frozen bucket is a lease, not a lock: its source thaws it by
+# itself FREEZE_LEASE seconds after freezing it, so a supervisor that dies
+# mid-move leaves nothing frozen for long.  Two rules keep that safe: the
+# supervisor gives up a move whose last catch-up is staged more than
+# FREEZE_LEASE / 4 after it asked for the freeze, and a target adopts a
+# staged bucket only within FREEZE_LEASE / 2 of its last stage, so a target
+# never serves a bucket that its source may be serving again.
+FREEZE_LEASE = 30.0
+
 # Limits.  Keys are limited by domus.wire.keys.MAX_KEY_BYTES as well.
 MAX_KEY_BYTES = 8192
 MAX_VALUE_BYTES = 16 * 1024 * 1024

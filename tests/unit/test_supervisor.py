@@ -501,3 +501,79 @@ def test_writes_made_while_a_bucket_is_copied_reach_its_new_owner(deployment, mo
     assert served_by(links, expected, "s3") == expected
     assert links["s3"].get(old_keys[1]) == (wire.ST_NOT_FOUND, b"")
     assert source.calls.count("catch_up_bucket") >= 2
+
+
+class Clock:
+    """time.monotonic for a module under test, moved by hand."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_bucket_frozen_for_a_move_that_never_finishes_is_served_again(deployment,
+                                                                        monkeypatch):
+    # the supervisor froze it and died: the source's lease runs out
+    from domus.service import hosted as hosted_module
+
+    supervisor, links, records = deployment
+    clock = Clock()
+    monkeypatch.setattr(hosted_module.time, "monotonic", clock)
+    source = links["s1"]
+    source.call("track_bucket", id=DHT_ID, bucket=MOVED)
+    source.call("freeze_bucket", id=DHT_ID, bucket=MOVED)
+    key = sorted(in_bucket(records, MOVED))[0]
+    assert source.get(key)[0] == wire.ST_MOVING
+    clock.now += wire.FREEZE_LEASE - 1
+    assert source.hosted.thaw_expired() == []
+    clock.now += 2
+    assert source.hosted.thaw_expired() == [MOVED]
+    assert source.get(key) == (wire.ST_OK, records[key])
+    assert not source.hosted.snapshots and not isinstance(source.hosted.repos[MOVED],
+                                                          TrackedRepository)
+
+
+def test_a_target_will_not_serve_a_copy_staged_longer_ago_than_half_the_lease(deployment,
+                                                                             monkeypatch):
+    from domus.service import hosted as hosted_module
+
+    supervisor, links, records = deployment
+    clock = Clock()
+    monkeypatch.setattr(hosted_module.time, "monotonic", clock)
+    target = links["s3"]
+    call_through = target.call
+
+    def slow_publication(op, timeout=None, **params):
+        if op == "assign" and target.hosted is not None and target.hosted.staged:
+            clock.now += wire.FREEZE_LEASE / 2 + 1      # the layout arrives late
+        return call_through(op, timeout=timeout, **params)
+
+    monkeypatch.setattr(target, "call", slow_publication)
+    with pytest.raises(ControlError, match="staged 16s ago, and its source may serve it"):
+        result_of(move(supervisor))
+    assert_unchanged(supervisor, links, records, "s3")
+
+
+def test_the_supervisor_gives_up_a_move_whose_last_catch_up_is_too_slow(deployment,
+                                                                        monkeypatch):
+    from domus.supervisor import server as supervisor_server
+
+    supervisor, links, records = deployment
+    clock = Clock()
+    monkeypatch.setattr(supervisor_server.time, "monotonic", clock)
+    source = links["s1"]
+    call_through = source.call
+    calls = []
+
+    def slow_catch_up(op, timeout=None, **params):
+        if op == "catch_up_bucket" and "freeze_bucket" in source.calls:
+            clock.now += wire.FREEZE_LEASE / 4 + 1
+        calls.append(op)
+        return call_through(op, timeout=timeout, **params)
+
+    monkeypatch.setattr(source, "call", slow_catch_up)
+    with pytest.raises(ControlError, match="too long for the source's 30s freeze"):
+        result_of(move(supervisor))
+    assert_unchanged(supervisor, links, records, "s3")
