@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -262,7 +263,14 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path):
             with domus.connect(address, timeout=1) as cluster:
                 return [e["state"] for e in cluster.services()] == ["up", "up"]
 
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(up.stdout), daemon=True)
+        reader.start()
         wait_until(usable, timeout=45, interval=0.2, what="`domus up` to be usable")
+        # what a script waits for: its own word that it is up (it may say so
+        # a moment after the supervisor does)
+        wait_until(lambda: any("Domus is up" in line for line in lines), timeout=15,
+                   what="`domus up` to say it is up")
         with domus.connect(address, timeout=CLIENT_TIMEOUT) as cluster:
             names = sorted(entry["name"] for entry in cluster.services())
             dht = cluster.create_dht("up-test")
@@ -274,8 +282,10 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path):
 
         up.send_signal(signal.SIGTERM)
         started = time.monotonic()
-        stdout, stderr = up.communicate(timeout=15)
+        up.wait(15)
         stopped_in = time.monotonic() - started
+        reader.join(5)
+        stdout, stderr = "".join(lines), up.stderr.read()
         assert up.returncode == 0, stderr
         assert stopped_in < 10, f"`domus up` took {stopped_in:.1f}s to stop"
         assert "Domus is up" in stdout and "Domus stopped." in stdout
