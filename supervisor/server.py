@@ -75,7 +75,8 @@ class SupervisorService(Service):
         for flag, value, default in (
                 ("--balance-settle", knobs.settle, balancer.Settings.settle),
                 ("--balance-max-moves", knobs.max_moves, balancer.Settings.max_moves),
-                ("--balance-cooldown", knobs.cooldown, balancer.Settings.cooldown)):
+                ("--balance-cooldown", knobs.cooldown, balancer.Settings.cooldown),
+                ("--balance-cpu-busy", knobs.cpu_busy, balancer.Settings.cpu_busy)):
             if value != default:
                 timing += [flag, repr(value)]
         self.state.launch = launch.record("supervisor", listen, [

@@ -71,7 +71,8 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
                                           balancer_settings=Settings(
                                               settle=args.balance_settle,
                                               max_moves=args.balance_max_moves,
-                                              cooldown=args.balance_cooldown)))
+                                              cooldown=args.balance_cooldown,
+                                              cpu_busy=args.balance_cpu_busy)))
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -495,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument("--balance-cooldown", type=_positive_seconds, default=knobs.cooldown,
                      metavar="SECONDS", help="how long a moved bucket is left where it is "
                      "(default %(default)s)")
+    sup.add_argument("--balance-cpu-busy", type=float, default=knobs.cpu_busy,
+                     metavar="PERCENT", help="a service whose own CPU stays above this (%% of "
+                     "a core) while another has room gives buckets away (default %(default)s; "
+                     "over 100: never)")
     sup.set_defaults(func=cmd_supervisor)
 
     svc = commands.add_parser("service", help="run a service (or: service list|remove)")

@@ -18,7 +18,11 @@ from domus.ops.deploy import free_port_block
 from .conftest import TrackedDeployment, start_deployment
 from .support import CLIENT_TIMEOUT, LOOPBACK, owner_of, wait_until
 
-AUTO = ("--balance", "auto", "--balance-settle", "1", "--balance-cooldown", "5")
+# (load damping off: the test's own writer keeps services busy, and the
+# shares it checks are the capacity ones; tests/unit/test_balancer.py
+# covers damping)
+AUTO = ("--balance", "auto", "--balance-settle", "1", "--balance-cooldown", "5",
+        "--balance-cpu-busy", "101")
 
 
 class Writer:
