@@ -57,13 +57,15 @@ class TrackedDeployment(LocalDeployment):
         return process
 
     def spawn_service(self, name: str, address: str, *, log_as: str | None = None,
-                      heartbeat: float | None = None) -> subprocess.Popen:
+                      heartbeat: float | None = None,
+                      extra: tuple[str, ...] = ()) -> subprocess.Popen:
         """Start one more service process (not tracked in ``services``) named
-        ``name`` on ``address``; it logs to ``<log_as>.log``."""
+        ``name`` on ``address`` (``extra``: more of its arguments); it logs
+        to ``<log_as>.log``."""
         return self._spawn(log_as or name, [
             "service", "--name", name, "--supervisor", self.supervisor_address,
             "--listen", address, "--data-dir", os.path.join(self.data_dir, log_as or name),
-            "--heartbeat", str(heartbeat or self.heartbeat)])
+            "--heartbeat", str(heartbeat or self.heartbeat), *extra])
 
     def service_index(self, name: str) -> int:
         return [self.service_name(i) for i in range(self.service_count)].index(name)

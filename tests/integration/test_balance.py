@@ -231,3 +231,40 @@ def test_a_dead_service_removed_by_force_loses_only_its_records(tmp_path):
 def storage_reported(cluster: domus.Cluster, service: str, dht: str) -> int:
     entry = {e["name"]: e for e in cluster.services()}[service]
     return ((entry.get("stats") or {}).get("dhts", {}).get(dht) or {}).get("records", -1)
+
+
+@pytest.mark.timeout(180)
+def test_heterogeneous_services_end_within_one_bucket_of_their_weighted_shares(tmp_path):
+    # a RAM DHT follows RAM, a disk DHT free disk, routing the cores
+    # (declared with --ram/--disk/--cores, as on nodes shared with other work)
+    deployment = start_deployment(tmp_path, services=1, supervisor_args=AUTO)
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            ram = cluster.create_dht("by-ram", buckets=64)
+            disk = cluster.create_dht("by-disk", buckets=64, platform="domus-bsddb-btree",
+                                      storage="disk")
+            ram.put_many({number: number for number in range(2_000)})
+            disk.put_many({number: -number for number in range(2_000)})
+            gib = 1 << 30
+            declared = {"s2": (3 * gib, 10 * gib), "s3": (4 * gib, 30 * gib)}
+            port = free_port_block(len(declared))
+            for offset, (name, (ram_bytes, disk_bytes)) in enumerate(declared.items()):
+                deployment.spawn_service(name, f"{LOOPBACK}:{port + offset}",
+                                         extra=("--ram", str(ram_bytes), "--disk",
+                                                str(disk_bytes)))
+            deployment.wait_until_up(list(declared), timeout=30)
+            weights = {entry["name"]: entry["resources"] for entry in cluster.services()}
+
+            def shares_reached(dht: str, field: str) -> bool:
+                total = sum(resources[field] for resources in weights.values())
+                held = storage_held(cluster, dht)
+                return all(abs(held[name] - 64 * resources[field] / total) < 1
+                           for name, resources in weights.items())
+
+            wait_until(lambda: shares_reached("by-ram", "ram")
+                       and shares_reached("by-disk", "disk"), timeout=120,
+                       what="storage shares in proportion to RAM and disk")
+            assert ram.get_many(range(2_000)) == {number: number for number in range(2_000)}
+            assert disk.get_many(range(2_000)) == {number: -number for number in range(2_000)}
+    finally:
+        deployment.stop_everything()
