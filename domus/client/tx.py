@@ -652,6 +652,31 @@ class TxCluster:
         return self.call("move_bucket", name=name, bucket=bucket, role=role, service=service,
                          timeout=STATE_CHANGE_TIMEOUT)
 
+    def rebalance(self, name: str, dry_run: bool = False) -> defer.Deferred:
+        """As Cluster.rebalance: fires with the moves."""
+        return self.call("rebalance", name=name, dry_run=dry_run,
+                         timeout=STATE_CHANGE_TIMEOUT).addCallback(lambda answer: answer["moves"])
+
+    def dht_services(self, name: str, *, add: Iterable[str] = (), remove: Iterable[str] = (),
+                     roles: Iterable[str] = ("routing", "storage")) -> defer.Deferred:
+        """As Cluster.dht_services: fires with the moves made."""
+        return self.call("dht_services", name=name, add=list(add), remove=list(remove),
+                         roles=list(roles), timeout=STATE_CHANGE_TIMEOUT
+                         ).addCallback(lambda answer: answer["moves"])
+
+    def drain_service(self, name: str) -> defer.Deferred:
+        """As Cluster.drain_service: fires once it holds no bucket."""
+        return self.call("drain_service", name=name, timeout=STATE_CHANGE_TIMEOUT)
+
+    def remove_service(self, name: str, force: bool = False) -> defer.Deferred:
+        """As Cluster.remove_service."""
+        return self.call("remove_service", name=name, force=force,
+                         timeout=STATE_CHANGE_TIMEOUT)
+
+    def balancer_status(self) -> defer.Deferred:
+        """As Cluster.balancer_status."""
+        return self.call("balancer_status")
+
 
 class TxDht(DirectLookup[TxChannel]):
     """One DHT; every data operation returns a Deferred."""

@@ -35,7 +35,8 @@ job = _load_job()
 @pytest.fixture(scope="module")
 def tx_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
     data_dir = tmp_path_factory.mktemp("txclient")
-    with LocalDeployment(3, port=free_port_block(4), data_dir=str(data_dir)) as deployment:
+    with LocalDeployment(3, port=free_port_block(4), data_dir=str(data_dir),
+                         supervisor_args=["--balance", "manual"]) as deployment:
         yield deployment
 
 

@@ -204,6 +204,19 @@ async def job(reactor: Any, supervisor: str) -> dict[str, Any]:
           await napping.get_many(range(200)) == {number: number for number in range(200)})
     await check.fails_with("move_bucket without a service", cluster.move_bucket("tx_napping", 3),
                            TypeError)
+    # most of the buckets on one service: out of balance
+    for bucket in [bucket for bucket in range(8) if owners[bucket] != target][:4]:
+        await cluster.move_bucket("tx_napping", bucket, storage=target)
+    plan = await cluster.rebalance("tx_napping", dry_run=True)
+    check("rebalance --dry-run plans storage moves off the crowded service",
+          any(move["role"] == "storage" and move["source"] == target for move in plan), plan)
+    done = await cluster.rebalance("tx_napping")
+    check("rebalance does what it planned",
+          [(m["bucket"], m["role"]) for m in done if m["role"] == "storage"]
+          == [(m["bucket"], m["role"]) for m in plan if m["role"] == "storage"], done)
+    check("records kept by the rebalance",
+          await napping.get_many(range(200)) == {number: number for number in range(200)})
+    check("balancer status answers", (await cluster.balancer_status())["mode"] == "manual")
     await cluster.destroy_dht("tx_napping")
     doomed_dht = await cluster.create_dht("tx_doomed", buckets=8)
     await doomed_dht.put("k", 1)
