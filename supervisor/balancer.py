@@ -271,17 +271,6 @@ def _why(source: str, target: str, role: str, held: Mapping[str, int],
             f"{counts[target]} (shares follow {what})")
 
 
-def settled(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]],
-            memory: Memory, draining: Iterable[str] = ()) -> bool:
-    """Whether every role's owners are exactly its target layout."""
-    for role in ROLES:
-        counts = targets(descriptor, role, services, memory, draining)
-        if counts and list(layout.owners(descriptor, role).ranges()) != list(
-                target_layout(descriptor, counts).ranges()):
-            return False
-    return True
-
-
 def rebase(descriptor: Mapping[str, Any]) -> dict[str, Any]:
     """The same layout, described by counts alone where it can be: each
     role whose owners are a contiguous run per service in listed order gets
@@ -358,5 +347,5 @@ def force_out(descriptor: Mapping[str, Any], service: str,
 
 
 __all__ = ["Settings", "Move", "Memory", "others_busy", "capacity", "eligible", "targets",
-           "target_layout", "adjust_for_load", "plan", "settled", "rebase", "describe",
+           "target_layout", "adjust_for_load", "plan", "rebase", "describe",
            "force_out"]

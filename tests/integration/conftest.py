@@ -134,10 +134,17 @@ def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Track
     try:
         yield started
     finally:
-        started.stop_everything()
+        _stop_all(started, request)
+
+
+def _stop_all(started: TrackedDeployment, request: pytest.FixtureRequest | None = None) -> None:
+    """Stop every process the deployment spawned (a failed test's logs
+    printed first) and check that none survived."""
+    started.stop_everything()
+    if request is not None:
         _print_logs_if_failed(request, started)
-        leftovers = [process.pid for process in started.spawned if process.poll() is None]
-        assert not leftovers, f"processes survived teardown: {leftovers}"
+    leftovers = [process.pid for process in started.spawned if process.poll() is None]
+    assert not leftovers, f"processes survived teardown: {leftovers}"
 
 
 def _print_logs_if_failed(request: pytest.FixtureRequest, deployment: TrackedDeployment) -> None:
@@ -152,18 +159,14 @@ def shared_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trac
     try:
         yield started
     finally:
-        started.stop_everything()
-        leftovers = [process.pid for process in started.spawned if process.poll() is None]
-        assert not leftovers, f"processes survived teardown: {leftovers}"
+        _stop_all(started)
 
 
 @pytest.fixture(scope="module")
 def shared_client(shared_deployment: TrackedDeployment) -> Iterator[domus.Cluster]:
-    connected = domus.connect(shared_deployment.supervisor_address, timeout=CLIENT_TIMEOUT)
-    try:
+    with domus.connect(shared_deployment.supervisor_address,
+                       timeout=CLIENT_TIMEOUT) as connected:
         yield connected
-    finally:
-        connected.close()
 
 
 @pytest.fixture
@@ -189,8 +192,5 @@ def shared_cluster(request: pytest.FixtureRequest, shared_deployment: TrackedDep
 
 @pytest.fixture
 def cluster(deployment: TrackedDeployment) -> Iterator[domus.Cluster]:
-    connected = domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT)
-    try:
+    with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as connected:
         yield connected
-    finally:
-        connected.close()
