@@ -8,6 +8,7 @@ Children get SIGTERM when this process dies (PR_SET_PDEATHSIG), so even a
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import signal
 import socket
@@ -17,6 +18,8 @@ import time
 from typing import IO, Any
 
 from domus.errors import DomusError, SupervisorUnreachable
+
+_CALLS = itertools.count()     # free_port_block's calls in this process
 
 PR_SET_PDEATHSIG = 1
 
@@ -46,8 +49,11 @@ def port_is_free(host: str, port: int) -> bool:
 
 def free_port_block(count: int, host: str = "127.0.0.1", start: int = 20000,
                     stop: int = 60000) -> int:
-    """A base port P with P .. P+count-1 free for TCP and UDP."""
-    base = start + (os.getpid() * 37) % (stop - start - count)
+    """A base port P with P .. P+count-1 free for TCP and UDP.  Processes
+    start looking at different places (their pid), and so do a process's
+    successive calls: a port that a first call returned, and that nothing
+    has bound yet (or any more), is not simply handed out again."""
+    base = start + (os.getpid() * 37 + next(_CALLS) * 7919) % (stop - start - count)
     for _ in range(2000):
         if all(port_is_free(host, base + offset) for offset in range(count)):
             return base

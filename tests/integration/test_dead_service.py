@@ -154,7 +154,10 @@ def test_a_service_back_at_a_new_address_is_found_again(deployment, cluster):
     deployment.kill_service("s2", signal.SIGKILL)
     wait_until(lambda: state_of(cluster, "s2") == "down", timeout=15, what="s2 down")
 
-    new_address = f"{LOOPBACK}:{free_port_block(1)}"
+    old_address = deployment.service_address(deployment.service_index("s2"))
+    new_address = old_address
+    while new_address == old_address:      # (its old port is free again)
+        new_address = f"{LOOPBACK}:{free_port_block(1)}"
     deployment.services["s2"] = deployment.spawn_service("s2", new_address)
     deployment.wait_until_up(["s2"], timeout=30)
     assert {e["name"]: e["address"] for e in cluster.services()}["s2"] == new_address
