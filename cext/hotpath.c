@@ -14,8 +14,13 @@
  *     the caller asks the Python handler, which writes the full error reply.
  *
  * The state is owned by Python and shared, not copied:
- *   dhts         dict: DHT id -> dict: bucket -> repository, holding only the
- *                active DHTs (the handler keeps it up to date).
+ *   dhts         dict: DHT id -> (dict: bucket -> repository, layout), holding
+ *                only the active DHTs (the handler keeps it up to date);
+ *                `layout` is an int, numbering << 8 | tag: the request
+ *                header byte 3 that numbers buckets as this service does
+ *                (a request that says another numbering is declined, and
+ *                the Python handler translates it), and the reply header
+ *                byte 3 that tells clients this service's layout version.
  *   generations  the reply cache's list [current, previous] of dicts
  *                token (request bytes 4..16) -> reply bytes; the Python
  *                ReplyCache rotates it in place.
@@ -118,6 +123,7 @@ typedef struct {
     PyObject *dict_type;                /* or NULL */
     const DomusRBTreeAPI *tree_api;     /* NULL: trees are declined */
     Py_ssize_t current_limit;
+    unsigned char layout_tag;           /* the request's DHT's, for its reply */
     unsigned char *buffer;              /* serve()'s datagram, made lazily */
     unsigned long long requests;
     unsigned long long replayed;
@@ -176,15 +182,16 @@ write_u16(unsigned char *p, uint16_t v)
     p[1] = (unsigned char)v;
 }
 
-/* Writes the 8-byte reply header for `request` (whose id it echoes). */
+/* Writes the 8-byte reply header for `request` (whose id it echoes), with
+ * the layout tag of the request's DHT. */
 static void
 write_reply_header(unsigned char *out, int status,
-                   const unsigned char *request)
+                   const unsigned char *request, unsigned char layout_tag)
 {
     out[0] = REPLY_MAGIC;
     out[1] = PROTOCOL_VERSION;
     out[2] = (unsigned char)status;
-    out[3] = 0;
+    out[3] = layout_tag;
     memcpy(out + 4, request + 4, 4);
 }
 
@@ -192,7 +199,8 @@ write_reply_header(unsigned char *out, int status,
  * shared singleton (it is at least 8 bytes), so it may be filled in until
  * another reference to it is handed out. */
 static PyObject *
-new_reply(int status, const unsigned char *request, Py_ssize_t body_size)
+new_reply(int status, const unsigned char *request, Py_ssize_t body_size,
+          unsigned char layout_tag)
 {
     PyObject *reply = PyBytes_FromStringAndSize(NULL,
                                                 REPLY_HEADER_SIZE + body_size);
@@ -200,7 +208,7 @@ new_reply(int status, const unsigned char *request, Py_ssize_t body_size)
         return NULL;
     }
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(reply);
-    write_reply_header(out, status, request);
+    write_reply_header(out, status, request, layout_tag);
     memset(out + REPLY_HEADER_SIZE, 0, (size_t)body_size);
     return reply;
 }
@@ -233,10 +241,14 @@ repo_kind(FastPath *self, PyObject *repo)
     return REPO_UNSUPPORTED;
 }
 
-/* The bucket table of an active DHT: a borrowed reference in *buckets.
- * HANDLED, DECLINED (no such DHT here, or not a dict), or -1. */
+/* The bucket table of an active DHT, for a request whose header byte 3
+ * (its bucket numbering) is `numbering`: a borrowed reference in *buckets,
+ * and the DHT's layout tag in self->layout_tag.  HANDLED; DECLINED (no such
+ * DHT here, an entry of another shape, or a request numbered otherwise
+ * than the DHT: the Python handler translates it); or -1. */
 static int
-find_buckets(FastPath *self, uint32_t dht_id, PyObject **buckets)
+find_buckets(FastPath *self, uint32_t dht_id, unsigned char numbering,
+             PyObject **buckets)
 {
     if (self->dhts == NULL) {
         return DECLINED;
@@ -250,10 +262,21 @@ find_buckets(FastPath *self, uint32_t dht_id, PyObject **buckets)
     if (found == NULL) {
         return PyErr_Occurred() ? -1 : DECLINED;
     }
-    if (!PyDict_Check(found)) {
+    if (!PyTuple_CheckExact(found) || PyTuple_GET_SIZE(found) != 2
+            || !PyDict_Check(PyTuple_GET_ITEM(found, 0))
+            || !PyLong_CheckExact(PyTuple_GET_ITEM(found, 1))) {
         return DECLINED;
     }
-    *buckets = found;
+    long layout = PyLong_AsLong(PyTuple_GET_ITEM(found, 1));
+    if (layout < 0 || layout > 0xFFFF) {
+        PyErr_Clear();
+        return DECLINED;
+    }
+    if (numbering != 0 && numbering != (unsigned char)(layout >> 8)) {
+        return DECLINED;
+    }
+    self->layout_tag = (unsigned char)(layout & 0xFF);
+    *buckets = PyTuple_GET_ITEM(found, 0);
     return HANDLED;
 }
 
@@ -527,7 +550,7 @@ parse_keyed(FastPath *self, const unsigned char *data, Py_ssize_t size,
         return DECLINED;
     }
     PyObject *buckets;
-    int found = find_buckets(self, dht_id, &buckets);
+    int found = find_buckets(self, dht_id, data[3], &buckets);
     if (found != HANDLED) {
         return found;
     }
@@ -588,7 +611,8 @@ handle_read(FastPath *self, int op, const unsigned char *data,
         result = present == FAILED ? DECLINED : -1;
         goto done;
     }
-    write_reply_header(reply->head, present ? ST_OK : ST_NOT_FOUND, data);
+    write_reply_header(reply->head, present ? ST_OK : ST_NOT_FOUND, data,
+                       self->layout_tag);
     result = HANDLED;
 done:
     Py_XDECREF(key);
@@ -625,7 +649,7 @@ change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
     key = key_bytes(data, key_end);
     value = PyBytes_FromStringAndSize((const char *)data + key_end + 4,
                                       (Py_ssize_t)value_length);
-    answer = new_reply(ST_OK, data, 1);
+    answer = new_reply(ST_OK, data, 1, self->layout_tag);
     if (key == NULL || value == NULL || answer == NULL
             || PyDict_SetItem(current, token, answer) < 0) {
         result = -1;
@@ -688,7 +712,8 @@ change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
             goto done;
         }
     }
-    answer = new_reply(present ? ST_OK : ST_NOT_FOUND, data, 0);
+    answer = new_reply(present ? ST_OK : ST_NOT_FOUND, data, 0,
+                       self->layout_tag);
     if (answer == NULL || PyDict_SetItem(current, token, answer) < 0) {
         result = -1;
         goto done;
@@ -759,7 +784,7 @@ parse_batch(FastPath *self, const unsigned char *data, Py_ssize_t size,
         return DECLINED;        /* cannot hold that many non-empty keys */
     }
     PyObject *buckets;
-    int result = find_buckets(self, dht_id, &buckets);
+    int result = find_buckets(self, dht_id, data[3], &buckets);
     if (result != HANDLED) {
         return result;
     }
@@ -893,7 +918,7 @@ change_put_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
     if (result != HANDLED) {
         return result;
     }
-    PyObject *answer = new_reply(ST_OK, data, 4);
+    PyObject *answer = new_reply(ST_OK, data, 4, self->layout_tag);
     if (answer == NULL || PyDict_SetItem(current, token, answer) < 0) {
         result = -1;
         goto done;
@@ -974,7 +999,7 @@ handle_get_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
         goto done;
     }
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(answer);
-    write_reply_header(out, ST_OK, data);
+    write_reply_header(out, ST_OK, data, self->layout_tag);
     write_u16(out + REPLY_HEADER_SIZE, (uint16_t)answered);
     out += REPLY_HEADER_SIZE + 2;
     for (Py_ssize_t i = 0; i < answered; i++) {

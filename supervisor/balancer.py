@@ -310,6 +310,36 @@ def describe(descriptor: Mapping[str, Any], role: str, owners: BucketMap[str],
     return changed
 
 
+def resized(descriptor: Mapping[str, Any], count: int) -> dict[str, Any]:
+    """``descriptor`` with ``count`` buckets (twice or half its count, or
+    any power of two times it), each role's owners following: bucket c of
+    a finer count is its coarser bucket's; a coarser bucket is the owner of
+    its first finer bucket's (storage must be co-located beforehand, see
+    domus.service.hosted, "Resizing").  Counts are scaled in proportion,
+    so a layout described by counts stays so when doubled; the other
+    buckets are listed as moved.  A new layout version."""
+    old = descriptor["buckets"]
+    changed = dict(descriptor, buckets=count, version=layout.next_version(descriptor))
+    changed["initial_buckets"] = descriptor.get("initial_buckets") or old
+    for role in ROLES:
+        owners = layout.owners(descriptor, role)
+        scaled: BucketMap[str] = BucketMap(count)
+        for first, end, owner in owners.ranges():
+            if count >= old:
+                scaled.assign(first * (count // old), end * (count // old), owner)
+            else:
+                factor = old // count
+                low, high = -(-first // factor), -(-end // factor)   # (ceilings)
+                if low < high:
+                    scaled.assign(low, high, owner)
+        entries = [dict(entry) for entry in descriptor[f"{role}_services"]]
+        for entry, share in zip(entries, proportional_counts(
+                count, [entry["count"] for entry in entries])):
+            entry["count"] = share
+        changed = describe(changed, role, scaled, entries)
+    return changed
+
+
 def force_out(descriptor: Mapping[str, Any], service: str,
               services: Mapping[str, Mapping[str, Any]], memory: Memory,
               draining: Iterable[str] = ()) -> dict[str, Any]:
@@ -348,4 +378,4 @@ def force_out(descriptor: Mapping[str, Any], service: str,
 
 __all__ = ["Settings", "Move", "Memory", "others_busy", "capacity", "eligible", "targets",
            "target_layout", "adjust_for_load", "plan", "rebase", "describe",
-           "force_out"]
+           "resized", "force_out"]

@@ -310,6 +310,15 @@ def cmd_dht(args: argparse.Namespace) -> int:
             if moves:
                 print(f"{'would move' if args.dry_run else 'moved'} {len(moves)} bucket(s) of "
                       f"DHT {args.name!r}")
+        elif args.action == "resize":
+            answer = cluster.resize_dht(args.name, args.buckets)
+            print(f"resized DHT {args.name!r} from {answer['from']} to {answer['buckets']} "
+                  f"buckets in {answer['seconds']:.2f}s "
+                  f"({len(answer['steps'])} step{'s' if len(answer['steps']) != 1 else ''})")
+            for step in answer["steps"]:
+                for service, error in sorted(step.get("lagging", {}).items()):
+                    print(f"domus: warning: service {service} has not split its buckets yet "
+                          f"({error}); it will", file=sys.stderr)
         elif args.action == "services":
             roles = [args.role] if args.role else ["routing", "storage"]
             moves = cluster.dht_services(args.name, add=_names(args.add) or [],
@@ -517,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
 
-    dht = commands.add_parser("dht", help="create, list, inspect, deactivate, activate and "
+    dht = commands.add_parser("dht", help="create, list, inspect, resize, deactivate, activate and "
                               "destroy DHTs, and move their buckets")
     actions = dht.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = talks(actions.add_parser("create"))
@@ -562,6 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
                                          "balancer's targets now (or --dry-run: say which)"))
     rebalance.add_argument("name")
     rebalance.add_argument("--dry-run", action="store_true", help="print the plan, move nothing")
+    resize = talks(actions.add_parser("resize", help="double or halve a DHT's bucket count "
+                                      "(any power of two, a step at a time) while it serves"))
+    resize.add_argument("name")
+    resize.add_argument("--buckets", type=int, required=True, metavar="N",
+                        help="the new bucket count, a power of two")
     dht.set_defaults(func=cmd_dht)
 
     balance = commands.add_parser("balancer", help="what the balancer does and why")

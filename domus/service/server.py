@@ -229,7 +229,57 @@ class DomusService(Service):
             return self.handler.stats()
         if op in MOVE_OPS:
             return self._move_step(op, body)
+        if op == "regroup_buckets":
+            return self._regroup(body)
         raise ControlError("DomusError", f"unknown control op {op!r} for a service")
+
+    def _regroup(self, body: dict[str, Any]) -> defer.Deferred:
+        """Regroup a DHT's repositories into parts of ``count`` buckets
+        (domus.service.hosted, "Resizing"), a step per reactor turn so that
+        requests are served meanwhile; fires with {"parts", "records",
+        "seconds"} once done."""
+        from twisted.internet import reactor
+
+        hosted = self.handler.dhts.get(body.get("id"))
+        count = body.get("count")
+        if hosted is None or not isinstance(count, int) or isinstance(count, bool) \
+                or count < 1:
+            raise ControlError("DomusError", f"service {self.service_name}: regroup_buckets "
+                               f"needs the id of a DHT hosted here and a bucket count")
+        try:
+            steps = hosted.start_regroup(count)
+        except StorageFault as exc:
+            raise ControlError("StorageError", f"service {self.service_name}: {exc}") from None
+        started = time.monotonic()
+        finished: defer.Deferred = defer.Deferred()
+
+        def step() -> None:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                if stop.value is None:
+                    finished.errback(ControlError("StorageError", f"service "
+                                     f"{self.service_name}: regrouping DHT {hosted.name!r} "
+                                     f"was stopped (the DHT changed meanwhile)"))
+                else:
+                    self.handler.refresh_fast_table(hosted.id)
+                    finished.callback({**stop.value,
+                                       "seconds": round(time.monotonic() - started, 3)})
+                return
+            except StorageFault as exc:
+                finished.errback(ControlError("StorageError",
+                                              f"service {self.service_name}: {exc}"))
+                return
+            except Exception as exc:  # a bug: say so, keep serving
+                log.failure("service {name}: regrouping DHT {dht!r} failed",
+                            name=self.service_name, dht=hosted.name)
+                finished.errback(ControlError("DomusError", f"service {self.service_name}: "
+                                              f"regrouping failed: {exc!r}"))
+                return
+            reactor.callLater(0, step)
+
+        step()
+        return finished
 
     def _move_step(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """One step of moving a bucket (domus.service.hosted, "Moving a
