@@ -90,6 +90,11 @@
 #define MISSING 0xFFFFFFFFu
 /* Larger than any UDP payload (65,535 - 8), so no datagram is cut. */
 #define RECV_BUFFER_SIZE 65536
+/* One request in SAMPLE_EVERY answered here is sampled, (DHT id, bucket),
+ * into a ring of SAMPLE_RING entries that the service drains on each
+ * heartbeat: which buckets are hot, for the cost of a mask and a store. */
+#define SAMPLE_EVERY 16
+#define SAMPLE_RING 4096
 
 #define HANDLED 1
 #define DECLINED 0
@@ -131,6 +136,8 @@ typedef struct {
     unsigned long long send_errors;
     unsigned long long recv_errors;
     unsigned long long by_op[256];
+    unsigned long long sampled;         /* samples taken since the last take */
+    uint64_t samples[SAMPLE_RING];      /* dht id << 32 | bucket */
 } FastPath;
 
 typedef enum {
@@ -1080,6 +1087,22 @@ done:
     return result;
 }
 
+/* Notes the DHT and bucket of a handled request (a batch's first entry's)
+ * in the sample ring. */
+static void
+sample_request(FastPath *self, int op, const unsigned char *data,
+               Py_ssize_t size)
+{
+    Py_ssize_t at = (op == OP_PUT_MANY || op == OP_GET_MANY) ? BATCH_END
+                                                             : REQUEST_HEADER_SIZE + 4;
+    if (size < at + 4) {
+        return;             /* an empty batch */
+    }
+    self->samples[self->sampled % SAMPLE_RING] =
+        ((uint64_t)read_u32(data + 16) << 32) | read_u32(data + at);
+    self->sampled++;
+}
+
 /* Answers one request: HANDLED with *reply filled (the caller clears it),
  * DECLINED with nothing changed, or -1 with an exception set.  Counts the
  * request (handled or declined) in the counters. */
@@ -1108,7 +1131,9 @@ handle_request(FastPath *self, const unsigned char *data, Py_ssize_t size,
             break;
         }
         if (result == HANDLED) {
-            self->requests++;
+            if ((self->requests++ & (SAMPLE_EVERY - 1)) == 0) {
+                sample_request(self, op, data, size);
+            }
             self->by_op[op]++;
             return HANDLED;
         }
@@ -1614,7 +1639,39 @@ FastPath_get_by_op(FastPath *self, void *closure)
     return counts;
 }
 
+PyDoc_STRVAR(FastPath_take_samples_doc,
+"take_samples() -> (samples, taken)\n\n"
+"The requests sampled since the last call (one in SAMPLE_EVERY answered\n"
+"in C), each as dht_id << 32 | bucket, and how many were taken (more than\n"
+"len(samples) if the ring of SAMPLE_RING went round); starts afresh.");
+
+static PyObject *
+FastPath_take_samples(FastPath *self, PyObject *unused)
+{
+    Py_ssize_t held = self->sampled < SAMPLE_RING ? (Py_ssize_t)self->sampled
+                                                  : SAMPLE_RING;
+    PyObject *samples = PyList_New(held);
+    if (samples == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyObject *sample = PyLong_FromUnsignedLongLong(self->samples[i]);
+        if (sample == NULL) {
+            Py_DECREF(samples);
+            return NULL;
+        }
+        PyList_SET_ITEM(samples, i, sample);
+    }
+    PyObject *result = Py_BuildValue("(NK)", samples, self->sampled);
+    if (result != NULL) {
+        self->sampled = 0;
+    }
+    return result;
+}
+
 static PyMethodDef FastPath_methods[] = {
+    {"take_samples", (PyCFunction)FastPath_take_samples, METH_NOARGS,
+     FastPath_take_samples_doc},
     {"handle", (PyCFunction)(void (*)(void))FastPath_handle,
      METH_VARARGS | METH_KEYWORDS, FastPath_handle_doc},
     {"serve", (PyCFunction)(void (*)(void))FastPath_serve,
@@ -1697,7 +1754,9 @@ PyInit__hotpath(void)
             || PyModule_AddIntConstant(module, "MAX_UDP_PAYLOAD",
                                        MAX_UDP_PAYLOAD) < 0
             || PyModule_AddIntConstant(module, "RECV_BUFFER_SIZE",
-                                       RECV_BUFFER_SIZE) < 0) {
+                                       RECV_BUFFER_SIZE) < 0
+            || PyModule_AddIntConstant(module, "SAMPLE_EVERY", SAMPLE_EVERY) < 0
+            || PyModule_AddIntConstant(module, "SAMPLE_RING", SAMPLE_RING) < 0) {
         Py_DECREF(module);
         return NULL;
     }

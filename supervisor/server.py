@@ -78,7 +78,8 @@ class SupervisorService(Service):
                 ("--balance-settle", knobs.settle, balancer.Settings.settle),
                 ("--balance-max-moves", knobs.max_moves, balancer.Settings.max_moves),
                 ("--balance-cooldown", knobs.cooldown, balancer.Settings.cooldown),
-                ("--balance-cpu-busy", knobs.cpu_busy, balancer.Settings.cpu_busy)):
+                ("--balance-cpu-busy", knobs.cpu_busy, balancer.Settings.cpu_busy),
+                ("--balance-smoothing", knobs.smoothing, balancer.Settings.smoothing)):
             if value != default:
                 timing += [flag, repr(value)]
         self.state.launch = launch.record("supervisor", listen, [
@@ -369,7 +370,21 @@ class SupervisorService(Service):
             held = stats.get("dhts", {}).get(name)
             records[entry["name"]] = held["records"] if held else None
         descriptor["records_reported"] = records
+        descriptor["hot_buckets"] = self._hot_buckets(name)
         return descriptor
+
+    def _hot_buckets(self, name: str, top: int = 10) -> list[dict[str, Any]]:
+        """The buckets of DHT ``name`` that served the most requests per
+        second in the services' last heartbeats (sampled), busiest first."""
+        hot = []
+        for service, live in self.live.items():
+            stats = live.get("stats") or {}
+            records = (stats.get("bucket_records") or {}).get(name) or {}
+            for bucket, rate in ((stats.get("bucket_requests") or {}).get(name) or {}).items():
+                hot.append({"bucket": int(bucket), "service": service,
+                            "requests_per_s": rate, "records": records.get(bucket)})
+        hot.sort(key=lambda entry: -entry["requests_per_s"])
+        return hot[:top]
 
     def op_list_dhts(self, link: MessageProtocol) -> list[dict[str, Any]]:
         return [self._summary(descriptor) for descriptor in self.state.dhts.values()]
@@ -1044,7 +1059,7 @@ class SupervisorService(Service):
         """Every involved service takes ``after``, or those that did take
         ``before`` back and ControlError says why; then ``after`` is saved."""
         involved = self._involved(after)
-        failed = yield self._push(involved, after, STATE_CHANGE_TIMEOUT)
+        failed = yield self._push(involved, after, self.push_timeout)
         if failed:
             took = [service for service in involved if service not in failed]
             self._push_back(before, took, self._involved(before))

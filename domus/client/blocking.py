@@ -301,6 +301,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 channel = self._first_walked(self._drive(walk))
                 skip = channel is None
         if channel is not None:
+            self._counters["messages"] += 1
             try:
                 reply = channel.request(message, self.name, bucket)
             except ServiceUnavailable:
@@ -325,6 +326,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 kind = instruction[0]
                 try:
                     if kind == SEND:
+                        self._counters["messages"] += 1
                         result = instruction[1].request(instruction[2], self.name,
                                                         instruction[3])
                     elif kind == PAUSE:

@@ -170,7 +170,9 @@ class DirectLookup(Generic[Channel]):
         self.direct_misses = 0
         self._direct_on = "D" in self.strategy
         self._method_stats = {method: MethodStats() for method in self.strategy}
-        self._counters = {"refreshes": 0, "redirects": 0, "moving_waits": 0,
+        # "messages": requests and LOOKUPs sent for single keys (each try
+        # once), so that messages per request can be measured
+        self._counters = {"messages": 0, "refreshes": 0, "redirects": 0, "moving_waits": 0,
                           "lookup_failures": 0}
         # bucket -> (routing channel, storage channel), least recent first.
         self._cache: OrderedDict[int, tuple[Channel, Channel]] = OrderedDict()

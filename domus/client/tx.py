@@ -753,6 +753,7 @@ class TxDht(DirectLookup[TxChannel]):
                 channel = self._first_walked(await self._drive(walk))
                 skip = channel is None
         if channel is not None:
+            self._counters["messages"] += 1
             try:
                 reply = await channel.request(message, self.name, bucket)
             except ServiceUnavailable:
@@ -777,6 +778,7 @@ class TxDht(DirectLookup[TxChannel]):
                 kind = instruction[0]
                 try:
                     if kind == SEND:
+                        self._counters["messages"] += 1
                         result = await instruction[1].request(instruction[2], self.name,
                                                               instruction[3])
                     elif kind == PAUSE:

@@ -59,6 +59,12 @@ _DHT_OPS = frozenset({wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS
 
 SCAN_TTL = 120.0
 MAX_SCANS = 4096
+# Which buckets are hot: one request in SAMPLE_EVERY is sampled, as the C
+# path does (domus._hotpath.FastPath.take_samples), keeping SAMPLE_RING.
+SAMPLE_EVERY = 16
+SAMPLE_RING = 4096
+_SAMPLED_AT = {wire.OP_PUT: 20, wire.OP_GET: 20, wire.OP_DELETE: 20, wire.OP_CONTAINS: 20,
+               wire.OP_PUT_MANY: 22, wire.OP_GET_MANY: 22}
 
 
 class RequestFailed(Exception):
@@ -83,6 +89,8 @@ class RequestHandler:
         self.reply_cache = reply_cache if reply_cache is not None else ReplyCache(clock=clock)
         self._clock = clock
         self._requests = 0
+        self._samples: list[int] = []      # dht id << 32 | bucket
+        self._sampled = 0
         self.by_op = [0] * 256
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
                                          "internal_errors": 0, "storage_errors": 0}
@@ -128,6 +136,8 @@ class RequestHandler:
                                f"this service speaks version {wire.VERSION}")
         op = data[2]
         self.by_op[op] += 1
+        if not self._requests % SAMPLE_EVERY:
+            self._sample(op, data)
         changing = op in _CHANGING
         if changing:
             token = data[4:16]
@@ -168,6 +178,41 @@ class RequestHandler:
             # again, not told MOVING from the cache once the move is done.)
             self.reply_cache.put(token, answer)
         return answer
+
+    def _sample(self, op: int, data: bytes) -> None:
+        at = _SAMPLED_AT.get(op)
+        if at is not None and len(data) >= at + 4:
+            sample = wire.U32.unpack_from(data, 16)[0] << 32 | wire.U32.unpack_from(data, at)[0]
+            if len(self._samples) < SAMPLE_RING:
+                self._samples.append(sample)
+            else:
+                self._samples[self._sampled % SAMPLE_RING] = sample
+            self._sampled += 1
+
+    def bucket_load(self, seconds: float, top: int = 16) -> dict[str, dict[int, float]]:
+        """Requests per second on the busiest ``top`` buckets of each DHT
+        hosted here, estimated from the requests sampled (by the C path and
+        this one) over the last ``seconds``; starts the sampling afresh."""
+        taken = [(self._samples, self._sampled, SAMPLE_EVERY)]
+        if self.fast is not None:
+            samples, count = self.fast.take_samples()
+            taken.append((samples, count, hotpath.SAMPLE_EVERY))
+        self._samples, self._sampled = [], 0
+        rates: dict[int, float] = {}
+        for samples, count, every in taken:
+            if samples:
+                weight = every * count / len(samples) / max(seconds, 1e-3)
+                for sample in samples:
+                    rates[sample] = rates.get(sample, 0.0) + weight
+        by_dht: dict[str, dict[int, float]] = {}
+        for sample, rate in sorted(rates.items(), key=lambda item: -item[1]):
+            hosted = self.dhts.get(sample >> 32)
+            if hosted is None:
+                continue
+            buckets = by_dht.setdefault(hosted.name, {})
+            if len(buckets) < top:
+                buckets[sample & 0xFFFFFFFF] = round(rate, 1)
+        return by_dht
 
     def handle_fast(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD) -> bytes | None:
         """``handle``, with the C path answering what it can."""

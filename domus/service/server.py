@@ -19,7 +19,7 @@ from twisted.logger import Logger
 from domus._version import __version__
 from domus.service.handler import RequestHandler
 from domus.service.hosted import FREEZE_LEASE
-from domus.service.resources import LoadSampler, base_resources
+from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
 from domus.wire import address as addresses
@@ -40,7 +40,8 @@ EXPORT_PAGE_BYTES = 4 << 20    # records per export page, well under a TCP frame
 class DomusService(Service):
     def __init__(self, *, supervisor: str, listen: str, data_dir: str, name: str | None = None,
                  heartbeat: float = HEARTBEAT_INTERVAL,
-                 resources: dict[str, Any] | None = None) -> None:
+                 resources: dict[str, Any] | None = None,
+                 cpus: list[int] | None = None) -> None:
         self.supervisor_address = addresses.parse(supervisor)
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
@@ -48,9 +49,13 @@ class DomusService(Service):
         self.data_dir = os.path.abspath(data_dir)
         os.makedirs(data_dir, exist_ok=True)
         self.heartbeat_interval = heartbeat
+        if cpus:
+            pin_to_cpus(cpus)       # (before the resources count them)
         self.resources = base_resources(data_dir, **(resources or {}))
         declared = [argument for field, value in sorted((resources or {}).items())
                     for argument in (f"--{field}", str(value))]
+        if cpus:
+            declared += ["--cpus", ",".join(map(str, cpus))]
         self.launch = launch.record("service", self.address, [
             "service", "--name", self.service_name,
             "--supervisor", supervisor, "--listen", self.address,
@@ -58,6 +63,7 @@ class DomusService(Service):
             self.data_dir)
         self.handler = RequestHandler(self.service_name, data_dir=data_dir)
         self.sampler = LoadSampler(data_dir=self.data_dir)
+        self._sampled_since = time.monotonic()
         self.started = time.time()
         self.link: MessageProtocol | None = None
         self.registered = False
@@ -195,13 +201,17 @@ class DomusService(Service):
         if self.link is None or not self.registered:
             return
         stats = self.handler.stats()
+        now = time.monotonic()
+        hot = self.handler.bucket_load(now - self._sampled_since)
+        self._sampled_since = now
         beat = self.link.call("heartbeat", name=self.service_name, load=load,
                               stats={"requests": stats["requests"], "malformed": stats["malformed"],
                                      "errors": stats["errors"], "replayed": stats["replayed"],
                                      "dhts": stats["dhts"],
                                      "bucket_records": {
                                          hosted.name: hosted.bucket_records()
-                                         for hosted in self.handler.dhts.values()}},
+                                         for hosted in self.handler.dhts.values()},
+                                     "bucket_requests": hot},
                               timeout=max(5.0, 3 * self.heartbeat_interval))
         beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: {error}",
                                                  name=self.service_name,

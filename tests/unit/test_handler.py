@@ -1028,3 +1028,21 @@ def test_hostile_request_sequences_match_the_protocol_model(rng):
     for _ in range(6):
         check_hostile_request(handler, hostile_request(rng, existing, history), model,
                               seen_tokens)
+
+
+def test_bucket_load_finds_the_hot_buckets_from_samples():
+    """One request in SAMPLE_EVERY is sampled; bucket_load turns the samples
+    into requests per second per bucket, busiest first, and starts again."""
+    from domus.service.handler import SAMPLE_EVERY
+
+    handler = make_handler()
+    hot, warm = key_in(1), key_in(2)
+    rng = random.Random(4)
+    for _ in range(SAMPLE_EVERY * 200):
+        get(handler, hot if rng.random() < 0.75 else warm)
+    load = handler.bucket_load(2.0)["t"]
+    assert list(load) == [1, 2]                            # the hottest first
+    total = SAMPLE_EVERY * 200 / 2.0                       # requests per second
+    assert abs(load[1] - 0.75 * total) < 0.1 * total
+    assert abs(load[2] - 0.25 * total) < 0.1 * total
+    assert handler.bucket_load(1.0) == {}                  # taken: afresh

@@ -1132,3 +1132,20 @@ def test_requests_numbered_otherwise_are_left_to_python_which_translates_them():
 def bucket_of_key(key):
     from domus.wire.keys import bucket_of
     return bucket_of(key, "xxh3", BUCKETS)
+
+
+def test_c_samples_one_request_in_sample_every_for_the_hot_bucket_report():
+    handler = make_handler()
+    put = keyed(wire.OP_PUT, b"\x03k", b"v", bucket=2)
+    for number in range(_hotpath.SAMPLE_EVERY * 10):
+        assert handler.fast.handle(wire.encode_keyed(wire.OP_GET, number, CLIENT_A, DHT_ID, 3,
+                                                     b"\x03k")) is not None
+    assert handler.fast.handle(put) is not None
+    samples, taken = handler.fast.take_samples()
+    assert taken == len(samples) == 11 and set(samples) == {DHT_ID << 32 | 3, DHT_ID << 32 | 2}
+    assert handler.fast.take_samples() == ([], 0)
+    for number in range(_hotpath.SAMPLE_EVERY * (_hotpath.SAMPLE_RING + 5)):
+        handler.fast.handle(wire.encode_keyed(wire.OP_GET, number, CLIENT_A, DHT_ID, 1, b"\x03k"))
+    samples, taken = handler.fast.take_samples()             # the ring went round
+    assert len(samples) == _hotpath.SAMPLE_RING and taken == _hotpath.SAMPLE_RING + 5
+    assert handler.bucket_load(1.0) == {}                    # (taken already)
