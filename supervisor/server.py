@@ -691,13 +691,22 @@ class SupervisorService(Service):
                 estimate[name] = held["records"] / held["storage_buckets"]
         return estimate
 
+    def _heat(self, dht: str) -> dict[str, dict[int, float]]:
+        """service -> bucket -> requests per second on its busiest buckets
+        of ``dht`` (sampled; their last heartbeats)."""
+        heat = {}
+        for name, live in self.live.items():
+            sampled = ((live.get("stats") or {}).get("bucket_requests") or {}).get(dht) or {}
+            heat[name] = {int(bucket): rate for bucket, rate in sampled.items()}
+        return heat
+
     def _whole_plan(self, name: str) -> list[balancer.Move]:
         """Every move that takes DHT ``name`` to its targets now, with no
         wait, budget or rest (``rebalance``, a drain)."""
         unbounded = dataclasses.replace(self.balancer_settings, max_moves=1 << 30,
                                         records_per_round=1 << 62, cooldown=0.0)
         scratch = balancer.Memory(factors=dict(self.memory.factors),
-                                  others=dict(self.memory.others))
+                                  others=dict(self.memory.others), pins=dict(self.memory.pins))
         return balancer.plan(self.state.dhts[name], self._balancer_view(), scratch, unbounded,
                              immediate=True, draining=self.draining,
                              records=self._records_per_bucket(name))
@@ -716,7 +725,8 @@ class SupervisorService(Service):
             if (name in self._changing or descriptor.get("state", "active") != "active"):
                 continue
             moves = balancer.plan(descriptor, services, self.memory, self.balancer_settings, now,
-                                  draining=self.draining, records=self._records_per_bucket(name))
+                                  draining=self.draining, records=self._records_per_bucket(name),
+                                  heat=self._heat(name))
             if moves:
                 self._balancing = f"moving {len(moves)} bucket(s) of DHT {name!r}"
                 self._carry_out(moves, "balancer").addErrback(
@@ -1050,8 +1060,9 @@ class SupervisorService(Service):
 
     def _forget_buckets(self, name: str) -> None:
         """The balancer's memory of a DHT's buckets, whose numbers changed."""
-        for key in [key for key in self.memory.moved_at if key[0] == name]:
-            del self.memory.moved_at[key]
+        for memory in (self.memory.moved_at, self.memory.pins):
+            for key in [key for key in memory if key[0] == name]:
+                del memory[key]
 
     @defer.inlineCallbacks
     def _take_layout(self, name: str, before: dict[str, Any], after: dict[str, Any],
