@@ -447,12 +447,9 @@ class HostedDht:
                                f"bucket {bucket} to add records to (the move was abandoned); "
                                f"start it again")
         self.staged_at[bucket] = time.monotonic()
-        for index in range(0, len(records), 2):
-            key, value = records[index], records[index + 1]
-            if value is None:                   # deleted since it was sent
-                repo.delete(key)
-            else:
-                repo.put(key, value)
+        # (a value None: deleted since it was sent; durable once adopted)
+        repo.apply([(records[index], records[index + 1])
+                    for index in range(0, len(records), 2)], durable=False)
         return len(repo)
 
     def discard(self, bucket: int) -> None:
@@ -693,16 +690,22 @@ class HostedDht:
         def target(key: bytes) -> Repository | None:
             return targets.get(self.bucket_of(key) // factor)
 
+        def copy(records: list[tuple[bytes, bytes | None]]) -> int:
+            """Into each target its records (a value None: deleted), one
+            transaction per target where the platform has them; durable at
+            the switch."""
+            by_target: dict[int, list[tuple[bytes, bytes | None]]] = {}
+            for key, value in records:
+                into = target(key)
+                if into is not None:
+                    by_target.setdefault(id(into), []).append((key, value))
+            for part_records in by_target.values():
+                target(part_records[0][0]).apply(part_records, durable=False)  # type: ignore
+            return sum(len(part_records) for part_records in by_target.values())
+
         def apply_changes(changes: list[bytes | None]) -> None:
-            for index in range(0, len(changes), 2):
-                key, value = changes[index], changes[index + 1]
-                into = target(key)              # type: ignore[arg-type]
-                if into is None:
-                    continue
-                if value is None:
-                    into.delete(key)            # type: ignore[arg-type]
-                else:
-                    into.put(key, value)        # type: ignore[arg-type]
+            copy([(changes[index], changes[index + 1])            # type: ignore[misc]
+                  for index in range(0, len(changes), 2)])
 
         switched = False
         copied = 0
@@ -716,12 +719,8 @@ class HostedDht:
                 keys = wrapper.key_snapshot()
                 source = sources[key_id][0]
                 for start in range(0, len(keys), REGROUP_PAGE):
-                    for key in keys[start:start + REGROUP_PAGE]:
-                        value = source.get(key)
-                        into = target(key)
-                        if value is not None and into is not None:
-                            into.put(key, value)
-                            copied += 1
+                    page = [(key, source.get(key)) for key in keys[start:start + REGROUP_PAGE]]
+                    copied += copy([(key, value) for key, value in page if value is not None])
                     yield None
             for _round in range(REGROUP_ROUNDS):
                 changes = [item for wrapper in tracked.values()
@@ -734,7 +733,7 @@ class HostedDht:
             apply_changes([item for wrapper in tracked.values()
                            for item in wrapper.take_changes()])
             if splitting:
-                if self.medium == "disk":
+                if self.medium == "disk":       # (the copies, durable before the switch)
                     for repo in targets.values():
                         repo.sync()             # type: ignore[attr-defined]
                 new_repos = targets

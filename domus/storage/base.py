@@ -50,6 +50,19 @@ class Repository(ABC):
         """Every (key, value) pair, for saving the bucket; the iterator must
         not outlive a change to the repository."""
 
+    def apply(self, changes: list[tuple[bytes, bytes | None]], durable: bool = True) -> int:
+        """Apply (key, value) puts and (key, None) deletes in order; returns
+        the keys created.  Platforms with transactions apply them as one
+        (all or none, one log flush; ``durable=False``: not even that, for
+        copies that are made durable as a whole later)."""
+        created = 0
+        for key, value in changes:
+            if value is None:
+                self.delete(key)
+            else:
+                created += self.put(key, value)
+        return created
+
     def key_range(self, low: bytes | None, high: bytes | None, *,
                   inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
                   items: bool = False) -> Iterator[bytes] | Iterator[tuple[bytes, bytes]]:
@@ -92,6 +105,11 @@ class TrackedRepository(Repository):
 
     def contains(self, key: bytes) -> bool:
         return self.inner.contains(key)
+
+    def apply(self, changes: list[tuple[bytes, bytes | None]], durable: bool = True) -> int:
+        created = self.inner.apply(changes, durable)
+        self.changed.update(key for key, _value in changes)
+        return created
 
     def __len__(self) -> int:
         return len(self.inner)
