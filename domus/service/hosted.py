@@ -13,7 +13,7 @@ from typing import Any
 
 from twisted.logger import Logger
 
-from domus.placement import layout
+from domus.placement import layout, replicas
 from domus.placement.bucketmap import BucketMap
 from domus.routing import FEWEST_HOPS, RoutingGraph, make_graph
 from domus.routing.base import contains
@@ -71,6 +71,16 @@ class HostedDht:
         self.store: Store | None = None
         self.active = False
         self.repos: dict[int, Repository] = {}
+        # Replication (domus.placement.replicas): the buckets this service
+        # keeps a backup copy of (written only by their primary's REPLICATE
+        # messages, never served to clients); for each bucket, the services
+        # holding its backups, which a write here must reach first; and the
+        # buckets whose every copy was lost, which answer DATA_LOST until
+        # the loss is accepted.
+        self.backups: dict[int, Repository] = {}
+        self.copies: list[BucketMap[str]] = replicas.backups(descriptor)
+        self.lost: dict[int, str] = {}
+        self.replicated = (descriptor.get("replicas") or 1) > 1
         # Numbering (see "Resizing" below): the bucket count, the request
         # header byte that says it, the layout version's reply tag, and the
         # part (count, bucket) of the medium that holds each stored bucket.
@@ -118,15 +128,20 @@ class HostedDht:
             self._renumber(descriptor["buckets"])
             self.graph = routing_graph(descriptor)
         storage = layout.owners(descriptor, "storage")
+        self.copies = replicas.backups(descriptor)
+        self.lost = {int(bucket): service
+                     for bucket, service in (descriptor.get("storage_lost") or {}).items()}
+        # (A lost bucket is stored nowhere until its loss is accepted.)
+        placed = storage.copy_without(self.lost) if self.lost else storage
         wanted = descriptor.get("state", "active") == "active"
         if wanted and not self.active:
             try:
-                moved = self._activate(descriptor, storage)
+                moved = self._activate(descriptor, placed)
             except StorageFault as exc:
                 self.problem = str(exc)
                 raise
         elif wanted:
-            self._place(storage)
+            self._place(placed)
         elif self.active:
             moved = self._deactivate()
         self.problem = None
@@ -152,8 +167,15 @@ class HostedDht:
                                    f"serve bucket {bucket}: its copy was staged "
                                    f"{waited:.0f}s ago, and its source may serve it "
                                    f"again by now; move it again")
+        backed = {bucket for copy in self.copies
+                  for bucket in layout.buckets_in(layout.ranges_of(copy, self.service_name))}
+        for bucket in sorted(stored & self.backups.keys()):      # promoted to primary
+            self.repos[bucket] = self.backups.pop(bucket)
+        for bucket in sorted((self.repos.keys() & backed) - stored):   # now a backup
+            self.backups[bucket] = self.repos.pop(bucket)
         opening = sorted(stored - self.repos.keys() - self.frozen.keys())
-        on_medium = self.store.parts() if opening else set()
+        new_backups = sorted(backed - self.backups.keys())
+        on_medium = self.store.parts() if opening or new_backups else set()
         for bucket in opening:
             staged = self.staged.get(bucket)
             if staged is not None:          # moved here: its records came first
@@ -170,6 +192,22 @@ class HostedDht:
                 log.error("service {service}: {problem}", service=self.service_name,
                           problem=str(exc))
                 self.repos[bucket] = FailedRepository(str(exc))
+        for bucket in new_backups:
+            staged = self.staged.pop(bucket, None)
+            if staged is not None:          # copied here from its primary
+                self.staged_at.pop(bucket, None)
+                self.backups[bucket] = staged
+                adopted = True
+                continue
+            # (At creation: an empty bucket.  The supervisor names a service
+            # as a backup of a bucket with records only once it has a copy.)
+            self._open_bucket(bucket, on_medium)
+            self.backups[bucket] = self.repos.pop(bucket)
+            self.part_of.pop(bucket, None)
+        for bucket in sorted(self.backups.keys() - backed):
+            dropped = self.backups.pop(bucket)
+            if not isinstance(dropped, FailedRepository):
+                self.store.remove(bucket, self.bucket_count)
         if adopted and self.medium == "disk":
             # A moved bucket is as durable here as the DHT promises before
             # this service acknowledges the layout that makes it the owner:
@@ -300,6 +338,7 @@ class HostedDht:
     def _release(self) -> None:
         self.abandon_moves()
         self.repos.clear()
+        self.backups.clear()
         self.part_of.clear()
         if self.store is not None:
             self.store.close()
@@ -762,6 +801,16 @@ class HostedDht:
         """AS: the service storing a bucket routed here; KeyError if the
         bucket is not routed here."""
         return self.storage_refs.owner(bucket)
+
+    def loss_message(self, bucket: int) -> str:
+        return (f"bucket {bucket} of DHT {self.name!r} lost its records with service "
+                f"{self.lost.get(bucket, '?')} (every copy was there); `domus dht accept-loss "
+                f"{self.name}` (cluster.accept_loss) serves it again, empty")
+
+    def backups_of(self, bucket: int) -> list[str]:
+        """The services holding the backups of a bucket (its primary here
+        writes to them first), by rank; the missing ones left out."""
+        return [holder for copy in self.copies if (holder := copy.get(bucket))]
 
     def ordered(self) -> bool:
         """Whether every repository here keeps its records in key order, so

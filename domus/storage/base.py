@@ -139,6 +139,37 @@ class TrackedRepository(Repository):
         return flat
 
 
+def apply_batch(groups: list[tuple[Repository, list[tuple[bytes, bytes | None]]]]) -> int:
+    """Apply each repository's changes (puts, and deletes as value None),
+    all or nothing: one transaction where the repositories share one
+    (``apply_together``, Berkeley DB on a ``sync`` store), else repository
+    by repository with what they held noted first and put back if one
+    fails.  Returns the keys created; the StorageFault of the one that
+    failed is raised once the others are undone."""
+    if not groups:
+        return 0
+    together = getattr(groups[0][0], "apply_together", None)
+    if together is not None and len(groups) > 1:
+        created = together(groups)
+        if created is not NotImplemented:
+            return created
+    created = 0
+    done: list[tuple[Repository, list[tuple[bytes, bytes | None]]]] = []
+    try:
+        for repo, changes in groups:
+            before = [(key, repo.get(key)) for key, _value in changes]
+            created += repo.apply(changes)
+            done.append((repo, before[::-1]))
+    except StorageFault:
+        for repo, before in reversed(done):
+            try:
+                repo.apply(before)
+            except StorageFault:
+                pass            # (it keeps what it has; the fault is reported)
+        raise
+    return created
+
+
 class MappingRepository(Repository):
     """A Repository that is also a mutable mapping of bytes to bytes (a dict
     or an RBTree subclass): the writes in mapping terms.  ``get`` and

@@ -146,23 +146,10 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
         with one log flush (none if not ``durable``), all or nothing."""
         if self._env is None or not changes:
             return super().apply(changes, durable)
-        created = deleted = 0
         try:
             txn = self._env.txn_begin()
             try:
-                for key, value in changes:
-                    if value is None:
-                        try:
-                            self._db.delete(key, txn=txn)
-                            deleted += 1
-                        except db.DBNotFoundError:
-                            pass
-                        continue
-                    try:
-                        self._db.put(key, value, txn=txn, flags=db.DB_NOOVERWRITE)
-                        created += 1
-                    except db.DBKeyExistError:
-                        self._db.put(key, value, txn=txn)
+                created, deleted = self._apply_in(txn, changes)
             except BaseException:
                 txn.abort()
                 raise
@@ -171,6 +158,47 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
             raise self._fault(exc) from exc
         self.record_count += created - deleted
         return created
+
+    def apply_together(self, groups: list[tuple[Repository, list[tuple[bytes, bytes | None]]]]
+                       ) -> int:
+        """``apply_batch`` of repositories of this store's transactional
+        environment: one transaction for them all (NotImplemented for any
+        other mix)."""
+        if self._env is None or any(getattr(repo, "_env", None) is not self._env
+                                    for repo, _changes in groups):
+            return NotImplemented
+        counts = []
+        try:
+            txn = self._env.txn_begin()
+            try:
+                for repo, changes in groups:
+                    counts.append(repo._apply_in(txn, changes))    # type: ignore[attr-defined]
+            except BaseException:
+                txn.abort()
+                raise
+            txn.commit()
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
+        for (repo, _changes), (created, deleted) in zip(groups, counts):
+            repo.record_count += created - deleted                 # type: ignore[attr-defined]
+        return sum(created for created, _deleted in counts)
+
+    def _apply_in(self, txn: Any, changes: list[tuple[bytes, bytes | None]]) -> tuple[int, int]:
+        created = deleted = 0
+        for key, value in changes:
+            if value is None:
+                try:
+                    self._db.delete(key, txn=txn)
+                    deleted += 1
+                except db.DBNotFoundError:
+                    pass
+                continue
+            try:
+                self._db.put(key, value, txn=txn, flags=db.DB_NOOVERWRITE)
+                created += 1
+            except db.DBKeyExistError:
+                self._db.put(key, value, txn=txn)
+        return created, deleted
 
     def contains(self, key: bytes) -> bool:
         try:
