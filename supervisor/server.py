@@ -105,6 +105,7 @@ class SupervisorService(Service):
         # service -> DHTs it must be taken out of (it came back without what
         # it held) once they are not being changed
         self._taking_out: dict[str, set[str]] = {}
+        self._failing_over: set[str] = set()    # DHTs a failover waits for
         # DHT name -> what is being done to it ("being activated", ...): one
         # change at a time (activation, deactivation, a bucket move).
         self._changing: dict[str, str] = {}
@@ -274,10 +275,7 @@ class SupervisorService(Service):
                 log.warn("service {name} has sent no heartbeat for {seconds:.1f}s",
                          name=name, seconds=silent)
                 self._fail_over(name, f"it sent no heartbeat for {silent:.0f}s")
-        # (A failover or a take-out that met a DHT being changed is done now.)
-        for name in list(self.state.services):
-            if self.service_state(name) == "down" and name not in self.links:
-                self._fail_over(name, "it is down")
+        self._fail_over_down()
         for name, dhts in list(self._taking_out.items()):
             for dht in sorted(dhts):
                 if dht not in self._changing:
@@ -1311,15 +1309,28 @@ class SupervisorService(Service):
     #     its copies: a bucket only it holds stays its.
     #   A backup that fails to take a change is reported by its primary
     #     (``copy_failed``) and taken off that primary's buckets.
+    def _fail_over_down(self) -> None:
+        """(A failover that met a DHT being changed is done now.)"""
+        for name in list(self.state.services):
+            if self.service_state(name) == "down" and name not in self.links:
+                self._fail_over(name, "it is down")
+
     def _fail_over(self, service: str, why: str) -> None:
         changed_dhts = []
         for name, descriptor in list(self.state.dhts.items()):
-            if (descriptor.get("replicas") or 1) < 2 or name in self._changing:
+            if (descriptor.get("replicas") or 1) < 2:
+                continue
+            if name in self._changing:
+                # (A repair or a move under way: it stops at its next step,
+                # and the next watch of the services fails over.)
+                self._failing_over.add(name)
                 continue
             changed = self._without(descriptor, service, restarted=False)
             if changed is not descriptor:
                 self.state.dhts[name] = changed
                 changed_dhts.append(changed)
+        for descriptor in changed_dhts:
+            self._failing_over.discard(descriptor["name"])
         if not changed_dhts:
             return
         self.state.save()
@@ -1498,9 +1509,15 @@ class SupervisorService(Service):
     @defer.inlineCallbacks
     def _repair(self, name: str, gaps: list[tuple[int, int, int]]) -> Any:
         done = 0
+        self._failing_over.discard(name)
         for rank, first, end in gaps:
             for bucket in range(first, end):
                 if done >= REPAIRS_PER_ROUND or name not in self.state.dhts:
+                    return done
+                if name in self._failing_over:          # a failover goes first
+                    from twisted.internet import reactor
+
+                    reactor.callLater(0, self._fail_over_down)
                     return done
                 descriptor = self.state.dhts[name]
                 source = layout.owners(descriptor, "storage").get(bucket)
@@ -1533,6 +1550,9 @@ class SupervisorService(Service):
                 finally:
                     self._changing.pop(name, None)
                 done += 1
+                log.info("repair: DHT {name!r}: bucket {bucket} copied from {source} to "
+                         "{target} ({records} records)", name=name, bucket=bucket,
+                         source=source, target=target, records=result["records"])
                 self.memory.note(time.monotonic(), f"repair: bucket {bucket} of DHT {name!r} "
                                  f"copied to {target} ({result['records']} records)",
                                  dht=name, bucket=bucket, role="backup", source=source,

@@ -325,11 +325,20 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 if self._first_answer(channel, reply, bucket):
                     return reply
                 first = (channel, reply)
-        encode = self._encoder(op, key, value, unsent)
-        try:
-            return self._drive(self._course(encode, bucket, first, skip=skip))
-        except Renumbered:          # the DHT was resized: hash the key anew
-            return self._request(op, key, value)
+        encode = self._encoder(op, key, value, unsent, message)
+        while True:
+            try:
+                return self._drive(self._course(encode, bucket, first, skip=skip))
+            except Renumbered:          # the DHT was resized: hash the key anew
+                return self._request(op, key, value)
+            except ServiceUnavailable as exc:
+                # (A replicated bucket's primary died while this request went
+                # its course: to its backup, once promoted, as it was.)
+                dead = self.cluster.channel(exc.service, exc.address) if exc.service else None
+                if dead is None or not self.replicated or not self._owner_moved(bucket, dead):
+                    raise
+                encode = self._encoder(op, key, value, encode.last)
+                first, skip = None, 0
 
     def _drive(self, course: Generator[tuple[Any, ...], Any, Any]) -> Any:
         """Run a course (domus.client.lookup) to its end with blocking I/O."""
@@ -475,8 +484,11 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         while keys:
             requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
                                           self.id, self.cluster.ids)
-            new, keys, values, moved, moving = self._put_round(requests,
-                                                               exchange(requests, self.name))
+            replies = self._exchange(requests)
+            if replies is None:             # a primary died: its backup took over
+                owners = self._owners
+                continue
+            new, keys, values, moved, moving = self._put_round(requests, replies)
             created += new
             if keys:
                 self._before_next_round(moved, moving, rounds)
@@ -492,12 +504,31 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         while state.pending:
             requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
                                                self.cluster.ids)
-            moved = state.take(requests, batches, exchange(requests, self.name),
-                               self._batch_error)
+            replies = self._exchange(requests)
+            if replies is None:             # a primary died: its backup took over
+                owners = self._owners
+                continue
+            moved = state.take(requests, batches, replies, self._batch_error)
             if moved or state.moving:
                 self._before_next_round(moved, state.moving, rounds)
                 owners = self._owners
         return state.found
+
+    def _exchange(self, requests: list[tuple[ServiceChannel, bytes]]) -> list[bytes] | None:
+        """A batch's round trip; None when a replicated bucket's primary
+        was dead and its backup has taken over (the batch goes again: its
+        changes apply the same values again)."""
+        try:
+            return exchange(requests, self.name)
+        except ServiceUnavailable as exc:
+            if not (self.replicated and exc.service):
+                raise
+            dead = self.cluster.channel(exc.service, exc.address)
+            buckets = [bucket for bucket in range(self.bucket_count)
+                       if self._owners[bucket] is dead] if self.bucket_count <= 1 << 16 else []
+            if not buckets or not self._owner_moved(buckets[0], dead):
+                raise
+            return None
 
     def _batch_error(self, reply: bytes, channel: ServiceChannel) -> DomusError:
         return reply_error(self.name, reply, channel, None)

@@ -98,6 +98,39 @@ _NOT_FINAL = frozenset({wire.ST_NOT_OWNER, wire.ST_MOVING, wire.ST_UNKNOWN_DHT,
                         wire.ST_STALE_LAYOUT})
 
 
+class Encoder:
+    """A request's messages: ``encode()`` gives the next one to send (a
+    given first one, then new request ids); ``last`` is the one sent last
+    and when it was first made, so that a change is sent again *as it was*
+    where a copy of it may have been applied (its request id is what the
+    services' reply caches know it by)."""
+
+    __slots__ = ("_make", "_pending", "last", "made_at")
+
+    def __init__(self, make: Callable[[], bytes], first: bytes | None = None,
+                 sent: bytes | None = None) -> None:
+        self._make = make
+        self._pending = first
+        self.last = sent if sent is not None else first
+        self.made_at = time.monotonic()
+
+    def __call__(self) -> bytes:
+        if self._pending is not None:
+            message, self._pending = self._pending, None
+        else:
+            message = self._make()
+            self.made_at = time.monotonic()
+        self.last = message
+        return message
+
+    def again(self) -> bytes:
+        """The last message again, while its reply may still be cached
+        (MAX_DEADLINE after it was made); a new one after."""
+        if self.last is not None and time.monotonic() - self.made_at < wire.MAX_DEADLINE:
+            return self.last
+        return self()
+
+
 class Renumbered(Exception):
     """Raised inside a request's course when the layout fetched meanwhile
     has another bucket count: the request starts again, hashed anew."""
@@ -350,19 +383,17 @@ class DirectLookup(Generic[Channel]):
         raise NotImplementedError
 
     def _encoder(self, op: int, key: Any, value: bytes | None,
-                 unsent: bytes | None) -> Callable[[], bytes]:
+                 unsent: bytes | None, sent: bytes | None = None) -> Encoder:
         """``encode`` for a course: ``unsent`` (the fast path's message, if
-        it was never sent) first, then the request again with a new id."""
+        it was never sent, or is to be sent again as it was) first, then
+        the request again with a new id; ``sent``: what the fast path sent."""
         ids = self.cluster.ids
-        pending = [unsent] if unsent is not None else []
 
-        def encode() -> bytes:
-            if pending:
-                return pending.pop()
+        def make() -> bytes:
             return codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                self._shift, key, value)[0]
 
-        return encode
+        return Encoder(make, unsent, sent)
 
     def _first_hit(self) -> None:
         self._method_stats[self._fast].resolved(self._first_hops)  # type: ignore[index]
@@ -515,8 +546,10 @@ class DirectLookup(Generic[Channel]):
     def _send(self, channel: Channel, encode: Callable[[], bytes], bucket: int,
               given: bytes | None = None) -> Generator[tuple[Any, ...], Any, bytes]:
         """Send the request to ``channel`` (``given``: its reply, already
-        received), asking again while the bucket is MOVING; returns the
-        reply."""
+        received), asking again while the bucket is MOVING (the same bytes,
+        while they may be known: a replicated primary answers MOVING when a
+        backup did not take a change, which that backup, or another, may
+        have applied); returns the reply."""
         reply = given if given is not None else (yield (SEND, channel, encode(), bucket))
         if reply[2] in (wire.ST_UNKNOWN_DHT, wire.ST_STALE_LAYOUT):
             # A service that left the DHT (it was taken off its lists) knows
@@ -534,7 +567,8 @@ class DirectLookup(Generic[Channel]):
             yield (PAUSE, pause)
             waited += pause
             pause = min(pause * 2, MOVING_MAX_PAUSE)
-            reply = yield (SEND, channel, encode(), bucket)
+            again = encode.again() if isinstance(encode, Encoder) else encode()
+            reply = yield (SEND, channel, again, bucket)
         return reply
 
     def _error(self, reply: bytes, channel: Any, bucket: int | None) -> DomusError:

@@ -771,11 +771,20 @@ class TxDht(DirectLookup[TxChannel]):
                 if self._first_answer(channel, reply, bucket):
                     return reply
                 first = (channel, reply)
-        encode = self._encoder(op, key, value, unsent)
-        try:
-            return await self._drive(self._course(encode, bucket, first, mark, skip))
-        except Renumbered:          # the DHT was resized: hash the key anew
-            return await self._request(op, key, value)
+        encode = self._encoder(op, key, value, unsent, message)
+        while True:
+            try:
+                return await self._drive(self._course(encode, bucket, first, mark, skip))
+            except Renumbered:          # the DHT was resized: hash the key anew
+                return await self._request(op, key, value)
+            except ServiceUnavailable as exc:
+                # (As the synchronous client: to a promoted backup, as it was.)
+                dead = self.cluster.channel(exc.service, exc.address) if exc.service else None
+                if (dead is None or not self.replicated
+                        or not await self._owner_moved(self._fetches, bucket, dead)):
+                    raise
+                encode = self._encoder(op, key, value, encode.last)
+                first, skip, mark = None, 0, self._fetches
 
     async def _drive(self, course: Any) -> Any:
         """Run a course (domus.client.lookup) to its end, without blocking."""
