@@ -1504,7 +1504,79 @@ class SupervisorService(Service):
                 return self._repair(name, gaps).addErrback(
                     lambda failure: log.failure("repairing failed", failure)
                 ).addBoth(lambda _: setattr(self, "_balancing", None))
+            if self.balance == "auto" and self._backup_to_move(descriptor) is not None:
+                self._balancing = f"moving backups of DHT {name!r}"
+                return self._move_backups(name).addErrback(
+                    lambda failure: log.failure("moving a backup failed", failure)
+                ).addBoth(lambda _: setattr(self, "_balancing", None))
         return None
+
+    @defer.inlineCallbacks
+    def _move_backups(self, name: str) -> Any:
+        """A round of backup moves (``--balance-max-moves`` at most)."""
+        for _move in range(self.balancer_settings.max_moves):
+            descriptor = self.state.dhts.get(name)
+            if descriptor is None or name in self._changing or self._failing_over:
+                return
+            move = self._backup_to_move(descriptor)
+            if move is None:
+                return
+            yield self._move_backup(name, *move)
+
+    def _backup_to_move(self, descriptor: dict[str, Any]) -> tuple[int, int, str, str] | None:
+        """Backups follow capacity too: when the service holding the most
+        copies of a DHT's buckets (primaries and backups) is more than one
+        over its share of them all, and another more than one under, one of
+        its backups of a bucket the other holds no copy of moves there
+        (rank, bucket, from, to); None when shares are within one bucket."""
+        view = self._balancer_view()
+        eligible = balancer.eligible(descriptor, "storage", view, self.draining)
+        if len(eligible) < 2:
+            return None
+        capacity = [balancer.capacity(view[name], "storage", descriptor["storage"])
+                    for name in eligible]
+        total = descriptor["buckets"] * (descriptor.get("replicas") or 1)
+        shares = dict(zip(eligible, assignment.proportional_counts(total, capacity)))
+        held = replicas.copies_held(descriptor)
+        over = max(eligible, key=lambda name: held.get(name, 0) - shares[name])
+        under = min(eligible, key=lambda name: held.get(name, 0) - shares[name])
+        if held.get(over, 0) - shares[over] <= 1 or shares[under] - held.get(under, 0) <= 1:
+            return None
+        for rank, copy in enumerate(replicas.backups(descriptor), start=1):
+            for first, end, holder in copy.ranges():
+                if holder != over:
+                    continue
+                for bucket in range(first, end):
+                    if (under not in replicas.holders(descriptor, bucket)
+                            and self.memory.moved_at.get((descriptor["name"], "backup", bucket),
+                                                         -1e18)
+                            < time.monotonic() - self.balancer_settings.cooldown):
+                        return rank, bucket, over, under
+        return None
+
+    @defer.inlineCallbacks
+    def _move_backup(self, name: str, rank: int, bucket: int, source: str, target: str) -> Any:
+        """A backup of ``bucket`` from ``source`` to ``target``: copied live
+        from the bucket's primary, then ``source`` lets it go."""
+        descriptor = self.state.dhts[name]
+        primary = layout.owners(descriptor, "storage").get(bucket)
+        if primary is None or self.service_state(primary) != "up":
+            return None
+        copies = replicas.backups(descriptor)
+        copies[rank - 1].assign(bucket, bucket + 1, target)
+        changed = replicas.with_backups(descriptor, copies,
+                                        {target: self.state.services[target]["address"]})
+        self._changing[name] = f"having a backup of bucket {bucket} moved to {target}"
+        try:
+            result = yield self._copy_replica(descriptor, changed, bucket, primary, target)
+        finally:
+            self._changing.pop(name, None)
+        self.memory.moved_at[(name, "backup", bucket)] = time.monotonic()
+        self.memory.note(time.monotonic(), f"balancer: moved the backup of bucket {bucket} of "
+                         f"DHT {name!r} from {source} to {target} (copies follow capacity)",
+                         dht=name, bucket=bucket, role="backup", source=source, target=target,
+                         records=result["records"])
+        return result
 
     @defer.inlineCallbacks
     def _repair(self, name: str, gaps: list[tuple[int, int, int]]) -> Any:

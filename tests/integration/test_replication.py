@@ -156,3 +156,50 @@ def test_one_copy_lost_with_its_service_is_data_lost_until_accepted(deployment, 
         dht[on_s2[0]]
     dht[on_s2[0]] = "back"
     assert dht[on_s2[0]] == "back"
+
+
+@pytest.mark.timeout(180)
+def test_copies_follow_capacity_when_services_join(tmp_path):
+    """A replicated DHT over two services: two more join, and the balancer
+    gives them their share of the copies, primaries and backups (never two
+    copies of a bucket on one service), while a writer goes on."""
+    from domus.placement import replicas
+
+    deployment = start_deployment(tmp_path, services=2, supervisor_args=(
+        "--balance", "auto", "--balance-settle", "1", "--balance-cooldown", "1",
+        "--balance-cpu-busy", "101"))
+    writers: list[Writer] = []
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            cluster.create_dht("joined", buckets=32, replicas=2)
+            base = {number: number for number in range(4_000)}
+            cluster.open_dht("joined").put_many(base)
+            writers = [Writer(deployment.supervisor_address, "joined", "w", "D,C,R")]
+            keeps_writing(writers)
+            for name in ("s3", "s4"):
+                deployment.spawn_service(name, f"127.0.0.1:{free_port()}")
+            deployment.wait_until_up(["s3", "s4"], timeout=30)
+
+            def spread() -> bool:
+                held = replicas.copies_held(cluster.dht_info("joined"))
+                return len(held) == 4 and max(held.values()) - min(held.values()) <= 2
+
+            wait_until(spread, timeout=120, what="the copies to spread over four services")
+            keeps_writing(writers)
+            copies = replication(cluster, "joined")["copies"]
+            assert all(len(set(part["holders"])) == 2 for part in copies), copies
+    finally:
+        for writer in writers:
+            writer.stop()
+    try:
+        assert [repr(exc) for writer in writers for _at, exc in writer.errors] == []
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            check_everything(cluster, "joined", writers, base)
+    finally:
+        deployment.stop_everything()
+
+
+def free_port() -> int:
+    from domus.ops.deploy import free_port_block
+
+    return free_port_block(1)
