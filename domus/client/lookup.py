@@ -434,7 +434,7 @@ class DirectLookup(Generic[Channel]):
             reply = yield from self._send(channel, encode, bucket, given)
             if reply[2] != wire.ST_NOT_OWNER:
                 stats.resolved(hops)
-                return reply
+                return self._answer(reply, channel, bucket)
             # A miss: this method's answer is out of date.
             stats.misses += 1
             redirect = self._redirect(reply) or redirect
@@ -445,8 +445,10 @@ class DirectLookup(Generic[Channel]):
                 stats.fallbacks += 1
         if redirect is not None:
             self._counters["redirects"] += 1
-            reply = yield from self._send(self.cluster.channel(*redirect), encode, bucket)
+            channel = self.cluster.channel(*redirect)
+            reply = yield from self._send(channel, encode, bucket)
             if reply[2] != wire.ST_NOT_OWNER:
+                self._answer(reply, channel, bucket)
                 # Many redirects mean the layout moved on (buckets were
                 # rebalanced): fetch it again (at most 4 times a second).
                 self._redirects_since_refresh += 1
@@ -466,6 +468,13 @@ class DirectLookup(Generic[Channel]):
             raise WrongService(f"DHT {self.name!r}: service {channel.name} ({channel.address}) "
                                f"does not store bucket {bucket}, though the supervisor says it "
                                f"does; a move is under way, retry shortly", wire.ST_NOT_OWNER)
+        return self._answer(reply, channel, bucket)
+
+    def _answer(self, reply: bytes, channel: Channel, bucket: int) -> bytes:
+        """A course's last reply: itself if it answers the request, else
+        raised as its error (DataLost, StorageError, DhtInactive...)."""
+        if reply[2] > wire.ST_NOT_FOUND:
+            raise self._error(reply, channel, bucket)
         return reply
 
     def _locating(self, bucket: int) -> Generator[tuple[Any, ...], Any, Channel | None]:
