@@ -434,7 +434,7 @@ class DirectLookup(Generic[Channel]):
             reply = yield from self._send(channel, encode, bucket, given)
             if reply[2] != wire.ST_NOT_OWNER:
                 stats.resolved(hops)
-                return self._answer(reply, channel, bucket)
+                return self._final(reply, channel, bucket)
             # A miss: this method's answer is out of date.
             stats.misses += 1
             redirect = self._redirect(reply) or redirect
@@ -448,7 +448,7 @@ class DirectLookup(Generic[Channel]):
             channel = self.cluster.channel(*redirect)
             reply = yield from self._send(channel, encode, bucket)
             if reply[2] != wire.ST_NOT_OWNER:
-                self._answer(reply, channel, bucket)
+                self._final(reply, channel, bucket)
                 # Many redirects mean the layout moved on (buckets were
                 # rebalanced): fetch it again (at most 4 times a second).
                 self._redirects_since_refresh += 1
@@ -468,9 +468,9 @@ class DirectLookup(Generic[Channel]):
             raise WrongService(f"DHT {self.name!r}: service {channel.name} ({channel.address}) "
                                f"does not store bucket {bucket}, though the supervisor says it "
                                f"does; a move is under way, retry shortly", wire.ST_NOT_OWNER)
-        return self._answer(reply, channel, bucket)
+        return self._final(reply, channel, bucket)
 
-    def _answer(self, reply: bytes, channel: Channel, bucket: int) -> bytes:
+    def _final(self, reply: bytes, channel: Channel, bucket: int) -> bytes:
         """A course's last reply: itself if it answers the request, else
         raised as its error (DataLost, StorageError, DhtInactive...)."""
         if reply[2] > wire.ST_NOT_FOUND:
