@@ -669,28 +669,29 @@ class HostedDht:
         generator (a re-registration, a deactivation) leaves each group as
         it was before its switch.  StorageFault if a group is not wholly
         stored here."""
-        if count > self.bucket_count or self.bucket_count % count:
-            raise StorageFault(f"{self.label}: cannot regroup {self.bucket_count} buckets "
-                               f"into parts of {count}")
-        factor = self.bucket_count // count
-        groups: dict[tuple[int, int], list[int]] = {}
-        for bucket in sorted(self.repos):
-            if bucket in self.frozen:
-                continue
-            if count < self.bucket_count:
-                groups.setdefault((count, bucket // factor), []).append(bucket)
-            elif self.part_of.get(bucket, (count, bucket)) != (count, bucket):
-                groups.setdefault(self.part_of[bucket], []).append(bucket)
-        if count < self.bucket_count:
-            for (_count, new), members in list(groups.items()):
-                if len(members) != factor:
-                    raise StorageFault(f"{self.label}: service {self.service_name} stores "
-                                       f"{len(members)} of the {factor} buckets that become "
-                                       f"bucket {new} of {count}; they must all be here")
-                if self.part_of.get(members[0]) == (count, new):
-                    del groups[(_count, new)]       # merged already
-        done = {"parts": 0, "records": 0}
+        # (Inside the try: a regroup refused here is no longer under way.)
         try:
+            if count > self.bucket_count or self.bucket_count % count:
+                raise StorageFault(f"{self.label}: cannot regroup {self.bucket_count} buckets "
+                                   f"into parts of {count}")
+            factor = self.bucket_count // count
+            groups: dict[tuple[int, int], list[int]] = {}
+            for bucket in sorted(self.repos):
+                if bucket in self.frozen:
+                    continue
+                if count < self.bucket_count:
+                    groups.setdefault((count, bucket // factor), []).append(bucket)
+                elif self.part_of.get(bucket, (count, bucket)) != (count, bucket):
+                    groups.setdefault(self.part_of[bucket], []).append(bucket)
+            if count < self.bucket_count:
+                for (_count, new), members in list(groups.items()):
+                    if len(members) != factor:
+                        raise StorageFault(f"{self.label}: service {self.service_name} stores "
+                                           f"{len(members)} of the {factor} buckets that become "
+                                           f"bucket {new} of {count}; they must all be here")
+                    if self.part_of.get(members[0]) == (count, new):
+                        del groups[(_count, new)]       # merged already
+            done = {"parts": 0, "records": 0}
             for part, members in groups.items():
                 done["records"] += yield from self._regroup_group(part, members, count)
                 done["parts"] += 1
