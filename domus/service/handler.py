@@ -38,7 +38,7 @@ from twisted.logger import Logger
 
 from domus.errors import ProtocolError
 from domus.service import hotpath
-from domus.service.hosted import HostedDht
+from domus.service.hosted import MAX_NUMBERING, HostedDht
 from domus.service.replycache import ReplyCache
 from domus.storage import Repository, StorageFault
 from domus.storage.base import apply_batch
@@ -484,7 +484,7 @@ class RequestHandler:
         try:
             return hosted.local_bucket(numbered, bucket, key)
         except ValueError as exc:
-            if key is None:
+            if key is None and numbered <= MAX_NUMBERING:
                 raise RequestFailed(wire.ST_STALE_LAYOUT,
                                     f"DHT {hosted.name!r} has {hosted.bucket_count} buckets "
                                     f"now, not {wire.numbered_count(numbered)}: fetch its "

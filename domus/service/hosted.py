@@ -26,6 +26,7 @@ FREEZE_LEASE = wire.FREEZE_LEASE    # see domus.wire.protocol
 REGROUP_PAGE = 2048     # records copied per reactor turn while regrouping
 REGROUP_ROUNDS = 20     # catch-up rounds at most before the last one
 REGROUP_SETTLED = 256   # changed keys a round may bring for the last to follow
+MAX_NUMBERING = 33      # a request's bucket numbering at most: 2^32 buckets
 
 log = Logger(namespace="domus.service")
 
@@ -550,9 +551,12 @@ class HostedDht:
         range, or a coarser one with no key, or a key not in ``bucket``."""
         if numbered == 0 or numbered == self.numbering:
             return bucket
-        if not 1 <= numbered <= 33:
+        if not 1 <= numbered <= MAX_NUMBERING:
             raise ValueError(f"bucket numbering {numbered} is not 1 + log2 of a bucket count")
         if numbered > self.numbering:           # finer: the bucket it is part of
+            if key is not None and self._hash(key) >> (65 - numbered) != bucket:
+                raise ValueError(f"bucket {bucket} of {wire.numbered_count(numbered)} is not "
+                                 f"the bucket of its key")
             return bucket >> (numbered - self.numbering)
         if key is None:
             raise ValueError("a coarser numbering needs the key")
