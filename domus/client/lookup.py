@@ -401,22 +401,29 @@ class DirectLookup(Generic[Channel]):
     # ------------------------------------------------------------ a request's course
     def _course(self, encode: Callable[[], bytes], bucket: int,
                 first: tuple[Channel, bytes] | None = None,
-                mark: int | None = None, skip: int = 0) -> Course:
+                mark: int | None = None, skip: int = 0, count: int | None = None) -> Course:
         """The course of one keyed request for ``bucket``: ``encode()`` makes
         the message (a new request id each time).  ``first``: the fast
         path's (channel, reply) when that was not an answer (NOT_OWNER or
         MOVING), which the first method takes as its own; ``mark``: the
         layout it was sent with (see REFRESH); ``skip``: methods the fast
-        path has tried already.  Returns the reply that answers the
-        request; raises the error of one that fails."""
+        path has tried already; ``count``: the bucket count ``bucket`` is
+        numbered out of (default: the layout's now).  Returns the reply that
+        answers the request; raises the error of one that fails, and
+        Renumbered once a layout with another bucket count has been
+        fetched (by this course or meanwhile), whose tables ``bucket`` does
+        not index."""
         if mark is None:
             mark = self._layout_mark()
-        count = self.bucket_count
+        if count is None:
+            count = self.bucket_count
         redirect: tuple[str, str] | None = None
         methods = self._methods
         for index, method in enumerate(methods):
             if index < skip:
                 continue
+            if self.bucket_count != count:
+                raise Renumbered()
             stats = self._method_stats[method]
             hops = 0
             given = None

@@ -745,6 +745,7 @@ class TxDht(DirectLookup[TxChannel]):
         answers at once when it can, anything else takes the course that
         domus.client.lookup lays out."""
         ids = self.cluster.ids
+        count = self.bucket_count
         message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                       self._shift, key, value)
         first = None
@@ -764,7 +765,7 @@ class TxDht(DirectLookup[TxChannel]):
             try:
                 reply = await channel.request(message, self.name, bucket)
             except ServiceUnavailable:
-                if not await self._owner_moved(mark, bucket, channel):
+                if not await self._owner_moved(mark, bucket, channel, count):
                     raise
                 unsent = message        # (as the synchronous client: sent again as it was)
             else:
@@ -774,14 +775,15 @@ class TxDht(DirectLookup[TxChannel]):
         encode = self._encoder(op, key, value, unsent, message)
         while True:
             try:
-                return await self._drive(self._course(encode, bucket, first, mark, skip))
+                return await self._drive(self._course(encode, bucket, first, mark, skip,
+                                                   count))
             except Renumbered:          # the DHT was resized: hash the key anew
                 return await self._request(op, key, value)
             except ServiceUnavailable as exc:
                 # (As the synchronous client: to a promoted backup, as it was.)
                 dead = self.cluster.channel(exc.service, exc.address) if exc.service else None
                 if (dead is None or not self.replicated
-                        or not await self._owner_moved(self._fetches, bucket, dead)):
+                        or not await self._owner_moved(self._fetches, bucket, dead, count)):
                     raise
                 encode = self._encoder(op, key, value, encode.last)
                 first, skip, mark = None, 0, self._fetches
@@ -810,11 +812,13 @@ class TxDht(DirectLookup[TxChannel]):
         except StopIteration as stop:
             return stop.value
 
-    async def _owner_moved(self, mark: int, bucket: int, channel: TxChannel) -> bool:
+    async def _owner_moved(self, mark: int, bucket: int, channel: TxChannel,
+                           count: int) -> bool:
         """After ``channel``'s service failed to answer: ask the supervisor
-        whether the bucket is stored elsewhere now (e.g. the service
-        re-registered at a new address).  False if not, or if the supervisor
-        cannot say."""
+        whether the bucket (numbered out of ``count``) is stored elsewhere
+        now (e.g. the service re-registered at a new address, a backup took
+        over from it, or the DHT was resized).  False if not, or if the
+        supervisor cannot say."""
         patience = min(self.cluster.timeout, MAX_DEADLINE) if self.replicated else 0.0
         started = self.cluster.reactor.seconds()
         while True:
@@ -822,7 +826,7 @@ class TxDht(DirectLookup[TxChannel]):
                 await self._layout_after(mark)
             except DomusError:
                 return False
-            if self._owners[bucket] is not channel:
+            if self.bucket_count != count or self._owners[bucket] is not channel:
                 return True
             if self.cluster.reactor.seconds() - started >= patience:
                 return False
