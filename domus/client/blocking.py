@@ -580,9 +580,18 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         its new owner (a move during a bucket's scan fails the scan)."""
         self._whole_dht()
         ids = self.cluster.ids
-        bucket, floor = 0, 0
-        while bucket < self.bucket_count:
-            count = self.bucket_count
+        # ``bucket`` is numbered out of ``count``; the layout may change
+        # between two records this yields (the caller's own requests fetch
+        # it when their replies tell of a newer one).
+        bucket, floor, count = 0, 0, self.bucket_count
+        while True:
+            if self.bucket_count != count:
+                # Resized meanwhile: go on from the same point of the hash
+                # range, skipping what was read already.
+                bucket, floor = self._renumbered_at(bucket, count, floor)
+                count = self.bucket_count
+            if bucket >= count:
+                return
             for attempt in (1, 2):
                 channel = self._owners[bucket]
                 first_page = functools.partial(wire.encode_scan, ids.next(), ids.client_id,
@@ -594,9 +603,6 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 if self.bucket_count != count:
                     break
             if self.bucket_count != count:
-                # Resized meanwhile: go on from the same point of the hash
-                # range, skipping what was read already.
-                bucket, floor = self._renumbered_at(bucket, count, floor)
                 continue
             while True:
                 if reply[2] != _OK:
