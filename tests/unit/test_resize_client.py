@@ -376,3 +376,27 @@ def test_a_newer_layout_tag_makes_the_client_fetch_the_layout_at_most_so_often(d
     clock.now += lookup.REFRESH_INTERVAL
     assert client[key] == 4
     assert world.calls == ["open_dht"] * 2
+
+
+def test_batches_of_a_client_that_has_not_heard_of_a_resize_land_right(deployment,
+                                                                       monkeypatch):
+    from domus.client import blocking
+
+    monkeypatch.setattr(blocking, "exchange", lambda requests, dht="": [
+        channel.request(message, dht) for channel, message in requests])
+    old = descriptor({"s1": 8})
+    world = deployment(old)
+    client = Dht(Cluster(world), old)
+    new = descriptor({"s2": 8, "s3": 8}, buckets=16, version=2)
+    world.give(new, ["s2", "s3"])
+    world.drop("s1")
+    records = {f"key-{index}": index for index in range(300)}
+    assert client.put_many(records) == 300
+    assert client.bucket_count == 16
+    for name in ("s2", "s3"):
+        hosted = world.handlers[name].dhts[DHT_ID]
+        for bucket, repo in hosted.repos.items():
+            assert all(hosted.bucket_of(key) == bucket for key in repo.key_snapshot())
+    assert sum(world.handlers[name].dhts[DHT_ID].records() for name in ("s2", "s3")) == 300
+    stale = Dht(Cluster(world), old)
+    assert stale.get_many(list(records) + ["absent"]) == records
