@@ -649,10 +649,15 @@ class RequestHandler:
             value_of = repo.get
         else:
             # Resized since the scan began: each key is in the bucket its
-            # hash says now (on this service, unless it moved away).
+            # hash says now, on this service; one that moved away since
+            # fails the scan (NOT_OWNER or MOVING), as the bucket itself
+            # would, rather than end it without that bucket's keys.
             def value_of(key: bytes) -> bytes | None:
-                found = hosted.repos.get(hosted.bucket_of(key))
-                return found.get(key) if found is not None else None
+                now = hosted.bucket_of(key)
+                found = hosted.repos.get(now)
+                if found is None:
+                    found = self._repo(dht_id, now)
+                return found.get(key)
         entries = []
         size = wire.REPLY_HEADER_SIZE + wire.SCAN_REPLY.size
         position = offset

@@ -720,6 +720,10 @@ def test_replies_carry_the_layout_tag_of_the_layout_the_service_holds(technology
 
 # ------------------------------------------------------------ a scan across a resize
 
+class ScanRefused(Exception):
+    """A page of a scan was not served: ``args[0]`` is the reply."""
+
+
 def scan_pages(service, bucket, numbered, reply_limit=300):
     """A scan of ``bucket`` as a generator of pages, so that the DHT can
     change between them."""
@@ -728,7 +732,8 @@ def scan_pages(service, bucket, numbered, reply_limit=300):
         message = wire.encode_scan(next(_ids), 0xA, DHT_ID, bucket, scan_id, offset,
                                    numbered if scan_id == 0 else 0)
         reply = service.handler.handle(message, reply_limit)
-        assert reply[2] == wire.ST_OK, reply
+        if reply[2] != wire.ST_OK:
+            raise ScanRefused(reply)
         scan_id, offset, entries = wire.decode_scan_reply(reply)
         yield entries
         if offset == wire.SCAN_END:
@@ -762,3 +767,28 @@ def test_a_scan_begun_before_a_resize_ends_with_each_record_once(technology, res
         found += page
     assert len(found) == len({key for key, _value in found})
     assert dict(found) == {key: model[key] for key in mine if key in model}
+
+
+def test_a_scan_whose_keys_moved_away_after_a_resize_fails_rather_than_miss_them(
+        make_service):
+    """Doubled, split, then one half of the scanned bucket moved to another
+    service: the scan cannot see those keys any more, and says so (as a
+    scan whose bucket moved does) instead of ending without them."""
+    from domus.placement import layout
+
+    service, model, keys = filled(make_service, "python-dict")
+    bucket = 5
+    pages = scan_pages(service, bucket, wire.numbering(8), reply_limit=120)
+    found = list(next(pages))
+    service.resize(16)
+    finish(service.hosted.start_regroup(16))
+    service.dht = layout.move(service.dht, "storage", 2 * bucket + 1, "s2", "127.0.0.1:2")
+    service.handler.assign(service.dht)
+    with pytest.raises(ScanRefused) as refused:
+        for page in pages:
+            found += page
+    reply = refused.value.args[0]
+    assert reply[2] == wire.ST_NOT_OWNER
+    name, address, message = wire.decode_redirect(reply)
+    assert (name, address) == ("s2", "127.0.0.1:2")
+    assert f"does not store bucket {2 * bucket + 1} of DHT 't'; service s2 does" in message
