@@ -224,12 +224,20 @@ class Client:
                 self.delete(key)
             elif choice < 0.75:
                 self.check(key)
-            elif choice < 0.9:
+            elif choice < 0.88:
                 batch = {rng.choice(keys): b"batch %d" % rng.randrange(1 << 20)
                          for _ in range(rng.randrange(1, 6))}
                 self.put_many(list(batch.items()))
-            else:
+            elif choice < 0.96:
                 self.get_many(rng.sample(keys, 5))
+            elif choice < 0.98:
+                assert self.send(wire.encode_length(next(_ids), self.client_id, DHT_ID)) == \
+                    (wire.ST_OK, wire.U64.pack(len(self.model)))
+            elif self.count == self.service.hosted.bucket_count:
+                bucket = rng.randrange(self.count)
+                assert dict(self.scan(bucket)) == {
+                    key: value for key, value in self.model.items()
+                    if bucket_of(key, "xxh3", self.count) == bucket}
 
 
 def all_keys(count):
@@ -792,3 +800,22 @@ def test_a_scan_whose_keys_moved_away_after_a_resize_fails_rather_than_miss_them
     name, address, message = wire.decode_redirect(reply)
     assert (name, address) == ("s2", "127.0.0.1:2")
     assert f"does not store bucket {2 * bucket + 1} of DHT 't'; service s2 does" in message
+
+
+@pytest.mark.parametrize("technology", ["domus-rbt", "bsddb-btree-disk-async"])
+def test_doubled_twice_before_splitting_splits_into_the_newest_count(technology,
+                                                                     make_service):
+    # (a service that missed the split of the first doubling: the
+    # supervisor's next round has it regroup into the count it has now)
+    service, model, keys = filled(make_service, technology)
+    service.resize(16)
+    service.resize(32)
+    assert service.hosted.shared_buckets() == 32
+    clients = [Client(service, model, count, 0xA + count) for count in (8, 16, 32, 64)]
+    check_everything(service, model, clients)
+    assert finish(service.hosted.start_regroup(32))["parts"] == 8
+    service.handler.refresh_fast_table(DHT_ID)
+    assert service.hosted.shared_buckets() == 0
+    check_everything(service, model, clients)
+    if TECHNOLOGIES[technology][1] == "disk":
+        assert service.hosted.store.parts() == {(32, bucket) for bucket in range(32)}
