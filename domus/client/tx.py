@@ -887,12 +887,17 @@ class TxDht(DirectLookup[TxChannel]):
 
     async def _batch_owners(self, keys: list[bytes]) -> Any:
         """As the synchronous client's: the owners of a batch's buckets by
-        the lookup strategy, distributed lookups all under way at once."""
+        the lookup strategy, distributed lookups all under way at once.
+        They are numbered as the layout is when this returns: if one of
+        another bucket count came meanwhile, its table."""
+        count = self.bucket_count
         owners, missing = self._batch_plan(keys)
         if not missing:
             return owners
         found = await _gather([defer.Deferred.fromCoroutine(self._drive(self._locating(bucket)))
                                for bucket in missing])
+        if self.bucket_count != count:
+            return self._owners
         return self._batch_found(owners, missing, found)
 
     async def _before_next_round(self, moved: int, moving: bool,
@@ -908,17 +913,18 @@ class TxDht(DirectLookup[TxChannel]):
         keys, values = batch.encode_pairs(pairs)
         batch.check_values(values)
         owners = await self._batch_owners(keys)
+        shift = self._shift         # (the numbering of ``owners``: the layout may change)
         created = 0
         rounds = self._batch_rounds()
         while keys:
-            requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
+            requests = batch.put_requests(keys, values, self._hasher, shift, owners,
                                           self.id, self.cluster.ids)
             new, keys, values, moved, moving = self._put_round(
                 requests, await self._exchange(requests))
             created += new
             if keys:
                 await self._before_next_round(moved, moving, rounds)
-                owners = self._owners
+                owners, shift = self._owners, self._shift
         return created
 
     def get_many(self, keys: Iterable[Any]) -> defer.Deferred:
@@ -930,15 +936,16 @@ class TxDht(DirectLookup[TxChannel]):
         wanted = list(keys)
         state = batch.GetMany(wanted, codec.encode_keys(wanted))
         owners = await self._batch_owners(state.encoded)
+        shift = self._shift         # (the numbering of ``owners``: the layout may change)
         rounds = self._batch_rounds()
         while state.pending:
-            requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
+            requests, batches = state.requests(self._hasher, shift, owners, self.id,
                                                self.cluster.ids)
             moved = state.take(requests, batches, await self._exchange(requests),
                                self._batch_error)
             if moved or state.moving:
                 await self._before_next_round(moved, state.moving, rounds)
-                owners = self._owners
+                owners, shift = self._owners, self._shift
         return state.found
 
     def _batch_error(self, reply: bytes, channel: TxChannel) -> Exception:

@@ -23,6 +23,7 @@ from domus.client.blocking import Dht
 from domus.client.transport import RequestIds
 from domus.client.tx import TxCluster, TxDht
 from domus.errors import ServiceUnavailable
+from domus.placement import layout
 from domus.service import hosted as hosted_module
 from domus.service.handler import RequestHandler
 from domus.wire import protocol as wire
@@ -400,3 +401,34 @@ def test_batches_of_a_client_that_has_not_heard_of_a_resize_land_right(deploymen
     assert sum(world.handlers[name].dhts[DHT_ID].records() for name in ("s2", "s3")) == 300
     stale = Dht(Cluster(world), old)
     assert stale.get_many(list(records) + ["absent"]) == records
+
+
+def test_a_tx_batch_whose_lookups_outlast_a_refresh_to_another_count_lands_right(
+        deployment):
+    """A C,R client's put_many looks its buckets up (numbered out of 8);
+    meanwhile the client fetches the layout (another request of the job
+    did), which has 16 buckets by then.  The batch's owners and its bucket
+    numbering belong together: every record ends where the new layout puts
+    it."""
+    old = descriptor({"s1": 4, "s2": 4})
+    world = deployment(old)
+    tx = TxWorld(world)
+    client = TxDht(tx.cluster, old, lookup="C,R")
+    refreshed = outcome(client.refresh())
+    records = {f"batch-{index}": index for index in range(40)}
+    stored = outcome(client.put_many(records))
+    assert tx.transport.sent and stored == []               # its lookups are out
+    new = balancer.resized(old, 16)
+    world.give(new)
+    answer_from_supervisor(tx.reactor, new)
+    assert refreshed == [None] and client.bucket_count == 16
+    for _ in range(20):
+        tx.deliver()
+    assert stored == [40], stored
+    owners = layout.owners(new, "storage")
+    for key, value in records.items():
+        encoded = encode_key(key)
+        hosted = world.handlers[owners.owner(bucket_of(encoded, "xxh3", 16))].dhts[DHT_ID]
+        assert hosted.repos[hosted.bucket_of(encoded)].get(encoded) == pack(value)
+    assert sum(world.handlers[name].dhts[DHT_ID].records() for name in ("s1", "s2")) == 40
+
