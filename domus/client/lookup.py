@@ -226,6 +226,8 @@ class DirectLookup(Generic[Channel]):
             raise UnknownDht(f"DHT {descriptor['name']!r} (id {known}) was destroyed; the DHT "
                              f"of that name now is another one (id {descriptor['id']}): open "
                              f"it again to use it")
+        if getattr(self, "bucket_count", descriptor["buckets"]) != descriptor["buckets"]:
+            self._cache.clear()         # (its buckets are numbered out of the old count)
         self.descriptor = descriptor
         self.name: str = descriptor["name"]
         self.id: int = descriptor["id"]

@@ -432,3 +432,32 @@ def test_a_tx_batch_whose_lookups_outlast_a_refresh_to_another_count_lands_right
         assert hosted.repos[hosted.bucket_of(encoded)].get(encoded) == pack(value)
     assert sum(world.handlers[name].dhts[DHT_ID].records() for name in ("s1", "s2")) == 40
 
+
+def test_a_cached_lookup_numbered_out_of_the_old_count_is_not_kept(deployment):
+    """A C,R client's cache holds buckets numbered out of 8; once it has
+    the layout of 16, none of those entries is trusted (bucket 5 of 8 was
+    s2's, bucket 5 of 16 is s1's)."""
+    old = descriptor({"s1": 4, "s2": 4})
+    world = deployment(old)
+    client = Dht(Cluster(world), old, lookup="C,R", cache=1.0)
+    records = {f"key-{index}": index for index in range(80)}
+    world.store({encode_key(key): pack(value) for key, value in records.items()})
+    assert {key: client[key] for key in records} == records
+    assert len(client._cache) == 8
+    new = balancer.resized(old, 16)
+    world.give(new)
+    client.refresh()
+    owners = layout.owners(new, "storage")
+    assert all(owners.owner(bucket) == storage.name
+               for bucket, (_router, storage) in client._cache.items())
+    sent = sum(len(channel.sent) for channel in client.cluster.channels.values())
+    misses = client.stats()["lookups"]["C"]["misses"]
+    assert {key: client[key] for key in records} == records
+    assert all(owners.owner(bucket) == storage.name
+               for bucket, (_router, storage) in client._cache.items())
+    # Each bucket of 16 is looked up once (at most 2 hops), then each read
+    # is one message: no read goes to a service that does not store it.
+    assert client.stats()["lookups"]["C"]["misses"] - misses == 16
+    assert sum(len(channel.sent) for channel in client.cluster.channels.values()) - sent <= \
+        len(records) + 16 * 2
+    assert client.stats()["redirects"] == 0
