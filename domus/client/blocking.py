@@ -485,6 +485,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         owners = self._batch_owners(keys)
         created = 0
         rounds = self._batch_rounds()
+        replies: list[bytes] | None = []
         while keys:
             requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
                                           self.id, self.cluster.ids)
@@ -497,6 +498,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             if keys:
                 self._before_next_round(moved, moving, rounds)
                 owners = self._owners
+        self._batch_seen(replies or [])
         return created
 
     def get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
@@ -505,6 +507,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         state = batch.GetMany(wanted, codec.encode_keys(wanted))
         owners = self._batch_owners(state.encoded)
         rounds = self._batch_rounds()
+        replies: list[bytes] | None = []
         while state.pending:
             requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
                                                self.cluster.ids)
@@ -516,6 +519,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             if moved or state.moving:
                 self._before_next_round(moved, state.moving, rounds)
                 owners = self._owners
+        self._batch_seen(replies or [])
         return state.found
 
     def _exchange(self, requests: list[tuple[ServiceChannel, bytes]]) -> list[bytes] | None:

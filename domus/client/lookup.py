@@ -50,7 +50,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, TypeVar
 
 from domus.client import codec
@@ -383,6 +383,15 @@ class DirectLookup(Generic[Channel]):
 
     def _refresh_soon(self) -> None:
         raise NotImplementedError
+
+    def _batch_seen(self, replies: Iterable[bytes]) -> None:
+        """A batch's replies' layout tags, as ``_layout_seen`` takes a
+        single reply's (once the batch is done: its keys keep the numbering
+        they were sent with)."""
+        for reply in replies:
+            if reply[3] != self._layout_tag:
+                self._layout_seen(reply[3])
+                return
 
     def _encoder(self, op: int, key: Any, value: bytes | None,
                  unsent: bytes | None, sent: bytes | None = None) -> Encoder:

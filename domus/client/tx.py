@@ -916,15 +916,17 @@ class TxDht(DirectLookup[TxChannel]):
         shift = self._shift         # (the numbering of ``owners``: the layout may change)
         created = 0
         rounds = self._batch_rounds()
+        replies: list[bytes] = []
         while keys:
             requests = batch.put_requests(keys, values, self._hasher, shift, owners,
                                           self.id, self.cluster.ids)
-            new, keys, values, moved, moving = self._put_round(
-                requests, await self._exchange(requests))
+            replies = await self._exchange(requests)
+            new, keys, values, moved, moving = self._put_round(requests, replies)
             created += new
             if keys:
                 await self._before_next_round(moved, moving, rounds)
                 owners, shift = self._owners, self._shift
+        self._batch_seen(replies)
         return created
 
     def get_many(self, keys: Iterable[Any]) -> defer.Deferred:
@@ -938,14 +940,16 @@ class TxDht(DirectLookup[TxChannel]):
         owners = await self._batch_owners(state.encoded)
         shift = self._shift         # (the numbering of ``owners``: the layout may change)
         rounds = self._batch_rounds()
+        replies: list[bytes] = []
         while state.pending:
             requests, batches = state.requests(self._hasher, shift, owners, self.id,
                                                self.cluster.ids)
-            moved = state.take(requests, batches, await self._exchange(requests),
-                               self._batch_error)
+            replies = await self._exchange(requests)
+            moved = state.take(requests, batches, replies, self._batch_error)
             if moved or state.moving:
                 await self._before_next_round(moved, state.moving, rounds)
                 owners, shift = self._owners, self._shift
+        self._batch_seen(replies)
         return state.found
 
     def _batch_error(self, reply: bytes, channel: TxChannel) -> Exception:

@@ -461,3 +461,35 @@ def test_a_cached_lookup_numbered_out_of_the_old_count_is_not_kept(deployment):
     assert sum(len(channel.sent) for channel in client.cluster.channels.values()) - sent <= \
         len(records) + 16 * 2
     assert client.stats()["redirects"] == 0
+
+
+@pytest.mark.parametrize("twisted", [False, True])
+def test_a_client_that_only_sends_batches_learns_of_a_resize_from_their_replies(
+        deployment, monkeypatch, twisted):
+    """(Else it would number its buckets out of the old count for as long
+    as no bucket moves, and every one of its requests would be translated
+    by the services, in Python.)"""
+    from domus.client import blocking
+
+    monkeypatch.setattr(blocking, "exchange", lambda requests, dht="": [
+        channel.request(message, dht) for channel, message in requests])
+    old = descriptor({"s1": 4, "s2": 4})
+    world = deployment(old)
+    new = balancer.resized(old, 16)
+    world.give(new)
+    records = {f"key-{index}": index for index in range(50)}
+    if not twisted:
+        client = Dht(Cluster(world), old)
+        assert client.put_many(records) == 50
+        assert client.bucket_count == 16
+        client = Dht(Cluster(world), old)
+        assert client.get_many(list(records)) == records
+        assert client.bucket_count == 16
+        return
+    tx = TxWorld(world)
+    client = TxDht(tx.cluster, old)
+    stored = outcome(client.put_many(records))
+    tx.deliver()
+    assert stored == [50]
+    answer_from_supervisor(tx.reactor, new)
+    assert client.bucket_count == 16
