@@ -115,6 +115,39 @@ def make_service(data_dir_for):
         service.close()
 
 
+class Turns:
+    """The reactor, as much as a service's regroup uses it: what is called
+    later runs at the next ``turn``, one step at a time (twisted's Clock
+    would run a whole chain of callLater(0) in one advance)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def callLater(self, delay, function, *args, **kwargs):
+        call = Turns.Call(function, args, kwargs)
+        self.calls.append(call)
+        return call
+
+    def turn(self):
+        """Run what was due; False if nothing was."""
+        due, self.calls = self.calls, []
+        for call in due:
+            if not call.cancelled:
+                call.function(*call.args, **call.kwargs)
+        return bool(due)
+
+    class Call:
+        def __init__(self, function, args, kwargs):
+            self.function, self.args, self.kwargs = function, args, kwargs
+            self.cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+        def active(self):
+            return not self.cancelled
+
+
 def finish(steps: Generator) -> dict:
     """Run a regroup to its end; its result."""
     while True:
@@ -819,3 +852,4 @@ def test_doubled_twice_before_splitting_splits_into_the_newest_count(technology,
     check_everything(service, model, clients)
     if TECHNOLOGIES[technology][1] == "disk":
         assert service.hosted.store.parts() == {(32, bucket) for bucket in range(32)}
+

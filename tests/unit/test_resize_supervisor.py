@@ -3,8 +3,8 @@
 driven through ``op_resize_dht`` with each service's link replaced by a
 direct call into a real service's control handler (through msgpack, as on
 the wire; test_supervisor's ServiceLink), so that any step can be made to
-fail, and with the services' regrouping run a step per turn of a Clock that
-stands for the reactor, so that clients can work in between."""
+fail, and with the services' regrouping run a step per turn of a stand-in
+for the reactor, so that clients can work in between."""
 
 import time
 
@@ -14,9 +14,9 @@ from domus.supervisor import balancer
 from domus.supervisor.server import SupervisorService
 from domus.supervisor.state import SupervisorState
 from test_handler import DHT_ID, keys_in
+from test_resize import Turns
 from test_supervisor import ServiceLink, result_of
 from twisted.internet import defer
-from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
 from domus.placement import layout
@@ -90,11 +90,12 @@ class Deployment:
     """The supervisor, its links to s1, s2 (the DHT's) and s3 (not in it),
     the records, and the Clock the services' regroups step on."""
 
-    def __init__(self, supervisor, links, records, clock):
+    def __init__(self, supervisor, links, records, reactor):
         self.supervisor = supervisor
         self.links = links
         self.records = records
-        self.clock = clock
+        self.reactor = reactor
+        self.turns = 0
 
     @property
     def dht(self):
@@ -104,16 +105,16 @@ class Deployment:
         return SupervisorState(self.supervisor.state.data_dir).dhts[NAME]
 
     def run(self, deferred, between=None, turns=10_000):
-        """Turn the clock until ``deferred`` fires (``between()`` is called
-        at each turn: clients at work); its result."""
+        """Turn the reactor until ``deferred`` fires (``between()`` is
+        called at each turn: clients at work); its result."""
         fired = []
         deferred.addBoth(fired.append)
         for _ in range(turns):
             if fired:
                 break
-            self.clock.advance(0)
             if between is not None:
                 between()
+            self.turns += self.reactor.turn()
         assert fired, "the resize never finished"
         if isinstance(fired[0], Failure):
             fired[0].raiseException()
@@ -165,9 +166,9 @@ class Deployment:
 
 @pytest.fixture
 def make_deployment(tmp_path, monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(twisted.internet, "reactor", clock, raising=False)
-    monkeypatch.setattr(hosted_module, "REGROUP_PAGE", 8)
+    reactor = Turns()
+    monkeypatch.setattr(twisted.internet, "reactor", reactor, raising=False)
+    monkeypatch.setattr(hosted_module, "REGROUP_PAGE", 4)
     made = []
 
     def make(**options):
@@ -198,7 +199,7 @@ def make_deployment(tmp_path, monkeypatch):
                 records[key] = value
         for link in links.values():
             link.calls.clear()
-        made.append(Deployment(supervisor, links, records, clock))
+        made.append(Deployment(supervisor, links, records, reactor))
         return made[-1]
 
     yield make
@@ -241,6 +242,8 @@ def test_doubling_gives_every_service_the_layout_and_saves_it_once_all_took_it(
     assert "being resized to 16 buckets" in supervisor._changing[NAME]
     links["s2"].release()
     answer = deployment.run(resizing, between=writer(deployment, "w"))
+    assert deployment.turns > 10                 # split a step at a time, with writes between
+    assert len(deployment.records) > 8 * PER_BUCKET + 10
     assert answer["name"] == NAME and (answer["from"], answer["buckets"]) == (8, 16)
     (step,) = answer["steps"]
     assert step["buckets"] == 16 and step["lagging"] == {}
@@ -306,11 +309,10 @@ def test_a_service_that_cannot_split_yet_serves_as_it_is_and_splits_later(make_d
         supervisor.live[name]["stats"] = {"dhts": links[name].handler.stats()["dhts"]}
     supervisor._regroup_round()
     assert supervisor._changing[NAME] == "having its buckets regrouped on s2"
-    deployment.run(defer.succeed(None))
     for _ in range(1000):
         if NAME not in supervisor._changing:
             break
-        deployment.clock.advance(0)
+        deployment.reactor.turn()
     assert NAME not in supervisor._changing
     assert links["s2"].hosted.shared_buckets() == 0
     assert links["s1"].calls.count("regroup_buckets") == 1     # s1 had nothing left to do
@@ -329,6 +331,7 @@ def test_halving_brings_pairs_together_merges_and_takes_the_halved_layout(make_d
     deployment = make_deployment(platform=platform)
     supervisor, links = deployment.supervisor, deployment.links
     answer = deployment.resize(4, between=writer(deployment, "w"))
+    assert deployment.turns > 10                 # merged a step at a time, with writes between
     (step,) = answer["steps"]
     assert step == {"buckets": 4, "moved": PER_BUCKET, "merged": step["merged"]}
     assert step["merged"] >= 8 * PER_BUCKET
@@ -368,7 +371,7 @@ def test_a_halving_whose_merge_fails_keeps_the_count_and_splits_back(make_deploy
     for _ in range(1000):
         if NAME not in supervisor._changing:
             break
-        deployment.clock.advance(0)
+        deployment.reactor.turn()
     assert links["s1"].hosted.shared_buckets() == 0
     deployment.check()
     assert deployment.resize(4)["buckets"] == 4
