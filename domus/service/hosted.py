@@ -869,7 +869,9 @@ class HostedDht:
 
     def destroy(self) -> None:
         """Close every repository and delete its data, snapshot included
-        (the DHT is no longer hosted here)."""
+        (the DHT is no longer hosted here).  A move or regroup under way
+        here stops first."""
+        self.abandon_moves()
         store, self.store = self.store, None
         self.repos.clear()
         if store is not None:

@@ -21,6 +21,7 @@ from domus.service.handler import RequestHandler
 from domus.service.hosted import HostedDht
 from domus.storage import StorageFault
 from domus.wire import protocol as wire
+from domus.wire.control import ControlError
 from domus.wire.keys import bucket_of, encode_key
 
 DHT_ID = 7
@@ -853,3 +854,78 @@ def test_doubled_twice_before_splitting_splits_into_the_newest_count(technology,
     if TECHNOLOGIES[technology][1] == "disk":
         assert service.hosted.store.parts() == {(32, bucket) for bucket in range(32)}
 
+
+# ------------------------------------------------------------ the control op
+
+@pytest.fixture
+def logged_errors():
+    """Errors and failures the code under test logs (twisted.logger)."""
+    from twisted.logger import LogLevel, globalLogPublisher
+
+    errors = []
+
+    def observe(event):
+        if event.get("log_failure") is not None or event.get("log_level") in (
+                LogLevel.error, LogLevel.critical):
+            errors.append(event)
+
+    globalLogPublisher.addObserver(observe)
+    yield errors
+    globalLogPublisher.removeObserver(observe)
+
+
+def regrouping_service(technology, data_dir, monkeypatch):
+    """A DomusService whose DHT was doubled, told to regroup it (the
+    supervisor's control op), a step per turn of a stand-in reactor."""
+    import twisted.internet
+
+    from domus.service.server import DomusService
+
+    reactor = Turns()
+    monkeypatch.setattr(twisted.internet, "reactor", reactor, raising=False)
+    monkeypatch.setattr(hosted_module, "REGROUP_PAGE", 4)
+    service = DomusService(supervisor="127.0.0.1:1", listen="127.0.0.1:5",
+                           data_dir=str(data_dir), name="s1")
+    dht = descriptor(technology)
+    service.handler.assign(dht)
+    hosted = service.handler.dhts[DHT_ID]
+    for key in all_keys(100):
+        hosted.repos[hosted.bucket_of(key)].put(key, b"v")
+    dht = balancer.resized(dht, 16)
+    service.handler.assign(dht)
+    answer = []
+    service._supervisor_control({"op": "regroup_buckets", "id": DHT_ID, "count": 16},
+                                None).addBoth(answer.append)
+    reactor.turn()
+    reactor.turn()
+    assert not answer and service.handler.dhts[DHT_ID]._regrouping is not None
+    return service, dht, reactor, answer
+
+
+@pytest.mark.parametrize("technology", ["python-dict", "bsddb-btree-disk-async"])
+@pytest.mark.parametrize("change", ["dropped", "registered again"])
+def test_a_regroup_under_way_stops_when_the_dht_is_dropped_or_synced(
+        technology, change, data_dir_for, monkeypatch, logged_errors):
+    data_dir = data_dir_for(technology)
+    service, dht, reactor, answer = regrouping_service(technology, data_dir, monkeypatch)
+    try:
+        if change == "dropped":
+            assert service.handler.drop(DHT_ID)
+        else:
+            service.handler.sync([dht])
+        while reactor.turn():
+            pass
+        (failure,) = answer
+        assert failure.check(ControlError)
+        assert failure.value.message == ("service s1: regrouping DHT 't' was stopped (the "
+                                         "DHT changed meanwhile)")
+        assert logged_errors == []
+        if change == "dropped":
+            assert not os.path.exists(hosted_module.dht_home(str(data_dir), DHT_ID))
+        else:
+            hosted = service.handler.dhts[DHT_ID]
+            assert hosted.records() == 100 and hosted._regrouping is None
+            finish(hosted.start_regroup(16))
+            assert hosted.shared_buckets() == 0 and hosted.records() == 100
+    finally:
+        service.handler.close()
