@@ -511,8 +511,10 @@ def test_every_change_of_a_layout_is_a_new_version(make_deployment):
     versions.append(deployment.dht["version"])
     assert deployment.saved() == deployment.dht
     links["s1"].transport = None
+    held = {str(dht_id): sorted(hosted.repos)          # (as a service registers)
+            for dht_id, hosted in links["s1"].handler.dhts.items()}
     supervisor.op_register(links["s1"], name="s1", address="127.0.0.1:11",
-                           resources={"cores": 2, "ram": 1 << 30, "disk": 1 << 34})
+                           resources={"cores": 2, "ram": 1 << 30, "disk": 1 << 34}, held=held)
     assert deployment.dht["routing_services"][0]["address"] == "127.0.0.1:11"
     assert deployment.dht["version"] == versions[-1] + 1
     assert deployment.saved() == deployment.dht
