@@ -430,6 +430,15 @@ def test_resizing_is_refused_for_an_unknown_or_inactive_dht(make_deployment):
     assert deployment.saved()["buckets"] == 8
 
 
+def test_resizing_a_replicated_dht_is_refused_saying_what_to_do(make_deployment):
+    deployment = make_deployment()
+    deployment.supervisor.state.dhts[NAME]["replicas"] = 2
+    with pytest.raises(ControlError, match="DHT 't' keeps 2 copies of each bucket; resizing a "
+                                           "replicated DHT is not supported yet"):
+        deployment.supervisor.op_resize_dht(None, name=NAME, buckets=16)
+    assert all(link.calls == [] for link in deployment.links.values())
+
+
 def test_resizing_is_refused_while_the_dht_is_being_changed(make_deployment):
     deployment = make_deployment()
     supervisor, links = deployment.supervisor, deployment.links
