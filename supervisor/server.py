@@ -1194,13 +1194,15 @@ class SupervisorService(Service):
     @defer.inlineCallbacks
     def _take_layout(self, name: str, before: dict[str, Any], after: dict[str, Any],
                      why: str) -> Any:
-        """Every involved service takes ``after``, or those that did take
-        ``before`` back and ControlError says why; then ``after`` is saved."""
+        """Every involved service takes ``after``, or every one is given
+        ``before`` back and ControlError says why; then ``after`` is saved.
+        (Those that failed too: one whose acknowledgement was lost, or
+        came too late, has taken ``after``, and a service left with another
+        bucket count than the supervisor's refuses its clients' scans.)"""
         involved = self._involved(after)
         failed = yield self._push(involved, after, self.push_timeout)
         if failed:
-            took = [service for service in involved if service not in failed]
-            self._push_back(before, took, self._involved(before))
+            self._push_back(before, involved, self._involved(before))
             problems = "; ".join(f"{service}: {error}" for service, error in sorted(failed.items()))
             raise ControlError("SupervisorError", f"could not {why} DHT {name!r}; it keeps "
                                f"{before['buckets']} buckets: {problems}")

@@ -50,7 +50,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, TypeVar
 
 from domus.client import codec
@@ -226,6 +226,8 @@ class DirectLookup(Generic[Channel]):
             raise UnknownDht(f"DHT {descriptor['name']!r} (id {known}) was destroyed; the DHT "
                              f"of that name now is another one (id {descriptor['id']}): open "
                              f"it again to use it")
+        if getattr(self, "bucket_count", descriptor["buckets"]) != descriptor["buckets"]:
+            self._cache.clear()         # (its buckets are numbered out of the old count)
         self.descriptor = descriptor
         self.name: str = descriptor["name"]
         self.id: int = descriptor["id"]
@@ -382,6 +384,15 @@ class DirectLookup(Generic[Channel]):
     def _refresh_soon(self) -> None:
         raise NotImplementedError
 
+    def _batch_seen(self, replies: Iterable[bytes]) -> None:
+        """A batch's replies' layout tags, as ``_layout_seen`` takes a
+        single reply's (once the batch is done: its keys keep the numbering
+        they were sent with)."""
+        for reply in replies:
+            if reply[3] != self._layout_tag:
+                self._layout_seen(reply[3])
+                return
+
     def _encoder(self, op: int, key: Any, value: bytes | None,
                  unsent: bytes | None, sent: bytes | None = None) -> Encoder:
         """``encode`` for a course: ``unsent`` (the fast path's message, if
@@ -401,22 +412,29 @@ class DirectLookup(Generic[Channel]):
     # ------------------------------------------------------------ a request's course
     def _course(self, encode: Callable[[], bytes], bucket: int,
                 first: tuple[Channel, bytes] | None = None,
-                mark: int | None = None, skip: int = 0) -> Course:
+                mark: int | None = None, skip: int = 0, count: int | None = None) -> Course:
         """The course of one keyed request for ``bucket``: ``encode()`` makes
         the message (a new request id each time).  ``first``: the fast
         path's (channel, reply) when that was not an answer (NOT_OWNER or
         MOVING), which the first method takes as its own; ``mark``: the
         layout it was sent with (see REFRESH); ``skip``: methods the fast
-        path has tried already.  Returns the reply that answers the
-        request; raises the error of one that fails."""
+        path has tried already; ``count``: the bucket count ``bucket`` is
+        numbered out of (default: the layout's now).  Returns the reply that
+        answers the request; raises the error of one that fails, and
+        Renumbered once a layout with another bucket count has been
+        fetched (by this course or meanwhile), whose tables ``bucket`` does
+        not index."""
         if mark is None:
             mark = self._layout_mark()
-        count = self.bucket_count
+        if count is None:
+            count = self.bucket_count
         redirect: tuple[str, str] | None = None
         methods = self._methods
         for index, method in enumerate(methods):
             if index < skip:
                 continue
+            if self.bucket_count != count:
+                raise Renumbered()
             stats = self._method_stats[method]
             hops = 0
             given = None

@@ -38,7 +38,7 @@ from twisted.logger import Logger
 
 from domus.errors import ProtocolError
 from domus.service import hotpath
-from domus.service.hosted import HostedDht
+from domus.service.hosted import MAX_NUMBERING, HostedDht
 from domus.service.replycache import ReplyCache
 from domus.storage import Repository, StorageFault
 from domus.storage.base import apply_batch
@@ -484,7 +484,7 @@ class RequestHandler:
         try:
             return hosted.local_bucket(numbered, bucket, key)
         except ValueError as exc:
-            if key is None:
+            if key is None and numbered <= MAX_NUMBERING:
                 raise RequestFailed(wire.ST_STALE_LAYOUT,
                                     f"DHT {hosted.name!r} has {hosted.bucket_count} buckets "
                                     f"now, not {wire.numbered_count(numbered)}: fetch its "
@@ -649,10 +649,15 @@ class RequestHandler:
             value_of = repo.get
         else:
             # Resized since the scan began: each key is in the bucket its
-            # hash says now (on this service, unless it moved away).
+            # hash says now, on this service; one that moved away since
+            # fails the scan (NOT_OWNER or MOVING), as the bucket itself
+            # would, rather than end it without that bucket's keys.
             def value_of(key: bytes) -> bytes | None:
-                found = hosted.repos.get(hosted.bucket_of(key))
-                return found.get(key) if found is not None else None
+                now = hosted.bucket_of(key)
+                found = hosted.repos.get(now)
+                if found is None:
+                    found = self._repo(dht_id, now)
+                return found.get(key)
         entries = []
         size = wire.REPLY_HEADER_SIZE + wire.SCAN_REPLY.size
         position = offset
