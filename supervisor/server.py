@@ -56,6 +56,7 @@ BALANCE_INTERVAL = 2.0  # seconds between two rounds of the balancer (--balance 
 # A service whose link drops is failed over (its primaries promoted) unless
 # it is back within this; a hung one, once it is unresponsive (--down-after).
 FAILOVER_GRACE = 0.5
+AUTOMATIC = "balancer: "    # what the balancer does by itself (``_balancing`` starts so)
 REPAIRS_PER_ROUND = 32  # backups copied per round of repair
 BALANCE_MODES = ("auto", "manual")
 
@@ -777,7 +778,7 @@ class SupervisorService(Service):
                                   draining=self.draining, records=self._records_per_bucket(name),
                                   heat=self._heat(name))
             if moves:
-                self._balancing = f"moving {len(moves)} bucket(s) of DHT {name!r}"
+                self._balancing = f"{AUTOMATIC}moving {len(moves)} bucket(s) of DHT {name!r}"
                 self._carry_out(moves, "balancer").addErrback(
                     lambda failure: log.failure("balancer round failed", failure)
                 ).addBoth(lambda _: setattr(self, "_balancing", None))
@@ -1150,7 +1151,8 @@ class SupervisorService(Service):
                                f"copies of each bucket; resizing a replicated DHT is not "
                                f"supported yet (create one of the bucket count you want and "
                                f"copy the records over)")
-        self._refuse_while_changing(name, "resize")
+        if not (self._balancing or "").startswith(AUTOMATIC):
+            self._refuse_while_changing(name, "resize")   # (the balancer's own is waited for)
         down = [service for service in self._involved(descriptor)
                 if self.service_state(service) != "up"]
         if down:
@@ -1160,12 +1162,13 @@ class SupervisorService(Service):
 
     @defer.inlineCallbacks
     def _resize(self, name: str, buckets: int) -> Any:
+        yield self._wait_for_balancer()
+        self._refuse_while_changing(name, "resize")
         started = time.monotonic()
         before = self.state.dhts[name]["buckets"]
         self._changing[name] = f"being resized to {buckets} buckets"
         steps: list[dict[str, Any]] = []
         try:
-            yield self._wait_for_balancer()
             self._balancing = f"resizing DHT {name!r} to {buckets} buckets"
             while self.state.dhts[name]["buckets"] != buckets:
                 current = self.state.dhts[name]["buckets"]
@@ -1502,12 +1505,12 @@ class SupervisorService(Service):
                 continue
             gaps = replicas.missing(descriptor)
             if gaps:
-                self._balancing = f"copying missing backups of DHT {name!r}"
+                self._balancing = f"{AUTOMATIC}copying missing backups of DHT {name!r}"
                 return self._repair(name, gaps).addErrback(
                     lambda failure: log.failure("repairing failed", failure)
                 ).addBoth(lambda _: setattr(self, "_balancing", None))
             if self.balance == "auto" and self._backup_to_move(descriptor) is not None:
-                self._balancing = f"moving backups of DHT {name!r}"
+                self._balancing = f"{AUTOMATIC}moving backups of DHT {name!r}"
                 return self._move_backups(name).addErrback(
                     lambda failure: log.failure("moving a backup failed", failure)
                 ).addBoth(lambda _: setattr(self, "_balancing", None))
