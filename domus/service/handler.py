@@ -303,7 +303,13 @@ class RequestHandler:
         waiting = self._in_flight[token] = Later()
         join = _Join(self, hosted, holders, data, token, limit)
         for holder in holders:
-            self.replicator(holder, hosted.addresses.get(holder, ""), data, join.took, holder)
+            try:
+                self.replicator(holder, hosted.addresses.get(holder, ""), data, join.took,
+                                holder)
+            except Exception as exc:
+                # (A replicator that raises at once is a backup that failed,
+                # not a handler that raises, nor a token left in flight.)
+                join.took(exc, holder)
         return waiting
 
     def _replicated(self, join: _Join) -> None:
