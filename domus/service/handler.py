@@ -345,11 +345,28 @@ class RequestHandler:
         """The buckets (this DHT's numbering) a change writes to, each one
         a primary here; raises as the change itself would be refused."""
         op = data[2]
+        # (Checked as the change itself is: a request every copy would refuse
+        # is answered here, not forwarded to fail at the backups, which would
+        # be reported and taken off the bucket for it.)
         if op == wire.OP_PUT_MANY:
             dht_id, entries = wire.decode_put_many(data)
+            if any(len(key) > wire.MAX_KEY_BYTES or len(value) > wire.MAX_VALUE_BYTES
+                   for _bucket, key, value in entries):
+                raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
             buckets = [self._local(hosted, data[3], bucket, key) for bucket, key, _ in entries]
         else:
-            dht_id, bucket, key, _rest = wire.decode_keyed(data)
+            dht_id, bucket, key, rest = wire.decode_keyed(data)
+            if len(key) > wire.MAX_KEY_BYTES:
+                raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
+            if op == wire.OP_PUT:
+                # (wire.put_value's checks, without copying the value again)
+                if (len(rest) < wire.U32.size
+                        or wire.U32.unpack_from(rest)[0] != len(rest) - wire.U32.size):
+                    raise ProtocolError("a put's value length does not match its value")
+                if len(rest) - wire.U32.size > wire.MAX_VALUE_BYTES:
+                    raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
+            elif rest:
+                raise ProtocolError("bytes after the key")
             buckets = [self._local(hosted, data[3], bucket, key)]
         for bucket in buckets:
             if bucket not in hosted.repos:
