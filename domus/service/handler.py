@@ -724,6 +724,10 @@ class RequestHandler:
                                 f"DHT {hosted.name!r} uses platform {hosted.platform}, which "
                                 f"keeps no key order; key ranges need domus-rbt or "
                                 f"domus-bsddb-btree")
+        if hosted.lost:
+            # (Any lost bucket may have held keys of the range: a page
+            # without them would be a silent loss.)
+            raise RequestFailed(wire.ST_DATA_LOST, hosted.loss_message(min(hosted.lost)))
         if hosted.frozen:
             raise RequestFailed(wire.ST_MOVING, f"a bucket of DHT {hosted.name!r} is moving "
                                 f"to another service; retry shortly")
