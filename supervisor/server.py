@@ -1323,7 +1323,11 @@ class SupervisorService(Service):
     def _fail_over(self, service: str, why: str) -> None:
         changed_dhts = []
         for name, descriptor in list(self.state.dhts.items()):
-            if (descriptor.get("replicas") or 1) < 2:
+            # (An inactive DHT serves nothing: its records wait in each
+            # service's files, which a restart keeps, for the layout they
+            # were saved under.)
+            if ((descriptor.get("replicas") or 1) < 2
+                    or descriptor.get("state", "active") != "active"):
                 continue
             if name in self._changing:
                 # (A repair or a move under way: it stops at its next step,
