@@ -107,6 +107,9 @@ class SupervisorService(Service):
         # it held) once they are not being changed
         self._taking_out: dict[str, set[str]] = {}
         self._failing_over: set[str] = set()    # DHTs a failover waits for
+        # service -> when its link dropped (failover waits FAILOVER_GRACE)
+        self._down_since: dict[str, float] = {}
+        self._started_at = time.monotonic()
         # DHT name -> what is being done to it ("being activated", ...): one
         # change at a time (activation, deactivation, a bucket move).
         self._changing: dict[str, str] = {}
@@ -229,6 +232,7 @@ class SupervisorService(Service):
             self._returning(name, held_dhts)
         self.state.save()
         self.links[name] = link
+        self._down_since.pop(name, None)
         link.peer_name = f"service {name}"
         self.live[name] = {"last_seen": time.monotonic(), "load": {}, "stats": {}}
         link.lost.addCallback(lambda _: self._link_lost(name, link))
@@ -252,14 +256,27 @@ class SupervisorService(Service):
         if self.links.get(name) is link:
             del self.links[name]
             log.warn("service {name} disconnected", name=name)
+            since = self._down_since[name] = time.monotonic()
             if not self._shutting_down:
                 from twisted.internet import reactor
 
-                reactor.callLater(FAILOVER_GRACE, self._fail_over_if_gone, name)
+                reactor.callLater(FAILOVER_GRACE, self._fail_over_if_gone, name, since)
 
-    def _fail_over_if_gone(self, name: str) -> None:
-        if self.service_state(name) == "down" and name in self.state.services:
+    def _fail_over_if_gone(self, name: str, since: float) -> None:
+        """The grace after a link dropped at ``since`` is over: fail the
+        service over unless it is back (or dropped again since)."""
+        if (self.service_state(name) == "down" and name in self.state.services
+                and self._down_since.get(name) == since):
             self._fail_over(name, "its link to the supervisor dropped")
+
+    def _down_past_grace(self, name: str) -> bool:
+        """Down longer than a failover waits: FAILOVER_GRACE since its link
+        dropped, or, for a service not back since this supervisor started,
+        the time a silent service is given (its link is being made again)."""
+        since = self._down_since.get(name)
+        if since is None:
+            return time.monotonic() - self._started_at >= self.down_after
+        return time.monotonic() - since >= FAILOVER_GRACE
 
     def op_heartbeat(self, link: MessageProtocol, *, name: str, load: dict[str, Any],
                      stats: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -1317,7 +1334,8 @@ class SupervisorService(Service):
     def _fail_over_down(self) -> None:
         """(A failover that met a DHT being changed is done now.)"""
         for name in list(self.state.services):
-            if self.service_state(name) == "down" and name not in self.links:
+            if (self.service_state(name) == "down" and name not in self.links
+                    and self._down_past_grace(name)):
                 self._fail_over(name, "it is down")
 
     def _fail_over(self, service: str, why: str) -> None:
