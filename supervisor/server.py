@@ -1526,7 +1526,10 @@ class SupervisorService(Service):
                     or descriptor.get("state", "active") != "active"):
                 continue
             gaps = replicas.missing(descriptor)
-            if gaps:
+            # (Only gaps a copy can be made for now: the balancer waits while
+            # a repair runs, and must not wait on gaps nobody can fill.)
+            if any(self._repair_target(descriptor, bucket) is not None
+                   for _rank, first, end in gaps for bucket in range(first, end)):
                 self._balancing = f"{AUTOMATIC}copying missing backups of DHT {name!r}"
                 return self._repair(name, gaps).addErrback(
                     lambda failure: log.failure("repairing failed", failure)
@@ -1619,20 +1622,10 @@ class SupervisorService(Service):
                     reactor.callLater(0, self._fail_over_down)
                     return done
                 descriptor = self.state.dhts[name]
-                source = layout.owners(descriptor, "storage").get(bucket)
-                if (source is None or self.service_state(source) != "up"
-                        or str(bucket) in (descriptor.get("storage_lost") or {})):
+                planned = self._repair_target(descriptor, bucket)
+                if planned is None:
                     continue
-                taken = set(replicas.holders(descriptor, bucket))
-                candidates = [service for service in self.live_services()
-                              if descriptor["platform"] in self._platforms_of(service)
-                              and service not in self.draining]
-                if not set(candidates) - taken:
-                    continue            # (no service left to hold another copy)
-                hosts = {service: self.state.services[service]["resources"].get(
-                    "hostname", service) for service in candidates}
-                target = replicas.choose(candidates, hosts, taken,
-                                         replicas.copies_held(descriptor))
+                source, target, candidates = planned
                 copies = replicas.backups(descriptor)
                 copies[rank - 1].assign(bucket, bucket + 1, target)
                 changed = replicas.with_backups(descriptor, copies, {
@@ -1657,6 +1650,27 @@ class SupervisorService(Service):
                                  dht=name, bucket=bucket, role="backup", source=source,
                                  target=target, records=result["records"])
         return done
+
+    def _repair_target(self, descriptor: dict[str, Any], bucket: int
+                       ) -> tuple[str, str, list[str]] | None:
+        """(source, target, candidates) of a new copy of ``bucket``: its
+        primary, if up, copies it to the service ``replicas.choose`` picks
+        of the live ones that can store it; None if none can now (its
+        primary is down, it is lost, or every candidate holds a copy)."""
+        source = layout.owners(descriptor, "storage").get(bucket)
+        if (source is None or self.service_state(source) != "up"
+                or str(bucket) in (descriptor.get("storage_lost") or {})):
+            return None
+        taken = set(replicas.holders(descriptor, bucket))
+        candidates = [service for service in self.live_services()
+                      if descriptor["platform"] in self._platforms_of(service)
+                      and service not in self.draining]
+        if not set(candidates) - taken:
+            return None             # (no service left to hold another copy)
+        hosts = {service: self.state.services[service]["resources"].get(
+            "hostname", service) for service in candidates}
+        return source, replicas.choose(candidates, hosts, taken,
+                                       replicas.copies_held(descriptor)), candidates
 
     def _replica_view(self, descriptor: dict[str, Any]) -> dict[str, Any]:
         """Where each bucket's copies are, as ranges of buckets with the
