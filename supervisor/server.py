@@ -1105,11 +1105,19 @@ class SupervisorService(Service):
                                   "source": name, "target": holder, "records": 0,
                                   "why": f"{name} is draining; {holder} has a copy"})
                     break
+        # (Each step with the DHT marked as changing, as a repair is: a
+        # failover, a failed backup's report or a move meanwhile would
+        # change the layout under it.)
         if swapped:
             changed = replicas.with_backups(balancer.describe(
                 descriptor, "storage", primary,
                 [dict(entry) for entry in descriptor["storage_services"]]), copies)
-            yield self._take_layout(dht, descriptor, changed, "promote the backups of")
+            self._refuse_while_changing(dht, "promote the backups of")
+            self._changing[dht] = f"having the backups of {name}'s buckets promoted"
+            try:
+                yield self._take_layout(dht, descriptor, changed, "promote the backups of")
+            finally:
+                self._changing.pop(dht, None)
         for rank, copy in enumerate(replicas.backups(self.state.dhts[dht]), start=1):
             for bucket in list(layout.buckets_in(layout.ranges_of(copy, name))):
                 descriptor = self.state.dhts[dht]
@@ -1128,7 +1136,13 @@ class SupervisorService(Service):
                 changed_copies[rank - 1].assign(bucket, bucket + 1, target)
                 changed = replicas.with_backups(descriptor, changed_copies, {
                     service: self.state.services[service]["address"] for service in candidates})
-                result = yield self._copy_replica(descriptor, changed, bucket, source, target)
+                self._refuse_while_changing(dht, f"copy bucket {bucket} of")
+                self._changing[dht] = f"having a copy of bucket {bucket} made on {target}"
+                try:
+                    result = yield self._copy_replica(descriptor, changed, bucket, source,
+                                                      target)
+                finally:
+                    self._changing.pop(dht, None)
                 moved.append({"dht": dht, "bucket": bucket, "role": "backup", "source": name,
                               "target": target, "records": result["records"],
                               "why": f"{name} is draining"})
