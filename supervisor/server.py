@@ -704,6 +704,11 @@ class SupervisorService(Service):
         self._refuse_while_changing(name, "move a bucket of")
         if role == "storage":
             self._able_to_store(descriptor["platform"], [service], named=True)
+            if any(copy.get(bucket) == service for copy in replicas.backups(descriptor)):
+                raise ControlError("SupervisorError", f"service {service} holds a backup of "
+                                   f"bucket {bucket} of DHT {name!r}: the primary there would "
+                                   f"leave the bucket a copy short; move it to a service that "
+                                   f"holds no copy of it")
         source = layout.owners(descriptor, role).owner(bucket)
         answer = {"name": name, "bucket": bucket, "role": role, "from": source, "to": service,
                   "changed": False, "records": None, "seconds": 0.0, "lagging": {}}
