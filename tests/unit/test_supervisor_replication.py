@@ -642,6 +642,42 @@ def test_repair_skips_buckets_whose_primary_is_down_or_lost(cluster):
     assert cluster.descriptor() is lost
 
 
+# ------------------------------------------------------------ moves by hand
+
+def test_a_moved_primary_keeps_its_backups(cluster):
+    before = cluster.create()
+    records = cluster.fill()
+    bucket = min(primaries_of(before, "s1"))
+    backup = replicas.holders(before, bucket)[1]
+    target = next(name for name in ("s2", "s3", "s4") if name != backup)
+    answer = result_of(cluster.supervisor.op_move_bucket(None, name="r", bucket=bucket,
+                                                         role="storage", service=target))
+    assert answer["changed"] and answer["records"] == 3
+    assert replicas.holders(cluster.descriptor(), bucket) == [target, backup]
+    cluster.assert_every_copy_holds(records)
+    key = keys_in(bucket, 1, "moved")[0]
+    assert cluster.write(key, b"after the move") == wire.ST_OK
+    assert cluster.copy_of(key, backup) == b"after the move"
+
+
+def test_a_primary_is_not_moved_by_hand_onto_its_backup(cluster):
+    # (two copies on one service: one copy fewer, and writes the primary
+    # would have to forward to itself)
+    before = cluster.create()
+    records = cluster.fill()
+    bucket = min(primaries_of(before, "s1"))
+    backup = replicas.holders(before, bucket)[1]
+    with pytest.raises(ControlError, match=f"service {backup} holds a backup of bucket "
+                                           f"{bucket} of DHT 'r'"):
+        cluster.supervisor.op_move_bucket(None, name="r", bucket=bucket, role="storage",
+                                          service=backup)
+    assert cluster.descriptor() is before and "r" not in cluster.supervisor._changing
+    cluster.assert_every_copy_holds(records)
+    # its routing may go anywhere
+    assert result_of(cluster.supervisor.op_move_bucket(None, name="r", bucket=bucket,
+                                                       role="routing", service=backup))["changed"]
+
+
 # ------------------------------------------------------------ drains and forced removals
 
 def test_a_drain_hands_the_primaries_to_their_backups_and_copies_the_rest(cluster):
