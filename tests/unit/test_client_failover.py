@@ -64,6 +64,20 @@ class ScriptedSupervisor:
         pass
 
 
+def answer_ok(request: bytes) -> bytes:
+    """A backup promoted: OK to anything (a new key; a value "v" for each
+    key asked)."""
+    op = request[2]
+    if op == wire.OP_PUT_MANY:
+        count = len(wire.decode_put_many(request)[1])
+        return wire.reply_prefix(wire.ST_OK) + request[4:8] + wire.U16X2.pack(count, count)
+    if op == wire.OP_GET_MANY:
+        count = len(wire.decode_get_many(request)[1])
+        return wire.encode_get_many_reply(wire.U32.unpack_from(request, 4)[0],
+                                          [b"\xa1v"] * count)
+    return wire.reply_prefix(wire.ST_OK) + request[4:8] + b"\x01"
+
+
 def nothing_listening() -> str:
     """The address of a UDP port nobody listens on: a service killed."""
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -82,8 +96,7 @@ def failing_over(serve):  # noqa: F811
     clusters = []
 
     def make(copies: int, old_answers: int, timeout: float):
-        backup = serve(lambda number, data: [wire.reply_prefix(wire.ST_OK) + data[4:8]
-                                             + b"\x01"])
+        backup = serve(lambda number, data: [answer_ok(data)])
         addresses = {"s1": nothing_listening(), "s2": backup.address}
         before = descriptor("s1", copies, addresses)
         cluster = Cluster("127.0.0.1:1", timeout=timeout)
@@ -141,6 +154,26 @@ def test_a_replicated_dht_waits_no_longer_than_the_clients_deadline(failing_over
         dht.put("apple", 3)
     assert time.monotonic() - started < 3.0
     assert dht.cluster.supervisor.calls >= 3 and backup.received == []
+
+
+def test_blocking_batches_wait_for_the_new_primary_too(failing_over):
+    dht, sent, backup = failing_over(copies=2, old_answers=2, timeout=2.0)
+    assert dht.put_many({"apple": 1, "pear": 2, "plum": 3}) == 3
+    assert dht.cluster.supervisor.calls == 3
+    assert [wire.decode_request_header(message)[0] for message in backup.received] == \
+        [wire.OP_PUT_MANY]
+    (put_many,) = backup.received
+    assert sorted(key for _bucket, key, _value in wire.decode_put_many(put_many)[1]) == \
+        sorted(encode_key(key) for key in ("apple", "pear", "plum"))
+    assert dht.get_many(["apple", "pear"]) == {"apple": "v", "pear": "v"}
+
+
+def test_blocking_batches_of_a_dht_with_one_copy_do_not_wait(failing_over):
+    dht, sent, backup = failing_over(copies=1, old_answers=1, timeout=2.0)
+    for batch in (lambda: dht.put_many({"apple": 1}), lambda: dht.get_many(["apple"])):
+        with pytest.raises(ServiceUnavailable):
+            batch()
+    assert dht.cluster.supervisor.calls == 0 and backup.received == []
 
 
 # ------------------------------------------------------------ the Twisted client
@@ -202,6 +235,23 @@ def test_a_twisted_put_that_meets_a_dead_primary_is_sent_again_as_it_was(tx):
     assert created == []
     cluster.requests.datagramReceived(reply_to(message, wire.ST_OK, b"\x01"), S2)
     assert created == [True]
+
+
+def test_twisted_batches_wait_for_the_new_primary_too(tx):
+    reactor, cluster, transport = tx
+    before, after = tx_layouts(2)
+    dht = TxDht(cluster, before)
+    stored = outcome(dht.put_many({"apple": 1, "pear": 2}))
+    silence(reactor, 5.0)
+    assert {address for _message, address in transport.sent} == {S1}
+    supervisor = TxSupervisor(reactor, [before, after])
+    for _ in range(3):
+        reactor.advance(0.1)
+        supervisor.pump.flush()
+    message, address = transport.sent[-1]
+    assert address == S2 and wire.decode_request_header(message)[0] == wire.OP_PUT_MANY
+    cluster.requests.datagramReceived(answer_ok(message), S2)
+    assert stored == [2]
 
 
 def test_a_twisted_dht_with_one_copy_does_not_wait(tx):
