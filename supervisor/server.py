@@ -1386,10 +1386,15 @@ class SupervisorService(Service):
         self.memory.note(time.monotonic(), f"failover: service {service} is out ({why}); "
                          f"its buckets of {[d['name'] for d in changed_dhts]} are served by "
                          f"their backups", service=service)
+        # (The failed service too, if its link is still there: a hung one
+        # takes the layout once it wakes, instead of serving its old
+        # buckets' reads, stale, to clients that still ask it.)
         for descriptor in changed_dhts:
-            self._push([peer for peer in self._involved(descriptor) if peer != service
-                        and self.service_state(peer) == "up"], descriptor,
-                       self.push_timeout).addCallback(self._log_lagging, descriptor["name"])
+            self._push([peer for peer in self._involved(descriptor)
+                        if self.service_state(peer) == "up"
+                        or peer == service and self.service_state(peer) != "down"],
+                       descriptor, self.push_timeout).addCallback(self._log_lagging,
+                                                                  descriptor["name"])
 
     def _log_lagging(self, lagging: dict[str, str], name: str) -> None:
         for service, error in sorted(lagging.items()):
