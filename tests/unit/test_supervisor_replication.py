@@ -279,6 +279,30 @@ def test_a_service_whose_link_drops_is_failed_over_after_the_grace(cluster, copi
     cluster.assert_every_copy_holds(fresh)
 
 
+def test_a_hung_service_is_failed_over_and_told_so_for_when_it_wakes(cluster):
+    # Connected but silent past --down-after: its backups take over, and it
+    # is sent the new layout too (its link delivers it once it wakes), or it
+    # would go on serving its old buckets' reads, stale, to clients that
+    # still send them there.
+    before = cluster.create()
+    records = cluster.fill()
+    cluster.clear_calls()
+    cluster.clock.advance(6.0)
+    for name in ("s2", "s3", "s4"):
+        cluster.supervisor.live[name]["last_seen"] = cluster.clock.seconds()
+    assert cluster.supervisor.service_state("s1") == "unresponsive"
+    cluster.supervisor._watch_services()
+    after = cluster.descriptor()
+    assert "s1" not in replicas.copies_held(after)
+    assert cluster.calls()["s1"] == ["assign"]
+    assert cluster.links["s1"].hosted.descriptor["version"] == after["version"]
+    key = next(key for key in records
+               if bucket_of(key, "xxh3", BUCKETS) in primaries_of(before, "s1"))
+    status, _body = cluster.read(key, service="s1")
+    assert status == wire.ST_NOT_OWNER
+    assert cluster.read(key) == (wire.ST_OK, records[key])
+
+
 def test_failover_promotes_the_first_backup_that_is_up(cluster):
     before = cluster.create(copies=3)
     records = cluster.fill()
