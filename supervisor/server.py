@@ -1095,6 +1095,7 @@ class SupervisorService(Service):
         backup's place; then each backup ``name`` holds is copied to another
         service, which takes its place."""
         moved: list[dict[str, Any]] = []
+        self._failover_first(dht)
         descriptor = self.state.dhts[dht]
         primary = layout.owners(descriptor, "storage")
         copies = replicas.backups(descriptor)
@@ -1125,7 +1126,10 @@ class SupervisorService(Service):
                 self._changing.pop(dht, None)
         for rank, copy in enumerate(replicas.backups(self.state.dhts[dht]), start=1):
             for bucket in list(layout.buckets_in(layout.ranges_of(copy, name))):
+                self._failover_first(dht)
                 descriptor = self.state.dhts[dht]
+                if replicas.backups(descriptor)[rank - 1].get(bucket) != name:
+                    continue            # (a failover changed its copies meanwhile)
                 source = layout.owners(descriptor, "storage").get(bucket)
                 candidates = [service for service in self.live_services()
                               if descriptor["platform"] in self._platforms_of(service)
@@ -1350,6 +1354,19 @@ class SupervisorService(Service):
     #     its copies: a bucket only it holds stays its.
     #   A backup that fails to take a change is reported by its primary
     #     (``copy_failed``) and taken off that primary's buckets.
+    def _failover_first(self, name: str) -> None:
+        """Between two steps of a long change of DHT ``name`` (a drain's
+        copies): a failover that met the change goes before the next step,
+        so that a dead service's buckets do not wait for the whole change."""
+        if name not in self._failing_over:
+            return
+        for service in list(self.state.services):
+            state = self.service_state(service)
+            if state == "unresponsive":
+                self._fail_over(service, "it sent no heartbeat")
+            elif state == "down" and service not in self.links and self._down_past_grace(service):
+                self._fail_over(service, "it is down")
+
     def _fail_over_down(self) -> None:
         """(A failover that met a DHT being changed is done now.)"""
         for name in list(self.state.services):
