@@ -774,6 +774,38 @@ def test_a_dht_takes_no_other_change_while_a_drain_copies_it(cluster):
     cluster.assert_every_copy_holds(records)
 
 
+def test_a_failover_does_not_wait_for_a_whole_drain(cluster):
+    # A service dies while a drain copies the draining service's backups:
+    # its failover waits for the copy under way, not for the drain's end.
+    cluster.create()
+    records = cluster.fill()
+    supervisor = cluster.supervisor
+    copy_replica = supervisor._copy_replica
+    steps = []
+
+    def copying(descriptor, changed, bucket, source, target):
+        now = supervisor.state.dhts["r"]
+        if not steps:
+            sources = {layout.owners(now, "storage").get(backed)
+                       for backed in backups_on(now, "s1")}
+            dying = sorted({"s2", "s3", "s4"} - sources - {target})[0]
+            steps.append(dying)
+            cluster.drop(dying)
+            cluster.clock.advance(FAILOVER_GRACE * 2)   # (the grace ends mid-copy)
+            assert dying in replicas.copies_held(supervisor.state.dhts["r"])
+        else:
+            steps.append("waiting" if steps[0] in replicas.copies_held(now) else "failed over")
+        return copy_replica(descriptor, changed, bucket, source, target)
+
+    supervisor._copy_replica = copying
+    result_of(supervisor.op_drain_service(None, name="s1"))
+    assert len(steps) >= 2 and steps[1] == "failed over", steps
+    after = cluster.descriptor()
+    assert steps[0] not in replicas.copies_held(after) and "s1" not in replicas.copies_held(after)
+    for key, value in records.items():
+        assert cluster.read(key) == (wire.ST_OK, value)
+
+
 def test_held_by_counts_backups(cluster):
     descriptor = cluster.create()
     held = cluster.supervisor._held_by("s1")["r"]
