@@ -927,6 +927,25 @@ class TxDht(DirectLookup[TxChannel]):
         """Every request at once; fires with the replies in request order."""
         return _gather([channel.request(message, self.name) for channel, message in requests])
 
+    async def _round(self, requests: list[tuple[TxChannel, bytes]]) -> list[bytes] | None:
+        """A batch's round trip; None when a replicated bucket's primary
+        was dead and its backup has taken over (as the synchronous client's
+        _exchange: the batch goes again, its changes applying the same
+        values again)."""
+        mark = self._fetches
+        try:
+            return await self._exchange(requests)
+        except ServiceUnavailable as exc:
+            if not (self.replicated and exc.service):
+                raise
+            dead = self.cluster.channel(exc.service, exc.address)
+            buckets = [bucket for bucket in range(self.bucket_count)
+                       if self._owners[bucket] is dead] if self.bucket_count <= 1 << 16 else []
+            if not buckets or not await self._owner_moved(mark, buckets[0], dead,
+                                                          self.bucket_count):
+                raise
+            return None
+
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> defer.Deferred:
         """Store many records, one message per service where they fit in a
         datagram (more where they do not), all sent at once.  Fires with how
@@ -965,17 +984,20 @@ class TxDht(DirectLookup[TxChannel]):
         shift = self._shift         # (the numbering of ``owners``: the layout may change)
         created = 0
         rounds = self._batch_rounds()
-        replies: list[bytes] = []
+        replies: list[bytes] | None = []
         while keys:
             requests = batch.put_requests(keys, values, self._hasher, shift, owners,
                                           self.id, self.cluster.ids)
-            replies = await self._exchange(requests)
+            replies = await self._round(requests)
+            if replies is None:             # (a backup took over: the round again)
+                owners, shift = self._owners, self._shift
+                continue
             new, keys, values, moved, moving = self._put_round(requests, replies)
             created += new
             if keys:
                 await self._before_next_round(moved, moving, rounds)
                 owners, shift = self._owners, self._shift
-        self._batch_seen(replies)
+        self._batch_seen(replies or [])
         return created
 
     def get_many(self, keys: Iterable[Any]) -> defer.Deferred:
@@ -989,16 +1011,19 @@ class TxDht(DirectLookup[TxChannel]):
         owners = await self._batch_owners(state.encoded)
         shift = self._shift         # (the numbering of ``owners``: the layout may change)
         rounds = self._batch_rounds()
-        replies: list[bytes] = []
+        replies: list[bytes] | None = []
         while state.pending:
             requests, batches = state.requests(self._hasher, shift, owners, self.id,
                                                self.cluster.ids)
-            replies = await self._exchange(requests)
+            replies = await self._round(requests)
+            if replies is None:             # (a backup took over: the round again)
+                owners, shift = self._owners, self._shift
+                continue
             moved = state.take(requests, batches, replies, self._batch_error)
             if moved or state.moving:
                 await self._before_next_round(moved, state.moving, rounds)
                 owners, shift = self._owners, self._shift
-        self._batch_seen(replies)
+        self._batch_seen(replies or [])
         return state.found
 
     def _batch_error(self, reply: bytes, channel: TxChannel) -> Exception:

@@ -309,7 +309,13 @@ class RequestHandler:
         waiting = self._in_flight[token] = Later()
         join = _Join(self, hosted, holders, data, token, limit)
         for holder in holders:
-            self.replicator(holder, hosted.addresses.get(holder, ""), data, join.took, holder)
+            try:
+                self.replicator(holder, hosted.addresses.get(holder, ""), data, join.took,
+                                holder)
+            except Exception as exc:
+                # (A replicator that raises at once is a backup that failed,
+                # not a handler that raises, nor a token left in flight.)
+                join.took(exc, holder)
         return waiting
 
     def _replicated(self, join: _Join) -> None:
@@ -345,11 +351,28 @@ class RequestHandler:
         """The buckets (this DHT's numbering) a change writes to, each one
         a primary here; raises as the change itself would be refused."""
         op = data[2]
+        # (Checked as the change itself is: a request every copy would refuse
+        # is answered here, not forwarded to fail at the backups, which would
+        # be reported and taken off the bucket for it.)
         if op == wire.OP_PUT_MANY:
             dht_id, entries = wire.decode_put_many(data)
+            if any(len(key) > wire.MAX_KEY_BYTES or len(value) > wire.MAX_VALUE_BYTES
+                   for _bucket, key, value in entries):
+                raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
             buckets = [self._local(hosted, data[3], bucket, key) for bucket, key, _ in entries]
         else:
-            dht_id, bucket, key, _rest = wire.decode_keyed(data)
+            dht_id, bucket, key, rest = wire.decode_keyed(data)
+            if len(key) > wire.MAX_KEY_BYTES:
+                raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
+            if op == wire.OP_PUT:
+                # (wire.put_value's checks, without copying the value again)
+                if (len(rest) < wire.U32.size
+                        or wire.U32.unpack_from(rest)[0] != len(rest) - wire.U32.size):
+                    raise ProtocolError("a put's value length does not match its value")
+                if len(rest) - wire.U32.size > wire.MAX_VALUE_BYTES:
+                    raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
+            elif rest:
+                raise ProtocolError("bytes after the key")
             buckets = [self._local(hosted, data[3], bucket, key)]
         for bucket in buckets:
             if bucket not in hosted.repos:
@@ -721,6 +744,10 @@ class RequestHandler:
                                 f"DHT {hosted.name!r} uses platform {hosted.platform}, which "
                                 f"keeps no key order; key ranges need domus-rbt or "
                                 f"domus-bsddb-btree")
+        if hosted.lost:
+            # (Any lost bucket may have held keys of the range: a page
+            # without them would be a silent loss.)
+            raise RequestFailed(wire.ST_DATA_LOST, hosted.loss_message(min(hosted.lost)))
         if hosted.frozen:
             raise RequestFailed(wire.ST_MOVING, f"a bucket of DHT {hosted.name!r} is moving "
                                 f"to another service; retry shortly")

@@ -452,7 +452,14 @@ class PeerLinks:
         from twisted.internet import reactor
         from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 
-        host, port = addresses.parse(address)
+        try:
+            host, port = addresses.parse(address)
+        except ValueError as exc:
+            # (Failed at once, each change waiting for it: none is left
+            # waiting on a connection that was never begun.)
+            for _request, done, args in self._connecting.pop(peer, []):
+                done(ConnectionError(f"cannot reach service {peer}: {exc}"), *args)
+            return
         link = MessageProtocol()
         link.peer_name = f"service {peer} (a backup)"
         link.reply_handler = self._answered
