@@ -36,6 +36,7 @@ from domus.wire.attributes import (
     MIN_BUCKETS,
     PLATFORM_MEDIA,
     PLATFORM_NEEDS,
+    attribute_differences,
     check_request,
     default_bucket_count,
 )
@@ -119,7 +120,9 @@ class SupervisorService(Service):
         self._balance_timer: task.LoopingCall | None = None
         self.links: dict[str, MessageProtocol] = {}
         self.live: dict[str, dict[str, Any]] = {}   # name -> last_seen, load, stats
-        self._creating: set[str] = set()
+        # DHT name -> Deferreds of those waiting for its creation in flight
+        # (an open_dht, a create_dht with exist_ok): fired when it ends.
+        self._creating: dict[str, list[defer.Deferred]] = {}
         # service -> DHTs it must be taken out of (it came back without what
         # it held) once they are not being changed
         self._taking_out: dict[str, set[str]] = {}
@@ -430,8 +433,19 @@ class SupervisorService(Service):
                                f"create it with create_dht or `domus dht create`")
         return descriptor
 
-    def op_open_dht(self, link: MessageProtocol, *, name: str) -> dict[str, Any]:
+    def op_open_dht(self, link: MessageProtocol, *, name: str) -> Any:
+        """The DHT's descriptor; a DHT being created is waited for, so that
+        tasks that start together may open what one of them creates."""
+        if name in self._creating:
+            return self._creation_ended(name).addCallback(lambda _: self._find(name))
         return self._find(name)
+
+    def _creation_ended(self, name: str) -> defer.Deferred:
+        """Fires (with None, whatever the outcome) once the creation of DHT
+        ``name`` now in flight has ended."""
+        ended: defer.Deferred = defer.Deferred()
+        self._creating[name].append(ended)
+        return ended
 
     def op_dht_info(self, link: MessageProtocol, *, name: str) -> dict[str, Any]:
         descriptor = dict(self._find(name))
@@ -477,15 +491,32 @@ class SupervisorService(Service):
 
     @defer.inlineCallbacks
     def op_create_dht(self, link: MessageProtocol, *, name: str,
-                      attributes: dict[str, Any] | None = None) -> Any:
+                      attributes: dict[str, Any] | None = None, exist_ok: bool = False) -> Any:
+        """Create DHT ``name``.  With ``exist_ok``, a DHT of that name with
+        the attributes asked for (below) is an answer too: it is returned,
+        and one being created is waited for; one whose attributes differ is
+        DhtExists naming them.  Tasks that start together may so all call
+        create_dht, and all get the one DHT."""
         try:
             wanted = check_request(name, attributes or {})
         except InvalidAttribute as exc:
             raise ControlError("InvalidAttribute", str(exc)) from None
+        while exist_ok and name in self._creating:
+            yield self._creation_ended(name)
+        if name in self.state.dhts and exist_ok:
+            existing = self.state.dhts[name]
+            differ = attribute_differences(existing, wanted)
+            if differ:
+                raise ControlError("DhtExists", f"a DHT named {name!r} exists with other "
+                                   f"attributes: {'; '.join(differ)}; open it with open_dht, "
+                                   f"create it with the same attributes, or destroy it first")
+            return dict(existing, existed=True)
         if name in self.state.dhts or name in self._creating:
-            raise ControlError("DhtExists", f"a DHT named {name!r} already exists; open it with "
-                               f"open_dht, or destroy it first")
-        self._creating.add(name)
+            being = "is being created" if name in self._creating else "already exists"
+            raise ControlError("DhtExists", f"a DHT named {name!r} {being}; open it with "
+                               f"open_dht, create it with exist_ok=True (`--exist-ok`), or "
+                               f"destroy it first")
+        self._creating[name] = []
         try:
             descriptor = self._plan(name, wanted)
             involved = self._involved(descriptor)
@@ -510,7 +541,8 @@ class SupervisorService(Service):
                      storage=[e["name"] for e in descriptor["storage_services"]])
             return descriptor
         finally:
-            self._creating.discard(name)
+            for waiting in self._creating.pop(name):
+                waiting.callback(None)
 
     def _able_to_store(self, platform: str, services: list[str], *, named: bool) -> list[str]:
         """The services of ``services`` that can store ``platform``.  A

@@ -58,6 +58,10 @@ FAILOVER_POLL = 0.1      # seconds between asking the supervisor who took over a
 # Deactivation saves every record of a RAM DHT, activation loads them: the
 # supervisor gives the services 600 s; the client waits a little longer.
 STATE_CHANGE_TIMEOUT = 620.0
+# A creation waits for every service's acknowledgement (the supervisor's
+# --push-timeout, 10 s by default); an open or an exist_ok creation may
+# wait for one in flight first.
+CREATE_TIMEOUT = 30.0
 _MISSING = object()
 _PUT = wire.OP_PUT
 _GET = wire.OP_GET
@@ -147,10 +151,15 @@ class Cluster:
                    routing_algorithm: str | None = None, lookup: str | None = None,
                    durability: str | None = None, replicas: int | None = None,
                    routing_services: Iterable[str] | None = None,
-                   storage_services: Iterable[str] | None = None) -> Dht:
+                   storage_services: Iterable[str] | None = None,
+                   exist_ok: bool = False) -> Dht:
         """Create a DHT and open it.  Attributes left out take their
         defaults (README, "DHT attributes"); service sets default to every live
-        service."""
+        service.  ``exist_ok``: a DHT of that name with these attributes
+        (its bucket count and service sets only where given) is opened
+        instead, one being created is waited for, and one with other
+        attributes raises DhtExists naming them; so every task of a job may
+        call it."""
         attributes = create_request(name, buckets=buckets, hash=hash, storage=storage,
                                     platform=platform, routing=routing,
                                     routing_degree=routing_degree,
@@ -158,8 +167,9 @@ class Cluster:
                                     durability=durability, replicas=replicas,
                                     routing_services=routing_services,
                                     storage_services=storage_services)
+        extra = {"exist_ok": True} if exist_ok else {}
         descriptor = self.supervisor.call("create_dht", name=name, attributes=attributes,
-                                          timeout=max(self.timeout, 15.0))
+                                          timeout=max(self.timeout, CREATE_TIMEOUT), **extra)
         return Dht(self, descriptor)
 
     def open_dht(self, name: str, *, lookup: str | None = None, cache: float | None = None,
@@ -168,10 +178,12 @@ class Cluster:
         ("D", "D,C,R", "C,R" or "R"; default: the DHT's own), ``cache`` the
         size of its lookup cache as a fraction of the bucket count (default
         0.5), ``direct_cutoff`` the direct misses after which it stops using
-        direct lookups (default 8; domus.client.lookup says more)."""
+        direct lookups (default 8; domus.client.lookup says more).  A DHT
+        being created is waited for."""
         if lookup is not None:
             check_strategy(lookup)
-        descriptor = self.supervisor.call("open_dht", name=name)
+        descriptor = self.supervisor.call("open_dht", name=name,
+                                          timeout=max(self.timeout, CREATE_TIMEOUT))
         return Dht(self, descriptor, lookup=lookup, cache=cache, direct_cutoff=direct_cutoff)
 
     def list_dhts(self) -> list[dict[str, Any]]:

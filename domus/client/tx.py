@@ -42,7 +42,13 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.python.failure import Failure
 
 from domus.client import batch, codec
-from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target, reply_error
+from domus.client.blocking import (
+    CREATE_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    STATE_CHANGE_TIMEOUT,
+    move_target,
+    reply_error,
+)
 from domus.client.lookup import PAUSE, SEND, DirectLookup, Renumbered
 from domus.client.transport import (
     FIRST_TIMEOUT,
@@ -636,9 +642,12 @@ class TxCluster:
                    routing_algorithm: str | None = None, lookup: str | None = None,
                    durability: str | None = None, replicas: int | None = None,
                    routing_services: Iterable[str] | None = None,
-                   storage_services: Iterable[str] | None = None) -> defer.Deferred:
+                   storage_services: Iterable[str] | None = None,
+                   exist_ok: bool = False) -> defer.Deferred:
         """Create a DHT and open it: fires with a TxDht.  Attributes left out
-        take their defaults; service sets default to every live service."""
+        take their defaults; service sets default to every live service.
+        ``exist_ok`` as for Cluster.create_dht: the existing DHT if its
+        attributes are these (one being created is waited for)."""
         try:
             attributes = create_request(name, buckets=buckets, hash=hash, storage=storage,
                                         platform=platform, routing=routing,
@@ -649,8 +658,9 @@ class TxCluster:
                                         storage_services=storage_services)
         except Exception:
             return defer.fail()
-        creating = self.call("create_dht", timeout=max(self.timeout, 15.0), name=name,
-                             attributes=attributes)
+        extra = {"exist_ok": True} if exist_ok else {}
+        creating = self.call("create_dht", timeout=max(self.timeout, CREATE_TIMEOUT), name=name,
+                             attributes=attributes, **extra)
         return creating.addCallback(lambda descriptor: TxDht(self, descriptor))
 
     def open_dht(self, name: str, *, lookup: str | None = None, cache: float | None = None,
@@ -668,7 +678,8 @@ class TxCluster:
             return TxDht(self, descriptor, lookup=lookup, cache=cache,
                          direct_cutoff=direct_cutoff)
 
-        return self.call("open_dht", name=name).addCallback(opened)
+        return self.call("open_dht", name=name, timeout=max(self.timeout, CREATE_TIMEOUT)) \
+            .addCallback(opened)
 
     def list_dhts(self) -> defer.Deferred:
         return self.call("list_dhts")

@@ -57,6 +57,18 @@ def _cpu_list(text: str) -> list[int]:
     return sorted(cpus)
 
 
+def _instance_count(text: str) -> int:
+    from domus.ops.instances import MAX_INSTANCES
+
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of instances") from None
+    if not 1 <= count <= MAX_INSTANCES:
+        raise argparse.ArgumentTypeError(f"{count} instances: give 1 to {MAX_INSTANCES}")
+    return count
+
+
 def _run_reactor(service: Any) -> int:
     from twisted.internet import reactor
     from twisted.logger import (
@@ -108,11 +120,16 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
 
 
 def cmd_service(args: argparse.Namespace) -> int:
+    if args.instances > 1:
+        from domus.ops import instances
+        from domus.service.resources import usable_cpus
+
+        return instances.run(args, args.cpus or usable_cpus())
     from domus.service.server import DomusService
 
     overrides = {key: value for key, value in
-                 (("cores", args.cores), ("ram", args.ram), ("disk", args.disk))
-                 if value is not None}
+                 (("cores", args.cores), ("ram", args.ram), ("disk", args.disk),
+                  ("host", args.host)) if value is not None}
     return _run_reactor(DomusService(supervisor=addresses.supervisor_address(args.supervisor),
                                      listen=args.listen, data_dir=args.data_dir, name=args.name,
                                      heartbeat=args.heartbeat, resources=overrides,
@@ -340,8 +357,11 @@ def cmd_dht(args: argparse.Namespace) -> int:
                 lookup=args.lookup,
                 durability=args.durability, replicas=args.replicas,
                 routing_services=_names(args.routing_services),
-                storage_services=_names(args.storage_services))
-            print(f"created DHT {dht.name!r} (id {dht.id}, {dht.bucket_count} buckets)")
+                storage_services=_names(args.storage_services), exist_ok=args.exist_ok)
+            done = "existed already" if dht.descriptor.get("existed") else "created"
+            print(f"DHT {dht.name!r} {done} (id {dht.id}, {dht.bucket_count} buckets)"
+                  if done != "created" else
+                  f"created DHT {dht.name!r} (id {dht.id}, {dht.bucket_count} buckets)")
         elif args.action == "list":
             dhts = cluster.list_dhts()
             if args.json:
@@ -607,6 +627,17 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
                      help="run on these CPUs only, e.g. 2 or 0,1 or 4-7 (default: those it "
                      "was started with); its cores and node load count these only")
+    svc.add_argument("--host", default=None, metavar="NAME",
+                     help="the host this service runs on, as the supervisor sees it: copies "
+                     "of a bucket go to services of different hosts (default: this machine's "
+                     "hostname)")
+    svc.add_argument("--instances", type=_instance_count, default=1, metavar="N",
+                     help="run N services on this node (one core each): ports PORT to "
+                     "PORT+N-1 of --listen, data dirs DIR/instance-I, names NAME-I, each "
+                     "pinned to one of the CPUs (--cpus, else all, round robin); stopped "
+                     "together (default 1)")
+    svc.add_argument("--no-pin", action="store_true",
+                     help="with --instances: leave the instances unpinned")
     svc.set_defaults(func=cmd_service)
 
     secret_parser = commands.add_parser("secret", help="make a deployment secret (for job "
@@ -641,6 +672,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "services (distinct hosts where there are enough): 1 (default) to 3")
     create.add_argument("--routing-services", help="comma-separated service names")
     create.add_argument("--storage-services", help="comma-separated service names")
+    create.add_argument("--exist-ok", action="store_true", help="a DHT of that name with "
+                        "these attributes is fine (one being created is waited for); one "
+                        "with other attributes is an error naming them")
     listing = talks(actions.add_parser("list"))
     listing.add_argument("--json", action="store_true")
     talks(actions.add_parser("info")).add_argument("name")

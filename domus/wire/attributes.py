@@ -191,3 +191,33 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
             raise InvalidAttribute(f"{role} names a service twice: {list(services)}")
         merged[role] = list(services)
     return merged
+
+
+# Attributes every request names (given, or by their defaults) and that a
+# DHT keeps for life: an existing DHT must have these to be "the same".
+_FIXED = ("hash", "storage", "platform", "routing", "routing_degree", "routing_algorithm",
+          "lookup", "durability", "replicas")
+
+
+def attribute_differences(descriptor: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """How an existing DHT (its descriptor) differs from a creation request
+    (``check_request``'s answer), as "attribute: has X, asked for Y" lines;
+    empty when it is the DHT asked for.  A bucket count matches the DHT's
+    first count or its current one (it may have been resized since); a
+    service set left out matches any, one given matches the services that
+    hold the role now (in any order)."""
+    differ = [f"{attribute}: has {descriptor.get(attribute)!r}, asked for "
+              f"{wanted.get(attribute)!r}"
+              for attribute in _FIXED
+              if (descriptor.get(attribute) or DEFAULTS.get(attribute))
+              != (wanted.get(attribute) or DEFAULTS.get(attribute))]
+    buckets = wanted.get("buckets")
+    if buckets is not None and buckets not in (descriptor.get("initial_buckets"),
+                                               descriptor.get("buckets")):
+        differ.append(f"buckets: has {descriptor.get('buckets')}, asked for {buckets}")
+    for role in ("routing_services", "storage_services"):
+        asked = wanted.get(role)
+        held = sorted(entry["name"] for entry in descriptor.get(role, ()))
+        if asked is not None and sorted(asked) != held:
+            differ.append(f"{role}: has {held}, asked for {sorted(asked)}")
+    return differ
