@@ -29,11 +29,15 @@ def pin_to_cpus(cpus: list[int]) -> None:
 
 
 def base_resources(data_dir: str, cores: float | None = None, ram: int | None = None,
-                   disk: int | None = None) -> dict[str, Any]:
-    """cores (the CPUs this process may use), ram (bytes) and disk (free
-    bytes under ``data_dir``)."""
+                   disk: int | None = None, host: str | None = None) -> dict[str, Any]:
+    """cores (the CPUs this process may use), ram (bytes), disk (free bytes
+    under ``data_dir``) and hostname: the host it runs on as the supervisor
+    sees it (``host``, else this machine's name), which keeps the copies of
+    a bucket on distinct hosts, so services that share one (``domus service
+    --instances``) say the same name, and network namespaces standing for
+    hosts say their own."""
     return {
-        "hostname": socket.gethostname(),
+        "hostname": host or socket.gethostname(),
         "cores": cores if cores is not None else len(usable_cpus()),
         "ram": ram if ram is not None else psutil.virtual_memory().total,
         "disk": disk if disk is not None else psutil.disk_usage(data_dir).free,
