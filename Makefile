@@ -5,7 +5,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := python3-venv python3-dev build-essential libdb-dev redis-server
+APT_PACKAGES := python3-venv python3-dev build-essential libdb-dev redis-server iproute2 \
+  mariadb-server slurm-wlm munge
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Test processes run side by side (pytest-xdist): one per core by default.
