@@ -1,8 +1,10 @@
 """An array-job task that stores its results in a DHT, and a collector.
 
-Each task of an array job (Slurm: $SLURM_ARRAY_TASK_ID, PBS/Torque:
-$PBS_ARRAYID) computes results for its slice of the inputs and stores them
-with put_many; any task (or a final job) collects them.
+Each task (inside clients/slurm/ or clients/pbs/ job scripts: $DOMUS_TASK_ID
+of $DOMUS_TASKS; in an array job: $SLURM_ARRAY_TASK_ID or $PBS_ARRAYID)
+computes results for its slice of the inputs and stores them with put_many;
+any task (or a final step) collects them.  Every task creates the DHT with
+exist_ok=True: tasks that start together all get the one DHT.
 
     python clients/example_job.py --tasks 8 --task-id 3      # one task
     python clients/example_job.py --tasks 8 --collect          # check all results
@@ -15,7 +17,6 @@ import os
 import sys
 
 import domus
-from domus.errors import DhtExists
 
 
 def compute(item: int) -> dict[str, int]:
@@ -32,18 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--supervisor", default=None)
     parser.add_argument("--dht", default="collatz")
     parser.add_argument("--items", type=int, default=100_000)
-    parser.add_argument("--tasks", type=int, default=1)
+    parser.add_argument("--tasks", type=int, default=int(os.environ.get("DOMUS_TASKS") or 1))
     parser.add_argument("--task-id", type=int,
-                        default=int(os.environ.get("SLURM_ARRAY_TASK_ID")
+                        default=int(os.environ.get("DOMUS_TASK_ID")
+                                    or os.environ.get("SLURM_ARRAY_TASK_ID")
                                     or os.environ.get("PBS_ARRAYID") or 0))
     parser.add_argument("--collect", action="store_true")
     args = parser.parse_args(argv)
 
     with domus.connect(args.supervisor) as cluster:
-        try:
-            results = cluster.create_dht(args.dht)
-        except DhtExists:
-            results = cluster.open_dht(args.dht)
+        results = cluster.create_dht(args.dht, exist_ok=True)
         if args.collect:
             found = results.get_many(range(1, args.items + 1))
             missing = args.items - len(found)
