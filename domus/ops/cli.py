@@ -217,7 +217,8 @@ def _say_what_ram_dhts_lose(deployment: Any) -> None:
         return
     held = [(name, records) for name, records in held if records]
     if held:
-        listed = ", ".join(f"{name} ({records:,} record{'s' if records != 1 else ''})" for name, records in held)
+        listed = ", ".join(f"{name} ({records:,} record{'s' if records != 1 else ''})"
+                           for name, records in held)
         print(f"domus up: stopping loses what RAM DHTs hold: {listed}; to keep them, stop "
               f"with `domus deployment shutdown` instead (it saves RAM DHTs to the data "
               f"dir), then `domus up` again", file=sys.stderr, flush=True)

@@ -102,10 +102,10 @@ def test_help_lists_every_action_with_a_line(command, capsys):
     parser = cli.build_parser()
     for word in command.split():
         parser = _subcommands(parser)[word]
-    for name, sub in _subcommands(parser).items():
-        action, = (action for action in parser._actions
-                   if isinstance(action, argparse._SubParsersAction))
-        helps = {choice.dest: choice.help for choice in action._choices_actions}
+    action, = (action for action in parser._actions
+               if isinstance(action, argparse._SubParsersAction))
+    helps = {choice.dest: choice.help for choice in action._choices_actions}
+    for name in _subcommands(parser):
         assert helps.get(name), f"`domus {command} {name}` has no line in --help"
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
