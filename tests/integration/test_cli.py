@@ -83,6 +83,14 @@ def test_status_json_parses(deployment, cluster):
     assert all(entry["state"] == "up" for entry in services.values())
     assert services["s1"]["buckets"]["shown"]["storage"] == 16
     assert [dht["name"] for dht in status["dhts"]] == ["shown"]
+    # the stats the docs name, once a heartbeat has brought them
+    for entry in services.values():
+        assert entry["hot_path"] in ("c", "python")
+    wait_until(lambda: all("storage_errors" in entry["stats"] for entry in cluster.services()),
+               timeout=15, what="heartbeats with the services' stats")
+    for entry in cluster.services():
+        assert entry["stats"]["storage_errors"] == 0 and entry["stats"]["internal_errors"] == 0
+        assert entry["stats"]["hot_path"] == entry["hot_path"]
 
 
 def test_service_list(deployment):

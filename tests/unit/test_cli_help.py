@@ -198,3 +198,12 @@ def test_connect_refuses_a_timeout_that_is_not_positive():
     for timeout in (0, -1, float("nan"), "5", True):
         with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
             connect("127.0.0.1:1", timeout=timeout)
+
+
+def test_the_quick_start_names_every_package_make_installs():
+    makefile = (README.parent / "Makefile").read_text()
+    packages = set(re.search(r"^APT_PACKAGES := (.*)$", makefile, re.M).group(1).split())
+    said = re.search(r"install missing system packages with `apt-get` \((.*?)\)",
+                     " ".join(README.read_text().split()))
+    assert said, "the README's quick start no longer lists the packages make installs"
+    assert set(re.findall(r"`([^`]+)`", said.group(1))) == packages
