@@ -86,7 +86,7 @@ def literal_in(comment: str) -> tuple[bool, Any]:
     if "..." in text:
         return False, None          # (a sketch of a value, not the value)
     for end in range(len(text), 0, -1):
-        if end < len(text) and text[end] not in " :;,(" and not text[end - 1] in "]})\"'":
+        if end < len(text) and text[end] not in " :;,(" and text[end - 1] not in "]})\"'":
             continue
         try:
             value = ast.literal_eval(text[:end].strip())
