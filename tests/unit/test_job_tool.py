@@ -1,0 +1,71 @@
+"""python -m domus.ops.job, the job scripts' helper: addresses, free ports
+and refusing to touch another job's deployment."""
+
+import socket
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from domus.ops import job
+
+
+def test_ports_start_where_the_job_id_says_and_step_over_taken_ones():
+    first = job.free_ports(3, seed=4242, host="127.0.0.1")
+    assert job.free_ports(3, seed=4242, host="127.0.0.1") == first
+    assert job.free_ports(3, seed=4243, host="127.0.0.1") != first
+    taken = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    taken.bind(("127.0.0.1", first + 1))
+    try:
+        moved = job.free_ports(3, seed=4242, host="127.0.0.1")
+    finally:
+        taken.close()
+    assert moved != first and first + 1 not in range(moved, moved + 3)
+
+
+def test_address_by_interface_and_by_network():
+    assert job.address(interface="lo") == "127.0.0.1"
+    assert job.address(network="127.0.0.0/8") == "127.0.0.1"
+    mine = {entry.address for entries in psutil.net_if_addrs().values() for entry in entries}
+    absent = next(f"198.51.{n}.0/24" for n in range(100, 200)
+                  if not any(a.startswith(f"198.51.{n}.") for a in mine))
+    with pytest.raises(SystemExit, match=f"no address of this node is in {absent}"):
+        job.address(network=absent)
+    with pytest.raises(SystemExit, match="interface 'nonesuch0' has no IPv4 address"):
+        job.address(interface="nonesuch0")
+
+
+def test_wait_and_shutdown_with_no_supervisor_fail_clearly(monkeypatch, tmp_path):
+    port = job.free_ports(1, seed=1, host="127.0.0.1")
+    env = {"DOMUS_SUPERVISOR": f"127.0.0.1:{port}", "DOMUS_SECRET_FILE": str(tmp_path / "s"),
+           "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-m", "domus", "secret", "new", env["DOMUS_SECRET_FILE"]],
+                   check=True, capture_output=True)
+    waited = subprocess.run([sys.executable, "-m", "domus.ops.job", "wait", "--job-id", "9",
+                             "--services", "1", "--timeout", "1"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert waited.returncode == 4 and "timed out after 1s" in waited.stderr
+    stopped = subprocess.run([sys.executable, "-m", "domus.ops.job", "shutdown", "--job-id",
+                              "9"], env=env, capture_output=True, text=True, timeout=60)
+    assert stopped.returncode == 3 and "nothing to shut down" in stopped.stderr
+
+
+def test_another_jobs_supervisor_is_left_alone(tmp_path, monkeypatch):
+    from domus.ops.deploy import LocalDeployment, free_port_block
+
+    with LocalDeployment(0, port=free_port_block(1),
+                         data_dir=str(tmp_path / "domus-job-111")) as other:
+        env = {"DOMUS_SUPERVISOR": other.supervisor_address,
+               "DOMUS_SECRET_FILE": other.secret_file, "PATH": "/usr/bin:/bin"}
+        # even holding its secret, job 222 does not stop job 111's deployment
+        stopped = subprocess.run([sys.executable, "-m", "domus.ops.job", "shutdown",
+                                  "--job-id", "222"], env=env, capture_output=True, text=True,
+                                 timeout=60)
+        assert stopped.returncode != 0 and "is not job 222's" in stopped.stderr
+        with other.connect() as cluster:
+            assert cluster.ping()
+        waited = subprocess.run([sys.executable, "-m", "domus.ops.job", "wait", "--job-id",
+                                 "111", "--services", "0", "--timeout", "30"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert waited.returncode == 0, waited.stderr
