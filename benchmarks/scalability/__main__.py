@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import sys
 import time
 
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = (only or set()) - set(EXPERIMENTS)
     if unknown:
         parser.error(f"--only: unknown {sorted(unknown)}; choose from {', '.join(EXPERIMENTS)}")
+    # SIGTERM and SIGHUP unwind like Ctrl-C: every system, client and
+    # namespace is stopped or deleted by the finally blocks on the way out
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda number, _frame: sys.exit(128 + number))
     plan = QUICK if args.quick else FULL
     for name, flag in (("services", args.services), ("clients", args.clients),
                        ("per_host", args.per_host)):
