@@ -121,9 +121,21 @@ class Suite:
 
     def __post_init__(self) -> None:
         self.work = tempfile.mkdtemp(prefix="domus-scalability-")
+        self.live: list[System] = []
         self.head_count = 1
         self.service_count = max(self.plan.services)
         self.client_count = max(self.plan.clients)
+
+    def track(self, kind: type) -> type:
+        """``kind``, whose instances are stopped when the run ends however
+        it ends (a start that fails half-way included)."""
+
+        def made(*args: Any) -> Any:
+            system = kind(*args)
+            self.live.append(system)
+            return system
+
+        return made  # type: ignore[return-value]
 
     # ------------------------------------------------------------ layout
     @property
@@ -218,7 +230,7 @@ class Suite:
     def domus_disjoint(self) -> None:
         """N Xcli M 1srv: services and clients on disjoint hosts."""
         for services in self.plan.services:
-            domus = Domus(self.system_dir(f"domus-m{services}")).start(
+            domus = self.track(Domus)(self.system_dir(f"domus-m{services}")).start(
                 self.head, self.service_hosts(services))
             try:
                 domus.create(self.head, "put1", "--lookup", "D")
@@ -275,7 +287,7 @@ class Suite:
         clients = max(self.plan.clients)
         per_host = max(self.plan.per_host)
         for instances in (1, self.plan.instances):
-            domus = Domus(self.system_dir(f"domus-instances{instances}")).start(
+            domus = self.track(Domus)(self.system_dir(f"domus-instances{instances}")).start(
                 self.head, self.service_hosts(services), instances=instances)
             try:
                 domus.create(self.head, "put1")
@@ -293,7 +305,7 @@ class Suite:
         """N Xcli 1srv: each host runs a service and X clients."""
         hosts = self.client_hosts()
         for clients in self.plan.clients:
-            domus = Domus(self.system_dir(f"domus-shared{clients}")).start(
+            domus = self.track(Domus)(self.system_dir(f"domus-shared{clients}")).start(
                 self.head, hosts[:clients])
             try:
                 domus.create(self.head, "put1")
@@ -310,7 +322,7 @@ class Suite:
     def redis(self) -> None:
         """The Redis Cluster baseline on the same service hosts."""
         for services in self.plan.services:
-            cluster = RedisCluster(self.system_dir(f"redis-m{services}")).start(
+            cluster = self.track(RedisCluster)(self.system_dir(f"redis-m{services}")).start(
                 self.service_hosts(services))
             try:
                 for per_host in self.plan.per_host:
@@ -335,7 +347,7 @@ class Suite:
 
     def mariadb(self) -> None:
         """The MariaDB (InnoDB) baseline: one server, as the paper's MySQL."""
-        server = MariaDB(self.system_dir("mariadb")).start(self.service_hosts(1)[0])
+        server = self.track(MariaDB)(self.system_dir("mariadb")).start(self.service_hosts(1)[0])
         try:
             for per_host in self.plan.per_host:
                 for clients in self.plan.clients:
@@ -360,7 +372,7 @@ class Suite:
         clients = max(self.plan.clients)
         per_host = self.plan.per_host[0]
         records = self.plan.ycsb_records
-        domus = Domus(self.system_dir("ycsb-domus")).start(self.head,
+        domus = self.track(Domus)(self.system_dir("ycsb-domus")).start(self.head,
                                                            self.service_hosts(services))
         try:
             for workload in "ABCDEF":
@@ -376,7 +388,7 @@ class Suite:
         finally:
             domus.stop()
             self.workers.forget()
-        cluster = RedisCluster(self.system_dir("ycsb-redis")).start(
+        cluster = self.track(RedisCluster)(self.system_dir("ycsb-redis")).start(
             self.service_hosts(services))
         try:
             for workload in "ABCDEF":
@@ -417,6 +429,8 @@ class Suite:
                             self.notes.append(note)
                             self.progress(f"  {note}")
             finally:
+                for system in self.live:
+                    system.stop()
                 self.workers.close()
         finally:
             self.hosts.close()
