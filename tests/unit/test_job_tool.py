@@ -53,7 +53,10 @@ def test_wait_and_shutdown_with_no_supervisor_fail_clearly(monkeypatch, tmp_path
 
 def test_another_jobs_supervisor_is_left_alone(tmp_path, monkeypatch):
     from domus.ops.deploy import LocalDeployment, free_port_block
+    from domus.wire import secret
 
+    # (its secret made first, as the job scripts do: the supervisor takes it)
+    secret.create(str(tmp_path / "domus-job-111" / "supervisor" / "secret"))
     with LocalDeployment(0, port=free_port_block(1),
                          data_dir=str(tmp_path / "domus-job-111")) as other:
         env = {"DOMUS_SUPERVISOR": other.supervisor_address,
