@@ -35,6 +35,13 @@ with the most room, and *pinned* there for ``pin_time`` seconds: the
 target layout is the counts' placement with the pinned buckets on their
 pins, so the balancer does not move it back meanwhile.
 
+A full disk.  A service whose disk is at its reserve (``disk_full`` in
+its heartbeat: it refuses puts on its disk DHTs) is given no bucket of a
+disk DHT's storage: no move goes there, hot buckets included, until its
+heartbeats say it has room again.  What it holds stays (moving records off
+it would write them elsewhere while it refuses writes anyway; a drain moves
+them by hand).
+
 Hysteresis and budgets.  A role is rebalanced only if some service is off
 its target count by more than ``tolerance`` buckets and more than
 ``relative_tolerance`` of its share, and that
@@ -134,6 +141,19 @@ def capacity(service: Mapping[str, Any], role: str, medium: str,
     return float(resources.get("ram") or 1)
 
 
+def disk_full(service: Mapping[str, Any]) -> bool:
+    """Whether a service said in its last heartbeat that its disk is at
+    its reserve."""
+    return bool((service.get("load") or {}).get("disk_full"))
+
+
+def takes_storage(descriptor: Mapping[str, Any], service: Mapping[str, Any] | None) -> bool:
+    """Whether buckets of the DHT's storage may be placed on or moved to
+    ``service`` now: not onto a full disk for a disk DHT."""
+    return service is not None and not (descriptor.get("storage") == "disk"
+                                        and disk_full(service))
+
+
 def eligible(descriptor: Mapping[str, Any], role: str, services: Mapping[str, Mapping[str, Any]],
              draining: Iterable[str] = ()) -> list[str]:
     """The services that should hold ``role`` of the DHT, in layout order."""
@@ -202,8 +222,8 @@ def hot_moves(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str,
     def cpu(name: str) -> float:
         return float((services[name].get("load") or {}).get("cpu") or 0)
 
-    room = sorted((name for name in eligible_storage if cpu(name) < settings.cpu_room),
-                  key=cpu)
+    room = sorted((name for name in eligible_storage if cpu(name) < settings.cpu_room
+                   and takes_storage(descriptor, services.get(name))), key=cpu)
     current = layout.owners(descriptor, "storage")
     moves = []
     for name in eligible_storage:
@@ -310,6 +330,8 @@ def plan(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]
                 continue                            # (a hot move already)
             if any(copy.get(bucket) == goal for copy in copies):
                 continue        # (it holds a backup of it: two copies would share a service)
+            if role == "storage" and not takes_storage(descriptor, services.get(goal)):
+                continue        # (its disk is at its reserve)
             must = owner in leaving
             if not must and now - memory.moved_at.get((name, role, bucket), -1e18) \
                     < settings.cooldown:

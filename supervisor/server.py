@@ -527,6 +527,18 @@ class SupervisorService(Service):
                            f"{which} store platform {platform!r}: it needs {need} where the "
                            f"services run, then a restart of those services")
 
+    def _with_room(self, wanted: dict[str, Any], services: list[str],
+                   named: bool) -> list[str]:
+        """A disk DHT's storage services, but those whose disk is at its
+        reserve (balancer.takes_storage); named ones must all have room."""
+        view = self._balancer_view()
+        full = [name for name in services if not balancer.takes_storage(wanted, view[name])]
+        if full and (named or len(full) == len(services)):
+            raise ControlError("StorageError", f"service(s) {full} have their disk at its "
+                               f"reserve (`domus status`); free space there, or store the "
+                               f"DHT elsewhere")
+        return [name for name in services if name not in full]
+
     def _plan(self, name: str, wanted: dict[str, Any]) -> dict[str, Any]:
         live = self.live_services()
         if not live:
@@ -545,6 +557,7 @@ class SupervisorService(Service):
             if role == "storage_services":
                 chosen = self._able_to_store(wanted["platform"], chosen,
                                              named=bool(wanted.get(role)))
+                chosen = self._with_room(wanted, chosen, named=bool(wanted.get(role)))
             sets[role] = list(chosen)
         buckets = wanted.get("buckets") or default_bucket_count(
             len(set(sets["routing_services"]) | set(sets["storage_services"])))
@@ -1635,6 +1648,8 @@ class SupervisorService(Service):
         under = min(eligible, key=lambda name: held.get(name, 0) - shares[name])
         if held.get(over, 0) - shares[over] <= 1 or shares[under] - held.get(under, 0) <= 1:
             return None
+        if not balancer.takes_storage(descriptor, view[under]):
+            return None         # (its disk is at its reserve)
         for rank, copy in enumerate(replicas.backups(descriptor), start=1):
             for first, end, holder in copy.ranges():
                 if holder != over:

@@ -39,6 +39,15 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _disk_reserve(text: str) -> Any:
+    from domus.storage.headroom import parse_reserve
+
+    try:
+        return parse_reserve(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _cpu_list(text: str) -> list[int]:
     """'2', '0,1' or '4-7' (as taskset -c): the CPU numbers, each one that
     this machine has."""
@@ -116,7 +125,9 @@ def cmd_service(args: argparse.Namespace) -> int:
     return _run_reactor(DomusService(supervisor=addresses.supervisor_address(args.supervisor),
                                      listen=args.listen, data_dir=args.data_dir, name=args.name,
                                      heartbeat=args.heartbeat, resources=overrides,
-                                     cpus=args.cpus, secret_file=args.secret_file))
+                                     cpus=args.cpus, secret_file=args.secret_file,
+                                     **({"disk_reserve": args.disk_reserve}
+                                        if args.disk_reserve is not None else {})))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -213,12 +224,16 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{load.get('node_cpu', 0):.0f}" if up else "-",
                      _megabytes(load.get("rss", 0)) if up else "-",
                      _size(load.get("free_ram")) if up else "-",
-                     _size(load.get("free_disk")) if up else "-",
+                     (_size(load.get("free_disk"))
+                      + (" DISK FULL" if load.get("disk_full") else "")) if up else "-",
                      f"{load.get('net_bytes_per_s', 0) / 1000:.0f}" if up else "-",
                      {"c": "C", "python": "python (slow)"}.get(service.get("hot_path"), "-"),
                      ",".join(_SHORT_PLATFORM.get(name, name)
                               for name in service.get("platforms", [])) or "-"))
     lines += _table(rows)
+    alarms = storage_alarms(status["services"])
+    if alarms:
+        lines += ["", "alarms:", *(f"  {alarm}" for alarm in alarms)]
     lines.append("")
     dht_rows = [("DHT", "ID", "STATE", "BUCKETS", "REPLICAS", "HASH", "STORAGE", "ROUTING",
                  "LOOKUP", "ROUTING SERVICES", "STORAGE SERVICES")]
@@ -234,6 +249,31 @@ def format_status(status: dict[str, Any]) -> str:
                          ",".join(dht["routing_services"]), ",".join(dht["storage_services"])))
     lines += _table(dht_rows) if status["dhts"] else ["no DHTs"]
     return "\n".join(lines)
+
+
+def storage_alarms(services: list[dict[str, Any]]) -> list[str]:
+    """A line for each service whose disk is at its reserve, and for each
+    DHT whose storage will not open on a service (whole, or some buckets),
+    with why."""
+    alarms = []
+    for service in services:
+        name = service["name"]
+        load = service.get("load") or {}
+        if service["state"] == "up" and load.get("disk_full"):
+            alarms.append(f"{name}: DISK FULL: {_size(load.get('free_disk'))} free, reserve "
+                          f"{_size(load.get('disk_reserve'))}: puts on its disk DHTs are "
+                          f"refused (reads and deletes go on); delete records or free space "
+                          f"under its data dir")
+        for dht, held in sorted(((service.get("stats") or {}).get("dhts") or {}).items()):
+            if held.get("problem"):
+                alarms.append(f"{name}: DHT {dht!r} NOT SERVED (retrying): {held['problem']}")
+            failed = held.get("failed_buckets") or {}
+            if failed:
+                buckets = sorted(int(bucket) for bucket in failed)
+                shown = ", ".join(map(str, buckets[:8])) + (", ..." if len(buckets) > 8 else "")
+                alarms.append(f"{name}: DHT {dht!r}: {len(buckets)} buckets NOT SERVED "
+                              f"(retrying) [{shown}]: {next(iter(failed.values()))}")
+    return alarms
 
 
 def _size(value: float | None) -> str:
@@ -607,6 +647,11 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
                      help="run on these CPUs only, e.g. 2 or 0,1 or 4-7 (default: those it "
                      "was started with); its cores and node load count these only")
+    svc.add_argument("--disk-reserve", type=_disk_reserve, default=None, metavar="SIZE|PCT",
+                     help="free space to keep on the data dir's filesystem: below it, puts on "
+                     "disk DHTs are refused (StorageFull) while reads and deletes go on; a "
+                     "size (512m, 2G) or a percentage (5%%); default 1%% of the filesystem, at "
+                     "least 64 MiB, at most 1 GiB and a quarter of the filesystem")
     svc.set_defaults(func=cmd_service)
 
     secret_parser = commands.add_parser("secret", help="make a deployment secret (for job "

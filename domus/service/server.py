@@ -25,6 +25,8 @@ from domus.service.hosted import FREEZE_LEASE
 from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
+from domus.storage.headroom import DEFAULT as DEFAULT_RESERVE
+from domus.storage.headroom import SAMPLE_INTERVAL, Headroom, Reserve
 from domus.wire import address as addresses
 from domus.wire import launch, secret
 from domus.wire import protocol as wire
@@ -48,7 +50,8 @@ class DomusService(Service):
     def __init__(self, *, supervisor: str, listen: str, data_dir: str, name: str | None = None,
                  heartbeat: float = HEARTBEAT_INTERVAL,
                  resources: dict[str, Any] | None = None,
-                 cpus: list[int] | None = None, secret_file: str | None = None) -> None:
+                 cpus: list[int] | None = None, secret_file: str | None = None,
+                 disk_reserve: Reserve = DEFAULT_RESERVE) -> None:
         self.supervisor_address = addresses.parse(supervisor)
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
@@ -63,6 +66,8 @@ class DomusService(Service):
                     for argument in (f"--{field}", str(value))]
         if cpus:
             declared += ["--cpus", ",".join(map(str, cpus))]
+        if disk_reserve != DEFAULT_RESERVE:
+            declared += ["--disk-reserve", str(disk_reserve)]
         # The deployment secret, found as every process finds it
         # (domus.wire.secret); None: an insecure deployment.
         self.keys = secret.keys(secret_file)
@@ -76,6 +81,7 @@ class DomusService(Service):
         self.handler = RequestHandler(self.service_name, data_dir=data_dir,
                                       data_key=self.keys.data if self.keys else None)
         self.peers = PeerLinks(self.service_name, self.keys)
+        self.handler.headroom = Headroom(self.data_dir, disk_reserve, self.service_name)
         self.handler.replicator = self.peers.forward
         self.handler.copy_failed = self._copy_failed
         self._reported: dict[tuple[int, str], float] = {}
@@ -127,7 +133,10 @@ class DomusService(Service):
         # when the service stops.
         flush = task.LoopingCall(self._flush)
         flush.start(FLUSH_INTERVAL, now=False)
-        self._timers += [expire, heartbeat, flush]
+        # Free space against the reserve, and stores that failed to open.
+        storage = task.LoopingCall(self.handler.tend_storage)
+        storage.start(SAMPLE_INTERVAL, now=True)
+        self._timers += [expire, heartbeat, flush, storage]
         self._connect_supervisor()
 
     def stopService(self) -> defer.Deferred:
@@ -234,6 +243,8 @@ class DomusService(Service):
     def _heartbeat(self) -> None:
         load = self.sampler.sample(self.handler.requests, time.monotonic(),
                                    self.handler.by_op[wire.OP_LOOKUP])
+        if self.handler.headroom is not None:
+            load.update(self.handler.headroom.report())
         if self.link is None or not self.registered:
             return
         stats = self.handler.stats()
