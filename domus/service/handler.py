@@ -64,6 +64,7 @@ _FILLING = frozenset({wire.OP_PUT, wire.OP_PUT_MANY})
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
 FULL_LOG_INTERVAL = 10.0     # at most one log line a while of writes refused for room
 RECLAIM_INTERVAL = 1.0       # seconds between two reclaims at the reserve
+CHECKPOINT_BYTES = 256 << 10  # of log between two checkpoints near the reserve
 # Every op whose request names a DHT (its id at byte 16).
 _DHT_OPS = frozenset({wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS,
                       wire.OP_PUT_MANY, wire.OP_GET_MANY, wire.OP_LENGTH, wire.OP_SCAN,
@@ -308,6 +309,14 @@ class RequestHandler:
         assert self.headroom is not None
         why = self.headroom.refusal(f"a put on {hosted.label}")
         if why is None:
+            if hosted.store is not None:
+                # What a checkpoint must write before it can let log files
+                # go stays small near the reserve: one each CHECKPOINT_BYTES
+                # of log (asking is cheap).
+                try:
+                    hosted.store.checkpoint(CHECKPOINT_BYTES)
+                except StorageFault as exc:
+                    self._log_full(str(exc))
             return None
         self.counters["storage_full"] += 1
         self._log_full(why)

@@ -134,7 +134,7 @@ class DomusService(Service):
         flush = task.LoopingCall(self._flush)
         flush.start(FLUSH_INTERVAL, now=False)
         # Free space against the reserve, and stores that failed to open.
-        storage = task.LoopingCall(self.handler.tend_storage)
+        storage = task.LoopingCall(self._tend_storage)
         storage.start(SAMPLE_INTERVAL, now=True)
         self._timers += [expire, heartbeat, flush, storage]
         self._connect_supervisor()
@@ -156,6 +156,12 @@ class DomusService(Service):
         log.info("service {name} stopping", name=self.service_name)
         super().stopService()
         return defer.DeferredList(stops)
+
+    def _tend_storage(self) -> None:
+        try:
+            self.handler.tend_storage()
+        except Exception:       # a bug: say so, and keep the timer going
+            log.failure("service {name}: watching its storage failed", name=self.service_name)
 
     def _flush(self) -> None:
         try:

@@ -245,9 +245,11 @@ class Store(ABC):
         them; None when the platform cannot tell (Python objects in RAM)."""
         return None
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, after: int = 0) -> None:
         """Write what the medium's log holds into its files and let the log
-        files no longer needed go (nothing, for platforms without a log)."""
+        files no longer needed go (nothing, for platforms without a log);
+        ``after``: only once the log has grown by that many bytes since the
+        last checkpoint (cheap to ask when it has not)."""
 
     def reclaim(self, start: bool = False) -> int:
         """Give the space that records deleted since the last call freed

@@ -585,13 +585,13 @@ class BerkeleyStore(Store):
         if failures:
             raise StorageFault("; ".join(failures))
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, after: int = 0) -> None:
         """A sync store's checkpoint: the pages its log holds are written to
         their files and the log files no longer needed are removed (what
         lets deletes go on at a full disk: each is logged first)."""
         if self.transactional and self._env is not None:
             try:
-                self._env.txn_checkpoint()
+                self._env.txn_checkpoint((after + 1023) // 1024)
             except (db.DBError, MemoryError) as exc:
                 raise StorageFault(f"{self.label}: Berkeley DB checkpoint failed "
                                    f"({self.home}): {cause(exc)}") from exc

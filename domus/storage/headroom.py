@@ -16,8 +16,8 @@ process may still use), which of three states the service is in:
   (``StorageFull``), while reads, deletes and Berkeley DB's checkpoints,
   log removal and compaction go on inside the reserve.  The service leaves
   this state by itself as soon as free space is back above the reserve
-  (records deleted and their pages given back, the filesystem grown,
-  another job's files removed).
+  by ``hysteresis(reserve)`` (records deleted and their pages given back,
+  the filesystem grown, another job's files removed).
 
 The reserve is for what Berkeley DB must write to free space: a delete
 is logged before its page is freed, a checkpoint writes the pages the
@@ -43,6 +43,14 @@ MARGIN = 64 * MIB
 SAMPLE_INTERVAL = 0.1
 
 OK, NEAR, FULL = "ok", "near", "full"
+
+
+def hysteresis(reserve: int) -> int:
+    """How far above the reserve free space must be for a service at its
+    reserve to take puts again: an eighth of the reserve, at least 2 MiB
+    and at most MARGIN (so that a checkpoint that lets a log file go does
+    not let a put in only for the next to be refused)."""
+    return min(max(reserve // 8, 2 * MIB), MARGIN)
 
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)", re.IGNORECASE)
 _PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s*%")
@@ -139,7 +147,8 @@ class Headroom:
         before = self.state
         self.free, self.total = free, total
         self.reserve_bytes = self.reserve.bytes_of(total)
-        if free < self.reserve_bytes:
+        if free < self.reserve_bytes or (
+                before == FULL and free < self.reserve_bytes + hysteresis(self.reserve_bytes)):
             self.state = FULL
         elif free < self.reserve_bytes + MARGIN:
             self.state = NEAR

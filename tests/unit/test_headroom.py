@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from domus.service.handler import RETRY_DELAYS, RequestHandler
+from domus.service.handler import RECLAIM_INTERVAL, RETRY_DELAYS, RequestHandler
 from domus.service.hosted import dht_home
 from domus.storage import headroom
 from domus.storage.headroom import MIB, Headroom, Reserve, parse_reserve
@@ -110,9 +110,19 @@ def test_headroom_states_follow_the_free_space():
     assert "100.0 MiB free under /data, reserve 100.0 MiB" in message
     assert room.report() == {"free_disk": float(100 * MIB - 1), "disk_total": float(1 << 40),
                              "disk_reserve": float(100 * MIB), "disk_full": True}
-    space.free = 100 * MIB
+    space.free = 100 * MIB + headroom.hysteresis(100 * MIB) - 1     # not enough back yet
+    assert room.refusal() is not None and room.full
+    space.free = 100 * MIB + headroom.hysteresis(100 * MIB)
     assert room.refusal() is None and room.state == headroom.NEAR
-    assert room.refused == 1
+    space.free = 100 * MIB - 1
+    assert room.refusal() is not None
+    assert room.refused == 3
+
+
+def test_writes_resume_a_little_above_the_reserve():
+    assert headroom.hysteresis(2 * MIB) == 2 * MIB
+    assert headroom.hysteresis(100 * MIB) == 12.5 * MIB
+    assert headroom.hysteresis(1 << 30) == headroom.MARGIN
 
 
 # ------------------------------------------------------------ the handler at the reserve
@@ -267,7 +277,8 @@ def small_disk(tmp_path):
 @pytest.mark.parametrize("platform", ["domus-bsddb-btree", "domus-bsddb-hash"])
 def test_a_real_disk_refuses_at_its_reserve_and_deletes_give_the_room_back(small_disk,
                                                                           platform):
-    handler = RequestHandler("s1", data_dir=small_disk)
+    clock = Clock()
+    handler = RequestHandler("s1", data_dir=small_disk, clock=clock)
     handler.headroom = Headroom(small_disk, Reserve(size=2 * MIB), "s1")
     handler.assign({**descriptor(platform=platform)})
     handle = handler.handle_fast
@@ -289,6 +300,7 @@ def test_a_real_disk_refuses_at_its_reserve_and_deletes_give_the_room_back(small
         assert handle(request(wire.OP_DELETE, key))[2] == wire.ST_OK, number
         if number % 100 == 0:
             handler.tend_storage()              # (the service's timer, each 0.1 s)
+    clock.now += RECLAIM_INTERVAL
     handler.tend_storage()                                    # gives the pages back
-    assert not handler.headroom.full
+    assert not handler.headroom.full, handler.headroom.free
     assert handle(request(wire.OP_PUT, encode_key("again"), b"v"))[2] == wire.ST_OK
