@@ -59,6 +59,7 @@ _CHANGING = wire.CHANGING_OPS
 # The changes a disk DHT refuses once its service's disk is at its reserve
 # (deletes go on: they are how space comes back).
 _FILLING = frozenset({wire.OP_PUT, wire.OP_PUT_MANY})
+_NOT_CACHED = frozenset({wire.ST_MOVING, wire.ST_STORAGE_FULL})
 # A store that failed to open is tried again after these many seconds,
 # doubling up to the last.
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
@@ -291,9 +292,10 @@ class RequestHandler:
             hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
             if hosted is not None and hosted.layout_tag:
                 answer = answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
-        if changing and answer[2] != wire.ST_MOVING:
-            # (MOVING applied nothing: a retry with the same id must be tried
-            # again, not told MOVING from the cache once the move is done.)
+        if changing and answer[2] not in _NOT_CACHED:
+            # (MOVING and STORAGE_FULL applied nothing: a retry with the same
+            # id must be tried again, not told so from the cache once the
+            # move is done or there is room again.)
             self.reply_cache.put(token, answer)
         return answer
 
