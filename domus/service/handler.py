@@ -1061,7 +1061,12 @@ class RequestHandler:
         for dht_id in list(self.dhts):
             hosted = self.dhts.pop(dht_id)
             self._update_fast_table(dht_id)
-            hosted.close()
+            try:
+                hosted.close()
+            except StorageFault as exc:
+                self.counters["storage_errors"] += 1
+                log.error("service {service}: {problem}", service=self.service_name,
+                          problem=str(exc))
 
     def sync(self, descriptors: list[dict[str, Any]]) -> None:
         """Make the hosted DHTs exactly those the supervisor lists.  A DHT

@@ -415,9 +415,13 @@ class HostedDht:
         self.repos.clear()
         self.backups.clear()
         self.part_of.clear()
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        store, self.store = self.store, None
+        if store is not None:
+            try:
+                store.close()
+            except StorageFault as exc:   # (what was flushed or logged is kept)
+                log.error("service {service}: {problem}", service=self.service_name,
+                          problem=str(exc))
 
     # ------------------------------------------------------------ moving a bucket
     # A bucket's storage moves from a source service to a target in these

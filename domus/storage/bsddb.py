@@ -631,13 +631,26 @@ class BerkeleyStore(Store):
         return sum(repo.storage_bytes() for repo in self._repos.values())
 
     def close(self) -> None:
+        """Close every database and the environment, each whatever the
+        others do (a full disk may fail the flush a close makes); a
+        StorageFault names what failed.  A sync store's log still holds
+        every acknowledged write: recovery replays it at the next open."""
         if self._env is None:
             return
+        failures = []
         for repo in self._repos.values():
-            repo.close()
+            try:
+                repo.close()
+            except (db.DBError, MemoryError) as exc:
+                failures.append(f"{repo.label}: closing failed: {cause(exc)}")
         self._repos.clear()
-        self._env.close()
-        self._env = None  # type: ignore[assignment]
+        env, self._env = self._env, None
+        try:
+            env.close()
+        except (db.DBError, MemoryError) as exc:
+            failures.append(f"{self.label}: closing its environment failed: {cause(exc)}")
+        if failures:
+            raise StorageFault("; ".join(failures))
 
     def destroy(self) -> None:
         self.close()
