@@ -126,6 +126,7 @@ class HostedDht:
         # handler's retry_storage) with the descriptor it was given.
         self.problem: str | None = None
         self.pending: dict[str, Any] | None = None
+        self.some_failed = False        # a bucket here is a FailedRepository
         self.retries = 0
         self.retry_at = 0.0
         self.last_retry_problem: str | None = None
@@ -179,7 +180,8 @@ class HostedDht:
     # single bucket whose database will not open is served by a
     # FailedRepository meanwhile, and retried the same way.
     def needs_retry(self) -> bool:
-        return self.pending is not None or bool(self.failed_buckets())
+        """Cheap (asked ten times a second): a failed bucket sets a flag."""
+        return self.pending is not None or self.some_failed
 
     def retry(self) -> None:
         """Try again what failed to open: the whole store (the descriptor
@@ -209,8 +211,12 @@ class HostedDht:
     def failed_buckets(self) -> dict[int, str]:
         """bucket -> why its repository failed to open, for the buckets
         stored here that are served by a FailedRepository."""
-        return {bucket: repo.reason for bucket, repo in self.repos.items()
-                if isinstance(repo, FailedRepository)}
+        if not self.some_failed:
+            return {}
+        failed = {bucket: repo.reason for bucket, repo in self.repos.items()
+                  if isinstance(repo, FailedRepository)}
+        self.some_failed = bool(failed)
+        return failed
 
     def problem_message(self, bucket: int | None) -> str:
         """What a request on ``bucket`` is told while the DHT's store will
@@ -262,6 +268,7 @@ class HostedDht:
                 log.error("service {service}: {problem}", service=self.service_name,
                           problem=str(exc))
                 self.repos[bucket] = FailedRepository(str(exc))
+                self.some_failed = True
         for bucket in new_backups:
             staged = self.staged.pop(bucket, None)
             if staged is not None:          # copied here from its primary
