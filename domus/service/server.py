@@ -47,8 +47,11 @@ class DomusService(Service):
     def __init__(self, *, supervisor: str, listen: str, data_dir: str, name: str | None = None,
                  heartbeat: float = HEARTBEAT_INTERVAL,
                  resources: dict[str, Any] | None = None,
-                 cpus: list[int] | None = None) -> None:
+                 cpus: list[int] | None = None, metrics: str | None = None) -> None:
         self.supervisor_address = addresses.parse(supervisor)
+        if metrics is not None:
+            addresses.parse(metrics)        # (a bad address fails before anything starts)
+        self.metrics_address = metrics      # where /metrics is served; None: nowhere
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
         self.service_name = name or self.address
@@ -62,6 +65,8 @@ class DomusService(Service):
                     for argument in (f"--{field}", str(value))]
         if cpus:
             declared += ["--cpus", ",".join(map(str, cpus))]
+        if metrics:
+            declared += ["--metrics", metrics]
         self.launch = launch.record("service", self.address, [
             "service", "--name", self.service_name,
             "--supervisor", supervisor, "--listen", self.address,
@@ -91,7 +96,7 @@ class DomusService(Service):
         super().startService()
         self.udp = UdpServer(self.handler, self.listen_host, self.listen_port)
         self.udp.start(reactor)
-        data_factory = protocol.Factory.forProtocol(MessageProtocol)
+        data_factory = protocol.Factory.forProtocol(_DataConnection)
         data_factory.counters = self.handler.counters
         original = data_factory.buildProtocol
 
@@ -104,6 +109,12 @@ class DomusService(Service):
         data_factory.buildProtocol = build
         self._ports.append(reactor.listenTCP(self.listen_port, data_factory,
                                              interface=self.listen_host))
+        if self.metrics_address:
+            from domus.service import metrics
+
+            self._ports.append(metrics.listen(reactor, self.metrics_address, self))
+            log.info("service {name}: metrics at http://{address}/metrics",
+                     name=self.service_name, address=self.metrics_address)
         log.info("service {name} serving on {address} (UDP and TCP, {path} hot path), "
                  "data dir {dir}", name=self.service_name, address=self.address,
                  path="C" if self.handler.fast is not None else "pure-Python",
@@ -352,6 +363,22 @@ class DomusService(Service):
             return self.handler.stats()
         raise ControlError("DomusError", f"service {self.service_name} takes control op "
                            f"{body['op']!r} only from the supervisor")
+
+
+class _DataConnection(MessageProtocol):
+    """A connection to the service's TCP port, whose bytes are counted (in
+    the handler's counters, which the metrics read)."""
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's name)
+        counters = self.factory.counters
+        counters["tcp_bytes_received"] = counters.get("tcp_bytes_received", 0) + len(data)
+        super().dataReceived(data)
+
+    def sendString(self, string: bytes) -> None:  # noqa: N802
+        counters = self.factory.counters
+        counters["tcp_bytes_sent"] = (counters.get("tcp_bytes_sent", 0) + len(string)
+                                      + self.prefixLength)
+        super().sendString(string)
 
 
 class PeerLinks:
