@@ -56,6 +56,25 @@ def _cpu_list(text: str) -> list[int]:
     return sorted(cpus)
 
 
+def _listen_address(text: str) -> str:
+    """A HOST:PORT to listen on (``--metrics``)."""
+    try:
+        addresses.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range (1 to 65535)")
+    return port
+
+
 def _run_reactor(service: Any) -> int:
     from twisted.internet import reactor
     from twisted.logger import (
@@ -101,7 +120,8 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
                                               max_moves=args.balance_max_moves,
                                               cooldown=args.balance_cooldown,
                                               cpu_busy=args.balance_cpu_busy,
-                                              smoothing=args.balance_smoothing)))
+                                              smoothing=args.balance_smoothing),
+                                          metrics=args.metrics))
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -113,14 +133,18 @@ def cmd_service(args: argparse.Namespace) -> int:
     return _run_reactor(DomusService(supervisor=addresses.supervisor_address(args.supervisor),
                                      listen=args.listen, data_dir=args.data_dir, name=args.name,
                                      heartbeat=args.heartbeat, resources=overrides,
-                                     cpus=args.cpus))
+                                     cpus=args.cpus, metrics=args.metrics))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from domus.ops.deploy import LocalDeployment
 
-    deployment = LocalDeployment(args.services, port=args.port, data_dir=args.data_dir,
-                                 host=args.host)
+    try:
+        deployment = LocalDeployment(args.services, port=args.port, data_dir=args.data_dir,
+                                     host=args.host, metrics_port=args.metrics_port)
+    except ValueError as exc:
+        print(f"domus up: {exc}", file=sys.stderr)
+        return 2
     stopping = False
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -137,6 +161,10 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"{args.services} services "
               f"({', '.join(deployment.service_address(i) for i in range(args.services))}); "
               f"logs in {os.path.join(deployment.data_dir, 'logs')}", flush=True)
+        if args.metrics_port is not None:
+            names = ["supervisor", *(deployment.service_name(i) for i in range(args.services))]
+            print("metrics: " + ", ".join(f"{name} http://{deployment.metrics_address(name)}"
+                                          f"/metrics" for name in names), flush=True)
         print(f"export DOMUS_SUPERVISOR={deployment.supervisor_address}; "
               f"press Ctrl-C to stop", flush=True)
         while True:
@@ -522,6 +550,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="supervisor port; services take the next N ports")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--data-dir", default="domus-data")
+    up.add_argument("--metrics-port", type=_port, default=None, metavar="P",
+                    help="serve Prometheus metrics over HTTP: the supervisor's at "
+                    "http://HOST:P/metrics, the services' on the next N ports (P+1 .. P+N); "
+                    "default: no metrics")
     up.set_defaults(func=cmd_up)
 
     sup = commands.add_parser("supervisor", help="run the supervisor")
@@ -554,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="FRACTION", help="weight of each new sample of the CPU other work "
                      "uses on a node, in the balancer's average that routing shares follow "
                      "(default %(default)s: slow, so bursts move nothing)")
+    sup.add_argument("--metrics", type=_listen_address, default=None, metavar="HOST:PORT",
+                     help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                     "(default: not served)")
     sup.set_defaults(func=cmd_supervisor)
 
     svc = commands.add_parser("service", help="run a service (or: service list|remove)")
@@ -568,6 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
                      help="run on these CPUs only, e.g. 2 or 0,1 or 4-7 (default: those it "
                      "was started with); its cores and node load count these only")
+    svc.add_argument("--metrics", type=_listen_address, default=None, metavar="HOST:PORT",
+                     help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                     "(default: not served)")
     svc.set_defaults(func=cmd_service)
 
     status = talks(commands.add_parser("status", help="services, roles, buckets and load"))

@@ -65,9 +65,22 @@ class LocalDeployment:
     def __init__(self, services: int = 3, *, port: int = 7700, data_dir: str,
                  host: str = "127.0.0.1", heartbeat: float = 1.0,
                  log_to: IO[str] | None = None, service_args: list[str] | None = None,
-                 supervisor_args: list[str] | None = None) -> None:
+                 supervisor_args: list[str] | None = None,
+                 metrics_port: int | None = None) -> None:
         if services < 0:
             raise ValueError("the number of services must be >= 0")
+        if metrics_port is not None:
+            # The supervisor's metrics on metrics_port, service i's on the
+            # port after: none of them may be a port the deployment serves on.
+            clash = (set(range(metrics_port, metrics_port + services + 1))
+                     & set(range(port, port + services + 1)))
+            if clash:
+                raise ValueError(f"metrics ports {metrics_port}-{metrics_port + services} "
+                                 f"overlap the deployment's ports {port}-{port + services} "
+                                 f"(supervisor, then services); pick another metrics port")
+            if metrics_port + services > 65535:
+                raise ValueError(f"metrics ports {metrics_port}-{metrics_port + services} "
+                                 f"go past 65535")
         self.host = host
         self.port = port
         self.data_dir = os.path.abspath(data_dir)
@@ -77,6 +90,7 @@ class LocalDeployment:
         self.service_args = service_args or []
         self.supervisor_args = supervisor_args or []
         self.supervisor_address = f"{host}:{port}"
+        self.metrics_port = metrics_port
         self.supervisor: subprocess.Popen | None = None
         self.services: dict[str, subprocess.Popen] = {}
         self._logs: list[IO[Any]] = []
@@ -88,6 +102,20 @@ class LocalDeployment:
 
     def service_address(self, index: int) -> str:
         return f"{self.host}:{self.port + 1 + index}"
+
+    def metrics_address(self, name: str) -> str | None:
+        """Where process ``name`` ("supervisor", or a service's name) serves
+        its metrics; None without metrics."""
+        if self.metrics_port is None:
+            return None
+        if name == "supervisor":
+            return f"{self.host}:{self.metrics_port}"
+        index = [self.service_name(i) for i in range(self.service_count)].index(name)
+        return f"{self.host}:{self.metrics_port + 1 + index}"
+
+    def _metrics_args(self, name: str) -> list[str]:
+        address = self.metrics_address(name)
+        return ["--metrics", address] if address else []
 
     def log_path(self, name: str) -> str:
         return os.path.join(self.data_dir, "logs", f"{name}.log")
@@ -107,7 +135,8 @@ class LocalDeployment:
     def start_supervisor(self) -> None:
         self.supervisor = self._spawn("supervisor", [
             "supervisor", "--listen", self.supervisor_address,
-            "--data-dir", os.path.join(self.data_dir, "supervisor"), *self.supervisor_args])
+            "--data-dir", os.path.join(self.data_dir, "supervisor"),
+            *self._metrics_args("supervisor"), *self.supervisor_args])
         self.wait_for_supervisor()
 
     def start_service(self, index: int) -> None:
@@ -116,7 +145,8 @@ class LocalDeployment:
             "service", "--name", name, "--supervisor", self.supervisor_address,
             "--listen", self.service_address(index),
             "--data-dir", os.path.join(self.data_dir, name),
-            "--heartbeat", str(self.heartbeat), *self.service_args])
+            "--heartbeat", str(self.heartbeat), *self._metrics_args(name),
+            *self.service_args])
 
     def start(self, timeout: float = 30.0) -> LocalDeployment:
         self.start_supervisor()
