@@ -6,6 +6,8 @@ The services and the supervisor here are real objects driven without
 sockets, as in test_supervisor (whose fixture this reuses)."""
 
 import gzip
+import re
+from pathlib import Path
 
 import pytest
 from domus.supervisor import metrics as supervisor_metrics
@@ -353,3 +355,19 @@ def test_the_flag_is_in_the_launch_record(tmp_path):
     arguments = supervising.state.launch["arguments"]
     assert arguments[arguments.index("--metrics") + 1] == "127.0.0.1:9100"
 
+
+
+def documented_metrics():
+    """metric -> type, from the tables of docs/operations.md, "Metrics"."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    section = text[text.index("\n## Metrics\n"):]
+    return dict(re.findall(r"^\| `(domus_\w+)` \| (\w+) \|", section, re.MULTILINE))
+
+
+def test_every_metric_is_documented_with_its_type_and_nothing_else_is(tmp_path):
+    families = [*service_metrics.ServiceCollector(service(tmp_path)).collect(),
+                *SupervisorService(listen="127.0.0.1:1",
+                                   data_dir=str(tmp_path / "sup")).metrics.collect()]
+    exposed = {family.name + ("_total" if family.type == "counter" else ""): family.type
+               for family in families}
+    assert exposed == documented_metrics()
