@@ -28,9 +28,9 @@ from domus.service.handler import STATUS_KEYS, RequestHandler, status_name
 from domus.wire import metrics
 from domus.wire import protocol as wire
 
-# The ops a request may name, by the names the metrics use; any other op
-# byte counts as "unknown".
-OPS = {op: name for op, name in wire.OP_NAMES.items()}
+# The ops a request may name, by their names; any other op byte counts as
+# "unknown".
+OPS = wire.OP_NAMES
 UNKNOWN_OP = "unknown"
 # (counter name, key in handler.counters, what it counts)
 HANDLER_COUNTERS = (
