@@ -440,10 +440,15 @@ class RequestHandler:
         """The answer to a request whose MAC checks but whose time is more
         than domus.wire.auth.TIME_WINDOW seconds from this service's clock:
         a replay, or a clock that is off (the message says which time this
-        service has)."""
+        service has).  Counted as a request (``by_op``) refused with
+        STALE_REQUEST (``by_status``), and in ``stale``; the C path hands
+        these over uncounted."""
         self.counters["stale"] += 1
+        self._requests += 1
         if len(data) < wire.REQUEST_HEADER_SIZE:
             return None
+        self.by_op[data[2]] += 1
+        self.by_status[wire.ST_STALE_REQUEST] += 1
         return self._error(wire.ST_STALE_REQUEST, data[4:8],
                            f"the request's time is more than {auth.TIME_WINDOW}s from service "
                            f"{self.service_name}'s clock ({int(time.time())}); a replay, or a "
