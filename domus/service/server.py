@@ -16,6 +16,7 @@ from typing import Any
 from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
+from twisted.protocols import policies
 from twisted.python.failure import Failure
 
 from domus._version import __version__
@@ -104,7 +105,7 @@ class DomusService(Service):
         super().startService()
         self.udp = UdpServer(self.handler, self.listen_host, self.listen_port)
         self.udp.start(reactor)
-        data_factory = protocol.Factory.forProtocol(_DataConnection)
+        data_factory = protocol.Factory.forProtocol(MessageProtocol)
         data_factory.counters = self.handler.counters
         original = data_factory.buildProtocol
 
@@ -117,7 +118,9 @@ class DomusService(Service):
             return proto
 
         data_factory.buildProtocol = build
-        self._ports.append(reactor.listenTCP(self.listen_port, data_factory,
+        counted = policies.WrappingFactory(data_factory)
+        counted.protocol = _CountedBytes
+        self._ports.append(reactor.listenTCP(self.listen_port, counted,
                                              interface=self.listen_host))
         if self.metrics_address:
             from domus.service import metrics
@@ -391,20 +394,28 @@ class DomusService(Service):
                            f"{body['op']!r} only from the supervisor")
 
 
-class _DataConnection(MessageProtocol):
-    """A connection to the service's TCP port, whose bytes are counted (in
-    the handler's counters, which the metrics read)."""
+class _CountedBytes(policies.ProtocolWrapper):
+    """A connection to the service's TCP port, whose bytes are counted as
+    they cross the socket, each way (frame headers, the handshake and the
+    frames' tags included), in the handler's counters, which the metrics
+    read."""
+
+    def _count(self, name: str, size: int) -> None:
+        counters = self.factory.wrappedFactory.counters
+        counters[name] = counters.get(name, 0) + size
 
     def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's name)
-        counters = self.factory.counters
-        counters["tcp_bytes_received"] = counters.get("tcp_bytes_received", 0) + len(data)
+        self._count("tcp_bytes_received", len(data))
         super().dataReceived(data)
 
-    def sendString(self, string: bytes) -> None:  # noqa: N802
-        counters = self.factory.counters
-        counters["tcp_bytes_sent"] = (counters.get("tcp_bytes_sent", 0) + len(string)
-                                      + self.prefixLength)
-        super().sendString(string)
+    def write(self, data: bytes) -> None:
+        self._count("tcp_bytes_sent", len(data))
+        super().write(data)
+
+    def writeSequence(self, data: Any) -> None:  # noqa: N802
+        data = list(data)
+        self._count("tcp_bytes_sent", sum(map(len, data)))
+        super().writeSequence(data)
 
 
 class PeerLinks:
