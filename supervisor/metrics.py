@@ -5,9 +5,10 @@ HOST:PORT``).
 (registrations, heartbeats, control requests by op and outcome, bucket
 moves and their seconds, failovers, repairs): plain counts, kept whether or
 not metrics are served, at the cost of an increment.  Its collector reads
-those and, at each scrape, the deployment's shape from the supervisor's
-state: services by state, DHTs, buckets per DHT, service and role, missing
-copies and lost buckets.  docs/operations.md, "Metrics", lists them all.
+those, the connections the supervisor refused at the handshake (its own
+``auth_failures``) and, at each scrape, the deployment's shape from the
+supervisor's state: services by state, DHTs, buckets per DHT, service and
+role, missing copies and lost buckets.  docs/operations.md, "Metrics", lists them all.
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ class SupervisorMetrics:
                               {}, self.registrations)
         yield metrics.counter("domus_supervisor_heartbeats", "heartbeats received from "
                               "services", {}, self.heartbeats)
+        yield metrics.counter("domus_supervisor_refused_connections", "TCP connections "
+                              "refused at the handshake: a peer without the deployment's "
+                              "secret, or with another one (each is logged)", {},
+                              self.supervisor.auth_failures)
         yield metrics.counter("domus_supervisor_failovers", "failovers: a service taken out "
                               "of the copies of the replicated DHTs it held, its primaries' "
                               "backups promoted", {}, self.failovers)
@@ -173,8 +178,11 @@ class SupervisorMetrics:
                             "rebalance, drain, repair or resize) is moving buckets",
                             {}, 1 if self.supervisor._balancing else 0)
         info = GaugeMetricFamily("domus_supervisor_info", "always 1: the supervisor's "
-                                 "version and balance mode", labels=["version", "balance"])
-        info.add_metric([__version__, self.supervisor.balance], 1)
+                                 "version, balance mode and whether it is secure (it has a "
+                                 "secret: every connection authenticated)",
+                                 labels=["version", "balance", "secure"])
+        info.add_metric([__version__, self.supervisor.balance,
+                         "true" if self.supervisor.keys is not None else "false"], 1)
         yield info
 
     def _shape(self) -> Iterator[Metric]:

@@ -2,10 +2,11 @@
 
 Nothing here runs on the request path.  The counters are the ones the
 service keeps anyway: the C hot path's (``FastPath.by_op``, ``by_status``,
-``replayed``, ``fallbacks``, bytes and socket errors, kept in C), the
-Python handler's (the same, for the requests it answers, and its error
-counters), the UDP socket's and the TCP port's byte counts, and each hosted
-DHT's records, buckets, lookups and moves.  ``ServiceCollector`` reads them
+``replayed``, ``fallbacks``, ``unauthenticated``, bytes and socket errors,
+kept in C), the Python handler's (the same, for the requests it answers,
+and its error, ``unauthenticated`` and ``stale`` counters), the UDP
+socket's and the TCP port's byte counts, and each hosted DHT's records,
+buckets, lookups and moves.  ``ServiceCollector`` reads them
 when ``/metrics`` is fetched and adds C's and Python's up (docs/
 operations.md, "Metrics", lists every metric).
 
@@ -43,7 +44,9 @@ HANDLER_COUNTERS = (
      "C path failure answered again in Python); each is logged"),
     ("storage_errors", "storage_errors", "storage failures (STORAGE_ERROR replies, failed "
      "flushes and activations); each is logged"),
-    ("unauthenticated", "unauthenticated", "requests dropped for a missing or wrong MAC"),
+    ("stale_requests", "stale", "requests whose MAC checked but whose time was more than "
+     "TIME_WINDOW seconds from this service's clock (a replay, or a clock that is off), "
+     "answered STALE_REQUEST and never applied"),
     ("oversized_frames", "oversized", "TCP frames over the size limit (the connection is "
      "closed)"),
     ("replicated", "replicated", "changes applied here as a backup, sent by their primary"),
@@ -95,6 +98,12 @@ class ServiceCollector:
                               "handed to the Python handler (errors, other ops, a DHT or "
                               "repository C does not drive)", me,
                               fast.fallbacks if fast else 0)
+        yield metrics.counter("domus_service_unauthenticated", "requests dropped, "
+                              "unanswered, for a missing or wrong MAC (by C or Python), and "
+                              "TCP connections refused at the handshake (a peer without the "
+                              "deployment's secret)", me,
+                              counters["unauthenticated"]
+                              + (fast.unauthenticated if fast else 0))
         for metric, key, documentation in HANDLER_COUNTERS:
             yield metrics.counter(f"domus_service_{metric}", documentation, me,
                                   counters.get(key, 0))
@@ -105,8 +114,9 @@ class ServiceCollector:
                             "cache", me, len(handler.reply_cache))
 
         received = CounterMetricFamily("domus_service_bytes_received", "bytes of requests "
-                                       "received, by transport (UDP payloads; TCP as read, "
-                                       "frame headers and control messages included)",
+                                       "received, by transport (UDP payloads, MACs and "
+                                       "dropped datagrams included; TCP as read, frame "
+                                       "headers, handshakes and tags included)",
                                        labels=["service", "transport"])
         sent = CounterMetricFamily("domus_service_bytes_sent", "bytes of replies sent, by "
                                    "transport (as for bytes received)",
@@ -132,10 +142,12 @@ class ServiceCollector:
 
         yield from self._dhts(handler, name)
         yield from self.process.families()
-        info = GaugeMetricFamily("domus_service_info", "always 1: the service's version and "
-                                 "whether its hot path is C or Python",
-                                 labels=["service", "version", "hot_path"])
-        info.add_metric([name, __version__, "c" if fast is not None else "python"], 1)
+        info = GaugeMetricFamily("domus_service_info", "always 1: the service's version, "
+                                 "whether its hot path is C or Python, and whether it is "
+                                 "secure (its datagrams and connections authenticated)",
+                                 labels=["service", "version", "hot_path", "secure"])
+        info.add_metric([name, __version__, "c" if fast is not None else "python",
+                         "true" if handler.data_key is not None else "false"], 1)
         yield info
         yield metrics.gauge("domus_service_registered", "1 while the service is registered "
                             "with the supervisor (it serves data either way)", me,

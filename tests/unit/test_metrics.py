@@ -7,6 +7,8 @@ sockets, as in test_supervisor (whose fixture this reuses)."""
 
 import gzip
 import re
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 from prometheus_client.parser import text_string_to_metric_families
+from test_auth import Reactor, exchange
 from test_handler import BUCKETS, DHT_ID, descriptor, key_in, keyed, keys_in
 from test_supervisor import NAME, deployment, result_of  # noqa: F401 (a fixture)
 from twisted.web.resource import getChildForRequest
@@ -26,6 +29,8 @@ from domus._version import __version__
 from domus.service import hotpath
 from domus.service import metrics as service_metrics
 from domus.service.server import DomusService
+from domus.service.udp import UdpServer
+from domus.wire import auth, secret
 from domus.wire import metrics as page
 from domus.wire import protocol as wire
 from domus.wire.control import ControlError
@@ -103,7 +108,7 @@ def test_requests_are_counted_by_op_and_by_reply_status(tmp_path, monkeypatch, p
     assert value(samples, "domus_service_dht_active", service="s1", dht="t") == 1
     assert value(samples, "domus_service_reply_cache_entries", service="s1") == 5
     assert value(samples, "domus_service_info", service="s1", version=__version__,
-                 hot_path=path) == 1
+                 hot_path=path, secure="false") == 1
     fallbacks = value(samples, "domus_service_hot_path_fallbacks_total", service="s1")
     if path == "c":
         # C answered the puts, the gets and the retry, and read its own
@@ -132,6 +137,65 @@ def test_counters_the_collector_reads_from_the_handler(tmp_path):
                  transport="udp") == 0
     assert value(samples, "domus_service_registered", service="s1") == 0
     served.handler.close()
+
+
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_what_the_deployment_secret_refuses_is_counted(tmp_path, monkeypatch, path):
+    if path == "python":
+        monkeypatch.setattr(hotpath, "FastPath", None)
+    elif hotpath.FastPath is None:
+        pytest.skip("the C hot path is not built")
+    secret_file = str(tmp_path / "secret" / "secret")
+    secret.create(secret_file)
+    served = DomusService(supervisor="127.0.0.1:1", listen="127.0.0.1:1",
+                          data_dir=str(tmp_path / "s1"), name="s1", secret_file=secret_file)
+    handler = served.handler
+    handler.assign(descriptor())
+    reactor = Reactor()
+    served.udp = UdpServer(handler, "127.0.0.1", 0)
+    served.udp.start(reactor)
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        client.connect(served.udp.address[:2])
+        client.setblocking(False)
+        key = served.keys.data
+        put, get = keyed(wire.OP_PUT, key_in(0), b"v"), keyed(wire.OP_GET, key_in(0))
+        forged = bytearray(auth.seal_request(key, put))
+        forged[-1] ^= 1
+        datagrams = [put,                                       # no MAC
+                     bytes(forged),                             # a wrong one
+                     auth.seal_request(key, get, int(time.time()) - 60),   # stale
+                     auth.seal_request(key, put)]               # answered
+        replies = exchange(reactor, client, datagrams, 2)
+        assert len(replies) == 2
+        samples = scrape(service_metrics.registry_of(served))
+        me = {"service": "s1"}
+        assert value(samples, "domus_service_unauthenticated_total", **me) == 2
+        assert value(samples, "domus_service_stale_requests_total", **me) == 1
+        assert value(samples, "domus_service_replies_total", status="stale_request", **me) == 1
+        assert value(samples, "domus_service_replies_total", status="ok", **me) == 1
+        assert value(samples, "domus_service_requests_total", op="put", **me) == 1
+        assert value(samples, "domus_service_requests_total", op="get", **me) == 1
+        assert value(samples, "domus_service_malformed_requests_total", **me) == 0
+        assert value(samples, "domus_service_bytes_received_total", transport="udp",
+                     **me) == sum(map(len, datagrams))
+        assert value(samples, "domus_service_bytes_sent_total", transport="udp",
+                     **me) == sum(map(len, replies))
+        assert value(samples, "domus_service_info", version=__version__, hot_path=path,
+                     secure="true", **me) == 1
+        assert handler.stats()["unauthenticated"] == 2 and handler.stats()["stale"] == 1
+        if path == "c":
+            # C dropped the two and counted them; the stale one it handed over
+            assert handler.fast.unauthenticated == 2
+            assert handler.counters["unauthenticated"] == 0
+        # what a refused TCP connection counts into (the data port's links)
+        served._auth_failed("a peer without the secret")
+        assert value(scrape(service_metrics.registry_of(served)),
+                     "domus_service_unauthenticated_total", **me) == 3
+    finally:
+        client.close()
+        served.udp.stop()
+        handler.close()
 
 
 def test_a_dht_that_goes_takes_its_series_with_it(tmp_path):
@@ -258,6 +322,8 @@ def test_the_deployments_shape(deployment):  # noqa: F811
     links["s3"].connected = False
     supervisor.draining.add("s2")
     supervisor.metrics.registrations += 3
+    for why in ("no secret", "another secret"):
+        supervisor._auth_failed(why)        # (what its links call, refusing a peer)
     supervisor.metrics.heartbeats += 7
     samples = scrape(supervisor_metrics.registry_of(supervisor.metrics))
     assert [value(samples, "domus_supervisor_services", state=state)
@@ -282,6 +348,10 @@ def test_the_deployments_shape(deployment):  # noqa: F811
     assert value(samples, "domus_supervisor_registrations_total") == 3
     assert value(samples, "domus_supervisor_heartbeats_total") == 7
     assert value(samples, "domus_supervisor_failovers_total") == 0
+    assert value(samples, "domus_supervisor_refused_connections_total") == 2
+    assert value(samples, "domus_supervisor_info", version=__version__,
+                 balance=supervisor.balance,
+                 secure="true" if supervisor.keys is not None else "false") == 1
     assert value(samples, "domus_supervisor_balancer_busy") == 0
 
 
