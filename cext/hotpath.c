@@ -1802,7 +1802,7 @@ static PyMemberDef FastPath_members[] = {
     {"recv_errors", T_ULONGLONG, offsetof(FastPath, recv_errors), READONLY,
      "errors serve() read from the socket and went past"},
     {"bytes_received", T_ULONGLONG, offsetof(FastPath, bytes_received),
-     READONLY, "bytes of the datagrams serve() read (declined ones too)"},
+     READONLY, "bytes of the datagrams serve() read (declined and dropped ones too)"},
     {"bytes_sent", T_ULONGLONG, offsetof(FastPath, bytes_sent), READONLY,
      "bytes of the replies serve() sent (not those the fallback sends)"},
     {"unauthenticated", T_ULONGLONG, offsetof(FastPath, unauthenticated), READONLY,
