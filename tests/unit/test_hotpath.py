@@ -169,8 +169,8 @@ def close_handlers():
 
 @pytest.fixture(params=list(TECHNOLOGIES))
 def platform(request):
-    if request.param == "domus-rbt" and hotpath.rbtree_type() is None:
-        pytest.skip("domus._rbtree (the C RBTree) is not built yet, so RBTree "
+    if request.param == "domus-rbt" and hotpath.record_tree_type() is None:
+        pytest.skip("domus._recordtree (the C RecordTree) is not built, so record tree "
                     "repositories cannot go through the C path")
     return request.param
 
@@ -764,8 +764,8 @@ def test_random_requests_get_identical_replies_and_effects(data):
 
 
 def test_random_requests_on_rbtree_repositories():
-    if hotpath.rbtree_type() is None:
-        pytest.skip("domus._rbtree (the C RBTree) is not built yet, so RBTree "
+    if hotpath.record_tree_type() is None:
+        pytest.skip("domus._recordtree (the C RecordTree) is not built, so record tree "
                     "repositories cannot go through the C path")
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -805,7 +805,7 @@ def run_random_requests(data, platform):
         pair.close()
 
 
-@pytest.mark.parametrize("platform", ["python-dict", "bsddb-btree-disk"])
+@pytest.mark.parametrize("platform", ["python-dict", "domus-rbt", "bsddb-btree-disk"])
 def test_10000_seeded_requests_get_identical_replies_and_effects(platform):
     rng = random.Random(0xD0D0)
     pair = Pair(platform)
@@ -853,7 +853,7 @@ def seeded_request(rng):
 
 @pytest.mark.skipif(os.environ.get("PYTHONMALLOC", "").startswith("malloc"),
                     reason="sys.getallocatedblocks() counts nothing under PYTHONMALLOC=malloc")
-@pytest.mark.parametrize("platform", ["python-dict", "bsddb-btree-ram"])
+@pytest.mark.parametrize("platform", ["python-dict", "domus-rbt", "bsddb-btree-ram"])
 def test_handling_requests_leaks_no_memory(platform):
     handler = make_handler(platform)
     fast = handler.fast
