@@ -26,15 +26,20 @@
  *
  * The allocator.  New records are carved from the top of the arena (a bump
  * index); the arena doubles when full.  A freed record becomes a free block
- * (meta 0, link[1] its size in units); blocks under LISTED_UNITS units go on
- * a list of blocks of exactly that size, which the next record of that size
- * takes, larger ones are holes.  Whenever free units pass a quarter of the
- * arena's used units (and it uses at least COMPACT_MIN_BYTES), the tree is
- * *compacted*: its records are copied, in key order, into a new arena just
- * large enough, linked into a balanced red-black tree, and the old arena is
- * freed.  So deletes make room for later records at once, no more than a
- * quarter of the units in use is ever free for long, and a tree that
- * shrinks gives its memory back.  A tree that becomes empty frees its arena
+ * (link[1] is FREE_BIT | its size in units, which no live node's right link
+ * can be: indices have 31 bits); blocks under LISTED_UNITS units go on a
+ * list of blocks of exactly that size (through link[0]), which the next
+ * record of that size takes, larger ones are holes.  Whenever free units
+ * pass a quarter of the arena's used units (and it uses at least
+ * COMPACT_MIN_BYTES), the tree is *compacted* in place: one pass along the
+ * arena marks the free units in a bitmap, a second slides every live record
+ * down over the free space before it and rewrites its links (a record's new
+ * index is its old one less the free units before it, which the bitmap and
+ * a running count per 64 units give at once), and the arena shrinks to what
+ * is left.  Both passes read the arena in order, so a compaction costs
+ * about what copying the arena does.  So deletes make room for later
+ * records at once, no more than a quarter of the units in use is ever free
+ * for long, and a tree that shrinks gives its memory back.  A tree that becomes empty frees its arena
  * altogether.  Arenas under MAP_THRESHOLD bytes come from PyMem_Realloc;
  * larger ones are private anonymous mappings, grown with mremap, advised
  * against transparent huge pages (a 2 MiB page per bucket would make RSS
@@ -69,6 +74,7 @@
 #define UNIT 8
 #define UNIT_SHIFT 3
 #define RED_BIT 0x80000000u
+#define FREE_BIT 0x80000000u    /* in link[1]: a free block */
 #define INDEX_MASK 0x7FFFFFFFu
 #define MAX_UNITS ((uint64_t)INDEX_MASK)    /* 16 GiB of arena */
 #define KEY_BITS 0x3FFFu
@@ -451,9 +457,8 @@ static void
 node_free(TreeObject *t, uint32_t x, uint32_t units)
 {
     Node *n = node_at(t, x);
-    n->meta = 0;
     n->link[0] = 0;
-    n->link[1] = units;
+    n->link[1] = FREE_BIT | units;
     t->free_units += units;
     if (units >= LISTED_UNITS) {
         return;
@@ -755,72 +760,118 @@ delete_at(TreeObject *t, Path *path)
 
 /* ------------------------------------------------------------ compaction */
 
-/* Link order[lo..hi) (unit indices in key order) into a balanced tree;
- * nodes at depth `red_depth`, the partial last level, are red. */
-static uint32_t
-build_balanced(unsigned char *base, const uint32_t *order, Py_ssize_t lo,
-               Py_ssize_t hi, int depth, int red_depth)
+/* The units of the block at x, free or live. */
+static inline uint32_t
+block_units(const TreeObject *t, uint32_t x)
 {
-    if (lo >= hi) {
-        return 0;
-    }
-    Py_ssize_t middle = lo + (hi - lo) / 2;
-    uint32_t x = order[middle];
-    uint32_t left = build_balanced(base, order, lo, middle, depth + 1,
-                                   red_depth);
-    uint32_t right = build_balanced(base, order, middle + 1, hi, depth + 1,
-                                    red_depth);
-    Node *n = (Node *)(base + ((size_t)x << UNIT_SHIFT));
-    n->link[0] = left | (depth == red_depth ? RED_BIT : 0);
-    n->link[1] = right;
-    return x;
+    const Node *n = node_at(t, x);
+    return (n->link[1] & FREE_BIT) ? (n->link[1] & INDEX_MASK) : node_units(n);
 }
 
-/* Copy every record, in key order, into a new arena just large enough,
- * link them into a balanced tree and free the old arena.  If memory for
- * the copy cannot be had, nothing changes. */
+/* Bits set in v (SWAR: without -mpopcnt, __builtin_popcountll is a call). */
+static inline uint32_t
+popcount64(uint64_t v)
+{
+    v = v - ((v >> 1) & 0x5555555555555555ULL);
+    v = (v & 0x3333333333333333ULL) + ((v >> 2) & 0x3333333333333333ULL);
+    v = (v + (v >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+    return (uint32_t)((v * 0x0101010101010101ULL) >> 56);
+}
+
+/* Shrink the arena to `capacity` bytes (at least its used units): a
+ * mapping gives its tail pages back, or becomes a PyMem block once small;
+ * a PyMem block is reallocated.  If that cannot be done, it stays as it is. */
+static void
+arena_shrink(TreeObject *t, size_t capacity)
+{
+    if (capacity >= t->capacity) {
+        return;
+    }
+    size_t used = (size_t)t->top << UNIT_SHIFT;
+    if (t->mapped && capacity >= MAP_THRESHOLD) {
+        if (munmap(t->base + capacity, t->capacity - capacity) == 0) {
+            t->capacity = capacity;
+        }
+        return;
+    }
+    if (t->mapped) {
+        unsigned char *base = PyMem_Malloc(capacity);
+        if (base == NULL) {
+            return;
+        }
+        memcpy(base, t->base, used);
+        munmap(t->base, t->capacity);
+        t->base = base;
+        t->capacity = capacity;
+        t->mapped = 0;
+        return;
+    }
+    unsigned char *base = PyMem_Realloc(t->base, capacity);
+    if (base != NULL) {
+        t->base = base;
+        t->capacity = capacity;
+    }
+}
+
+/* Slide every live record down over the free blocks before it, rewrite the
+ * links, and shrink the arena to what is left; the tree's shape is kept.
+ * If memory for the bitmap cannot be had, nothing changes. */
 static void
 tree_compact(TreeObject *t)
 {
-    uint64_t live = (uint64_t)t->top - 1 - t->free_units;
-    size_t capacity = arena_size_for((size_t)(1 + live) << UNIT_SHIFT);
-    int mapped = capacity >= MAP_THRESHOLD;
-    unsigned char *base = mapped ? map_new(capacity) : PyMem_Malloc(capacity);
-    uint32_t *order = PyMem_Malloc((size_t)t->size * sizeof(uint32_t));
-    if (base == NULL || order == NULL) {
-        arena_free(base, capacity, mapped);
-        PyMem_Free(order);
+    uint32_t top = t->top;
+    size_t words = ((size_t)top + 63) / 64;
+    uint64_t *free_map = PyMem_Calloc(words, sizeof(uint64_t));
+    uint32_t *before = PyMem_Malloc(words * sizeof(uint32_t));
+    if (free_map == NULL || before == NULL) {
+        PyMem_Free(free_map);
+        PyMem_Free(before);
         return;
     }
-    memset(base, 0, UNIT);
-    uint32_t top = 1;
-    Py_ssize_t count = 0;
-    Walk walk;
-    walk_start(t, &walk, 0);
-    for (uint32_t x; (x = walk_next(t, &walk, 0)) != 0;) {
-        const Node *n = node_at(t, x);
+    for (uint32_t x = 1; x < top;) {
+        uint32_t units = block_units(t, x);
+        if (node_at(t, x)->link[1] & FREE_BIT) {
+            for (uint32_t u = x; u < x + units; u++) {
+                free_map[u >> 6] |= (uint64_t)1 << (u & 63);
+            }
+        }
+        x += units;
+    }
+    uint32_t count = 0;
+    for (size_t w = 0; w < words; w++) {
+        before[w] = count;
+        count += popcount64(free_map[w]);
+    }
+#define MOVED(x) ((x) - before[(x) >> 6] \
+    - popcount64(free_map[(x) >> 6] & (((uint64_t)1 << ((x) & 63)) - 1)))
+    for (uint32_t x = 1; x < top;) {
+        Node *n = node_at(t, x);
+        if (n->link[1] & FREE_BIT) {
+            x += n->link[1] & INDEX_MASK;
+            continue;
+        }
         uint32_t units = node_units(n);
-        memcpy(base + ((size_t)top << UNIT_SHIFT), n,
-               (size_t)units << UNIT_SHIFT);
-        order[count++] = top;
-        top += units;
+        uint32_t left = n->link[0] & INDEX_MASK, right = n->link[1];
+        uint32_t colour = n->link[0] & RED_BIT;
+        uint32_t to = MOVED(x);
+        if (to != x) {
+            memmove(node_at(t, to), n, (size_t)units << UNIT_SHIFT);
+        }
+        Node *moved = node_at(t, to);
+        moved->link[0] = colour | (left ? MOVED(left) : 0);
+        moved->link[1] = right ? MOVED(right) : 0;
+        x += units;
     }
-    int full_levels = 0;
-    while (((uint64_t)1 << (full_levels + 1)) <= (uint64_t)count + 1) {
-        full_levels++;
-    }
-    uint32_t root = build_balanced(base, order, 0, count, 0, full_levels);
-    PyMem_Free(order);
-    arena_free(t->base, t->capacity, t->mapped);
-    PyMem_Free(t->free_heads);
-    t->base = base;
-    t->capacity = capacity;
-    t->mapped = mapped;
-    t->top = top;
-    t->root = root;
+    t->root = t->root ? MOVED(t->root) : 0;
+#undef MOVED
+    PyMem_Free(free_map);
+    PyMem_Free(before);
+    t->top = top - count;
     t->free_units = 0;
+    PyMem_Free(t->free_heads);
     t->free_heads = NULL;
     t->free_classes = 0;
+    arena_shrink(t, arena_size_for((size_t)t->top << UNIT_SHIFT));
     t->layout++;
     t->compactions++;
 }
@@ -1535,43 +1586,34 @@ Tree_values_iter(TreeObject *t, PyObject *args, PyObject *kwds)
     return iter_new(t, NULL, NULL, 1, 1, reverse, MODE_VALUES);
 }
 
-/* Add the black height of the subtree at x to *height; -1 with
- * AssertionError naming the broken invariant.  Marks each node's units in
- * `map`.  Keys are checked against the bounds (lo, hi) exclusive. */
+/* What _check marks the first unit of each block with. */
+enum { BLOCK_LIVE = 1, BLOCK_FREE, BLOCK_IN_TREE, BLOCK_LISTED };
+
+/* Check the subtree at x (keys strictly between lo and hi) and put its
+ * black height in *height; -1 with AssertionError naming the broken
+ * invariant.  Each node must start a live block of the arena (marked in
+ * `map`), and is marked as seen. */
 static int
 check_subtree(const TreeObject *t, uint32_t x, const Node *lo, const Node *hi,
-              unsigned char *map, Py_ssize_t *count, uint64_t *units_seen,
-              int depth, int *height)
+              unsigned char *map, Py_ssize_t *count, int depth, int *height)
 {
     if (x == 0) {
         *height = 0;
         return 0;
     }
-    if (depth >= MAX_DEPTH || x >= t->top) {
-        PyErr_Format(PyExc_AssertionError, "RecordTree: node %u is out of the "
-                     "arena or too deep", x);
+    if (depth >= MAX_DEPTH || x >= t->top || map[x] != BLOCK_LIVE) {
+        PyErr_Format(PyExc_AssertionError, "RecordTree: node %u is not a live "
+                     "block of the arena, or is in the tree twice, or too deep",
+                     x);
         return -1;
     }
+    map[x] = BLOCK_IN_TREE;
     const Node *n = node_at(t, x);
     size_t key_size = key_length(n);
     if (value_width(n) != width_for(value_length(n))) {
         PyErr_Format(PyExc_AssertionError, "RecordTree: node %u has a value "
                      "length in the wrong width", x);
         return -1;
-    }
-    uint32_t units = node_units(n);
-    if ((uint64_t)x + units > t->top) {
-        PyErr_Format(PyExc_AssertionError, "RecordTree: node %u runs past "
-                     "the top", x);
-        return -1;
-    }
-    for (uint32_t u = x; u < x + units; u++) {
-        if (map[u]) {
-            PyErr_Format(PyExc_AssertionError, "RecordTree: unit %u belongs "
-                         "to two blocks", u);
-            return -1;
-        }
-        map[u] = 1;
     }
     if ((lo != NULL && compare_keys(lo->key, key_length(lo), n->key,
                                     key_size) >= 0)
@@ -1587,10 +1629,9 @@ check_subtree(const TreeObject *t, uint32_t x, const Node *lo, const Node *hi,
         return -1;
     }
     int left_height, right_height;
-    if (check_subtree(t, left, lo, n, map, count, units_seen, depth + 1,
-                      &left_height) < 0
-            || check_subtree(t, right, n, hi, map, count, units_seen,
-                             depth + 1, &right_height) < 0) {
+    if (check_subtree(t, left, lo, n, map, count, depth + 1, &left_height) < 0
+            || check_subtree(t, right, n, hi, map, count, depth + 1,
+                             &right_height) < 0) {
         return -1;
     }
     if (left_height != right_height) {
@@ -1600,22 +1641,23 @@ check_subtree(const TreeObject *t, uint32_t x, const Node *lo, const Node *hi,
     }
     *height = left_height + !is_red(t, x);
     (*count)++;
-    *units_seen += units;
     return 0;
 }
 
 PyDoc_STRVAR(Tree_check_doc,
 "_check($self, /)\n--\n\n"
-"Verify every invariant: red-black properties, key order, the size, and\n"
-"the arena (every unit below the top in exactly one live or free block,\n"
-"free lists holding free blocks of their size, the free-unit count);\n"
-"AssertionError naming the first broken one.  O(n + arena units).");
+"Verify every invariant: the arena is a run of live and free blocks from\n"
+"unit 1 to the top, the free ones adding up to the free-unit count; the\n"
+"tree links every live block once, in key order, with the red-black\n"
+"properties and the size; the free lists hold free blocks of their size,\n"
+"once each.  AssertionError naming the first broken one.  O(arena units).");
 
 static PyObject *
 Tree_check(TreeObject *t, PyObject *Py_UNUSED(ignored))
 {
     if (t->base == NULL) {
-        if (t->size != 0 || t->top != 0 || t->root != 0 || t->free_units != 0) {
+        if (t->size != 0 || t->top != 0 || t->root != 0 || t->free_units != 0
+                || t->capacity != 0) {
             PyErr_SetString(PyExc_AssertionError, "RecordTree: no arena, but "
                             "records or units counted");
             return NULL;
@@ -1631,22 +1673,41 @@ Tree_check(TreeObject *t, PyObject *Py_UNUSED(ignored))
     if (map == NULL) {
         return PyErr_NoMemory();
     }
-    map[0] = 1;
-    Py_ssize_t count = 0;
-    uint64_t live = 0, listed = 0;
-    int height;
     PyObject *result = NULL;
     const Node *nil = node_at(t, 0);
     if (nil->link[0] != 0 || nil->link[1] != 0) {
         PyErr_SetString(PyExc_AssertionError, "RecordTree: the nil was written");
         goto done;
     }
+    uint64_t free_units = 0;
+    Py_ssize_t live = 0;
+    for (uint32_t x = 1; x < t->top;) {
+        int is_free = (node_at(t, x)->link[1] & FREE_BIT) != 0;
+        uint32_t units = block_units(t, x);
+        if (units == 0 || (uint64_t)x + units > t->top) {
+            PyErr_Format(PyExc_AssertionError, "RecordTree: the block at unit "
+                         "%u runs past the top", x);
+            goto done;
+        }
+        map[x] = is_free ? BLOCK_FREE : BLOCK_LIVE;
+        free_units += is_free ? units : 0;
+        live += !is_free;
+        x += units;
+    }
+    if (free_units != t->free_units || live != t->size) {
+        PyErr_Format(PyExc_AssertionError, "RecordTree: the arena holds %zd "
+                     "records and %llu free units; counted %zd and %llu", live,
+                     (unsigned long long)free_units, t->size,
+                     (unsigned long long)t->free_units);
+        goto done;
+    }
     if (is_red(t, t->root)) {
         PyErr_SetString(PyExc_AssertionError, "RecordTree: the root is red");
         goto done;
     }
-    if (check_subtree(t, t->root, NULL, NULL, map, &count, &live, 0,
-                      &height) < 0) {
+    Py_ssize_t count = 0;
+    int height;
+    if (check_subtree(t, t->root, NULL, NULL, map, &count, 0, &height) < 0) {
         goto done;
     }
     if (count != t->size) {
@@ -1657,37 +1718,15 @@ Tree_check(TreeObject *t, PyObject *Py_UNUSED(ignored))
     for (uint32_t units = 0; units < t->free_classes; units++) {
         for (uint32_t x = t->free_heads[units]; x != 0;
                 x = node_at(t, x)->link[0]) {
-            const Node *n = node_at(t, x);
-            if (units == 0 || x >= t->top || (uint64_t)x + units > t->top
-                    || n->meta != 0 || n->link[1] != units) {
+            if (units == 0 || x >= t->top || map[x] != BLOCK_FREE
+                    || node_at(t, x)->link[1] != (FREE_BIT | units)) {
                 PyErr_Format(PyExc_AssertionError, "RecordTree: block %u on "
                              "the free list of %u units is not such a free "
-                             "block", x, units);
+                             "block, or is listed twice", x, units);
                 goto done;
             }
-            for (uint32_t u = x; u < x + units; u++) {
-                if (map[u]) {
-                    PyErr_Format(PyExc_AssertionError, "RecordTree: unit %u "
-                                 "belongs to two blocks", u);
-                    goto done;
-                }
-                map[u] = 1;
-            }
-            listed += units;
+            map[x] = BLOCK_LISTED;
         }
-    }
-    uint64_t unmarked = 0;
-    for (uint32_t u = 0; u < t->top; u++) {
-        unmarked += !map[u];
-    }
-    if (live + t->free_units + 1 != t->top || unmarked != t->free_units - listed) {
-        PyErr_Format(PyExc_AssertionError, "RecordTree: %llu live units, "
-                     "%llu free (%llu listed, %llu unlisted), top %u",
-                     (unsigned long long)live,
-                     (unsigned long long)t->free_units,
-                     (unsigned long long)listed, (unsigned long long)unmarked,
-                     t->top);
-        goto done;
     }
     result = Py_NewRef(Py_None);
 done:

@@ -33,8 +33,9 @@ to ``UNIT`` bytes; records come from free blocks of exactly their size
 (blocks under ``LISTED_UNITS`` units are listed when freed) or the top of
 the arena, which doubles when full (whole pages once it is a mapping of
 ``MAP_THRESHOLD`` bytes or more); once free units pass a quarter of those
-used (in an arena using ``COMPACT_MIN_BYTES`` or more) the live records are
-compacted into an arena just large enough; an empty tree holds nothing.
+used (in an arena using ``COMPACT_MIN_BYTES`` or more) the live records
+slide down over the free ones and the arena shrinks to just large enough;
+an empty tree holds nothing.
 """
 
 from __future__ import annotations
@@ -140,8 +141,10 @@ class _Arena:
             self.release()
         elif self.top * UNIT >= COMPACT_MIN_BYTES and self.free_units * 4 > self.top:
             self.top -= self.free_units
-            self.capacity = _arena_size_for(self.top * UNIT)
-            self.mapped = self.capacity >= MAP_THRESHOLD
+            smaller = _arena_size_for(self.top * UNIT)
+            if smaller < self.capacity:
+                self.capacity = smaller
+                self.mapped = smaller >= MAP_THRESHOLD
             self.free_units = self.free_classes = 0
             self.listed = {}
             self.compactions += 1
