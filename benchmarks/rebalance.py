@@ -1,15 +1,18 @@
 """Rebalancing under load: what writers see while buckets move.
 
-    python -m benchmarks.rebalance [--writers 2] [--records 200000]
+    python -m benchmarks.rebalance [--writers 2] [--records 200000] [--lookup D,C,R]
                                    [--big-bucket 500000] [--png FILE] [--json FILE]
 
-1. *Join and drain.*  A 2-service deployment with the balancer on (auto,
-   settle 1 s) holds a DHT of ``--records`` records; ``--writers`` client
-   processes put continuously.  Two services join; once the balancer has
-   settled, one of the first two is drained.  Prints throughput per 100 ms,
-   put latency p50/p99/max while buckets move and while they do not, bytes
-   moved, and the time to settle; plots throughput and the slowest put of
-   every 100 ms (PNG).
+1. *Join, drain, resize.*  A 2-service deployment with the balancer on
+   (auto, settle 1 s) holds a DHT of ``--records`` records; ``--writers``
+   client processes put continuously, looking buckets up by ``--lookup``.
+   Two services join; once the balancer has settled, one of the first two
+   is drained; once it has settled again, the writers' messages per put are
+   measured for 3 s; then the DHT doubles and halves back.  Prints
+   throughput per 100 ms, put latency p50/p99/max while buckets move and
+   while they do not, bytes moved, the time to settle, the messages per put
+   after settling, and how long each resize took; plots throughput and the
+   slowest put of every 100 ms (PNG).
 2. *One big bucket.*  A bucket of ``--big-bucket`` records moves from one
    service to another while writers put into that very bucket: the pause
    they see is the slowest put during the move.
@@ -40,13 +43,16 @@ AUTO = ["--balance", "auto", "--balance-settle", "1", "--balance-cooldown", "5",
 
 
 def writer(address: str, dht_name: str, keys: list[Any], stop: Any, out: Any,
-           index: int) -> None:
-    """Put ``keys`` round after round until ``stop``; send back
-    (wall time, seconds) of every put and the keys acknowledged last."""
+           index: int, lookup: str | None, marks: list[Any]) -> None:
+    """Put ``keys`` round after round until ``stop``; send back (wall time,
+    seconds) of every put, the keys acknowledged last, and at each of
+    ``marks`` (events, in order) once it is set: (puts so far, messages
+    sent so far)."""
     samples: list[tuple[float, float]] = []
     acknowledged: dict[Any, int] = {}
+    counted: list[tuple[int, int]] = []
     with domus.connect(address, timeout=30) as cluster:
-        dht = cluster.open_dht(dht_name)
+        dht = cluster.open_dht(dht_name, lookup=lookup)
         number = 0
         while not stop.is_set():
             key = keys[number % len(keys)]
@@ -55,29 +61,35 @@ def writer(address: str, dht_name: str, keys: list[Any], stop: Any, out: Any,
             samples.append((time.time(), time.perf_counter() - started))
             acknowledged[key] = number
             number += 1
-    out.put((index, samples, acknowledged))
+            if len(counted) < len(marks) and marks[len(counted)].is_set():
+                counted.append((number, dht.stats()["messages"]))
+    out.put((index, samples, acknowledged, counted))
 
 
-def run_writers(address: str, dht_name: str, key_sets: list[list[Any]]):
+def run_writers(address: str, dht_name: str, key_sets: list[list[Any]],
+                lookup: str | None = None, marks: int = 0):
+    """Start the writers; returns (finish, mark events)."""
     context = multiprocessing.get_context("fork")
     stop, out = context.Event(), context.Queue()
-    processes = [context.Process(target=writer, args=(address, dht_name, keys, stop, out, i))
+    events = [context.Event() for _ in range(marks)]
+    processes = [context.Process(target=writer, args=(address, dht_name, keys, stop, out, i,
+                                                      lookup, events))
                  for i, keys in enumerate(key_sets)]
     for process in processes:
         process.start()
 
-    def finish() -> tuple[list[tuple[float, float]], dict[Any, int]]:
+    def finish() -> tuple[list[tuple[float, float]], dict[Any, int], list[list[tuple]]]:
         stop.set()
         results = [out.get(timeout=120) for _ in processes]
         for process in processes:
             process.join(60)
-        samples = sorted(sample for _i, found, _acked in results for sample in found)
+        samples = sorted(sample for _i, found, _acked, _counted in results for sample in found)
         acknowledged: dict[Any, int] = {}
-        for _i, _samples, acked in results:
+        for _i, _samples, acked, _counted in results:
             acknowledged.update(acked)
-        return samples, acknowledged
+        return samples, acknowledged, [counted for *_rest, counted in results]
 
-    return finish
+    return finish, events
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -121,7 +133,8 @@ def join_and_drain(args: argparse.Namespace, data_dir: str) -> dict[str, Any]:
         for start in range(0, len(keys), 10_000):
             dht.put_many({key: VALUE for key in keys[start:start + 10_000]})
         key_sets = [keys[index::args.writers] for index in range(args.writers)]
-        finish = run_writers(deployment.supervisor_address, "elastic", key_sets)
+        finish, marks = run_writers(deployment.supervisor_address, "elastic", key_sets,
+                                    args.lookup, marks=2)
         begun = time.time()
         time.sleep(3)
         joined_at = time.time()
@@ -138,14 +151,31 @@ def join_and_drain(args: argparse.Namespace, data_dir: str) -> dict[str, Any]:
         drain_started = time.time()
         drained = cluster.drain_service("s2")
         drain_ended = time.time()
+        wait_settled(cluster, "elastic")
+        # Messages per put once settled: between two marks 3 s apart.
+        marks[0].set()
         time.sleep(3)
-        samples, acknowledged = finish()
+        marks[1].set()
+        resizes = []
+        for count in (512, 256):
+            started = time.time()
+            answer = cluster.resize_dht("elastic", count)
+            resizes.append({"from": answer["from"], "to": count, "start": started - begun,
+                            "seconds": time.time() - started})
+            time.sleep(2)
+        samples, acknowledged, counted = finish()
         moves = [decision for decision in cluster.balancer_status()["decisions"]
                  if decision.get("role") == "storage" and decision.get("records") is not None]
         moved_records = sum(decision["records"] for decision in moves) + drained["records"]
         got = dht.get_many(list(acknowledged))
         lost = sum(1 for key, number in acknowledged.items() if got.get(key) != number)
-        moving = [(joined_at, settled_at), (drain_started, drain_ended)]
+        moving = [(joined_at, settled_at), (drain_started, drain_ended),
+                  *[(begun + resize["start"], begun + resize["start"] + resize["seconds"])
+                    for resize in resizes]]
+        settled_puts = sum(marked[1][0] - marked[0][0] for marked in counted
+                           if len(marked) == 2)
+        settled_messages = sum(marked[1][1] - marked[0][1] for marked in counted
+                               if len(marked) == 2)
         per_100ms: dict[int, list[float]] = {}
         for at, seconds in samples:
             per_100ms.setdefault(int((at - begun) * 10), []).append(seconds)
@@ -161,8 +191,12 @@ def join_and_drain(args: argparse.Namespace, data_dir: str) -> dict[str, Any]:
             "while_moving": latency(samples, moving, True),
             "while_still": latency(samples, moving, False),
             "puts": len(samples), "acknowledged_checked": len(acknowledged), "lost": lost,
+            "lookup": args.lookup, "settled_puts": settled_puts,
+            "messages_per_put_settled": settled_messages / settled_puts if settled_puts else None,
+            "resizes": resizes,
             "marks": {"join": joined_at - begun, "settled": settled_at - begun,
-                      "drain": drain_started - begun, "drained": drain_ended - begun},
+                      "drain": drain_started - begun, "drained": drain_ended - begun,
+                      **{f"{resize['to']} buckets": resize["start"] for resize in resizes}},
             "timeline": timeline,
         }
 
@@ -184,14 +218,14 @@ def big_bucket(args: argparse.Namespace, data_dir: str) -> dict[str, Any]:
         source = dht.records_by_service()
         writers_keys = [in_bucket[index:index + 1000] for index in range(0, 1000 * args.writers,
                                                                           1000)]
-        finish = run_writers(deployment.supervisor_address, "big", writers_keys)
+        finish, _marks = run_writers(deployment.supervisor_address, "big", writers_keys)
         time.sleep(2)
         started = time.time()
         owner = "s1" if source.get("s1") else "s2"
         answer = cluster.move_bucket("big", 0, storage="s2" if owner == "s1" else "s1")
         ended = time.time()
         time.sleep(1)
-        samples, acknowledged = finish()
+        samples, acknowledged, _counted = finish()
         got = dht.get_many(list(acknowledged))
         lost = sum(1 for key, value in acknowledged.items() if got.get(key) != value)
         during = [seconds for at, seconds in samples if started <= at <= ended]
@@ -225,8 +259,9 @@ def plot(result: dict[str, Any], path: str) -> None:
             if axes is top:
                 axes.text(at, axes.get_ylim()[1] * 0.95, label, fontsize=8, rotation=90,
                           va="top")
-    top.set_title(f"{result['writers']} writers, {result['records']:,} records: 2 services "
-                  f"join a 2-service deployment, then one drains")
+    top.set_title(f"{result['writers']} writers ({result['lookup']}), {result['records']:,} "
+                  f"records: 2 services join a 2-service deployment, one drains, the DHT "
+                  f"doubles and halves", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -246,6 +281,8 @@ def main() -> None:
     parser.add_argument("--writers", type=int, default=2)
     parser.add_argument("--records", type=int, default=200_000)
     parser.add_argument("--big-bucket", type=int, default=500_000)
+    parser.add_argument("--lookup", default="D,C,R", help="the writers' lookup strategy "
+                        "(default %(default)s)")
     parser.add_argument("--png", metavar="FILE")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
@@ -254,14 +291,20 @@ def main() -> None:
         big = big_bucket(args, second)
     where = machine()
     print(f"{where['date']}, commit {where['commit']}, {where['machine']}")
-    print(f"join and drain: {args.writers} writers, {elastic['records']:,} records, "
-          f"256 buckets, 2 services + 2 joining, then s2 drained")
+    print(f"join, drain, resize: {args.writers} writers ({args.lookup}), "
+          f"{elastic['records']:,} records, 256 buckets, 2 services + 2 joining, then s2 "
+          f"drained, then 256 -> 512 -> 256 buckets")
     print(f"  settled {elastic['join_to_settled_s']:.1f} s after the join "
           f"(storage {elastic['storage_after_join']}); drain {elastic['drain_s']:.1f} s "
           f"({elastic['drain_moves']} moves) -> {elastic['storage_after_drain']}")
     print(f"  records moved {elastic['records_moved']:,} (~{elastic['bytes_moved'] / 2**20:.0f} "
           f"MiB); puts {elastic['puts']:,}, acknowledged keys checked "
           f"{elastic['acknowledged_checked']:,}, lost {elastic['lost']}")
+    if elastic["messages_per_put_settled"] is not None:
+        print(f"  once settled: {elastic['messages_per_put_settled']:.3f} messages per put "
+              f"({elastic['settled_puts']:,} puts over 3 s)")
+    for resize in elastic["resizes"]:
+        print(f"  resize {resize['from']} -> {resize['to']} buckets: {resize['seconds']:.2f} s")
     for label in ("while_moving", "while_still"):
         part = elastic[label]
         print(f"  put latency {label.replace('_', ' ')}: p50 {part['p50_ms']:.2f} ms, "

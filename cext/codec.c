@@ -117,15 +117,17 @@ get_u32(const unsigned char *at)
            | ((uint32_t)at[2] << 8) | at[3];
 }
 
-/* The 16-byte request header. */
+/* The 16-byte request header of a request whose buckets are hash >> shift:
+ * byte 3 says so (1 + log2 of the bucket count, as the Python reference's
+ * numbered()). */
 static void
 put_request_header(unsigned char *at, int op, uint32_t request_id,
-                   uint64_t client_id)
+                   uint64_t client_id, int shift)
 {
     at[0] = REQUEST_MAGIC;
     at[1] = VERSION;
     at[2] = (unsigned char)op;
-    at[3] = 0;
+    at[3] = (unsigned char)(65 - shift);
     put_u32(at + 4, request_id);
     put_u64(at + 8, client_id);
 }
@@ -651,7 +653,7 @@ codec_keyed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     uint32_t bucket = bucket_from_hash(hash, shift);
-    put_request_header(at, (int)op, (uint32_t)request_id, client_id);
+    put_request_header(at, (int)op, (uint32_t)request_id, client_id, shift);
     put_u32(at + REQUEST_HEADER_SIZE, (uint32_t)dht_id);
     put_u32(at + REQUEST_HEADER_SIZE + 4, bucket);
     put_u16(at + REQUEST_HEADER_SIZE + 8, (uint32_t)key_size);
@@ -1105,7 +1107,7 @@ codec_put_many_requests(PyObject *module, PyObject *const *args, Py_ssize_t narg
                 goto fail;
             }
             unsigned char *at = (unsigned char *)PyBytes_AS_STRING(message);
-            put_request_header(at, OP_PUT_MANY, request_id, client_id);
+            put_request_header(at, OP_PUT_MANY, request_id, client_id, shift);
             put_u32(at + REQUEST_HEADER_SIZE, (uint32_t)dht_id);
             put_u16(at + REQUEST_HEADER_SIZE + 4, (uint32_t)length);
             at += BATCH_OVERHEAD;
@@ -1274,7 +1276,7 @@ codec_get_many_requests(PyObject *module, PyObject *const *args, Py_ssize_t narg
                 goto done;
             }
             unsigned char *at = (unsigned char *)PyBytes_AS_STRING(message);
-            put_request_header(at, OP_GET_MANY, request_id, client_id);
+            put_request_header(at, OP_GET_MANY, request_id, client_id, shift);
             put_u32(at + REQUEST_HEADER_SIZE, (uint32_t)dht_id);
             put_u16(at + REQUEST_HEADER_SIZE + 4, (uint32_t)length);
             at += BATCH_OVERHEAD;

@@ -14,8 +14,13 @@
  *     the caller asks the Python handler, which writes the full error reply.
  *
  * The state is owned by Python and shared, not copied:
- *   dhts         dict: DHT id -> dict: bucket -> repository, holding only the
- *                active DHTs (the handler keeps it up to date).
+ *   dhts         dict: DHT id -> (dict: bucket -> repository, layout), holding
+ *                only the active DHTs (the handler keeps it up to date);
+ *                `layout` is an int, numbering << 8 | tag: the request
+ *                header byte 3 that numbers buckets as this service does
+ *                (a request that says another numbering is declined, and
+ *                the Python handler translates it), and the reply header
+ *                byte 3 that tells clients this service's layout version.
  *   generations  the reply cache's list [current, previous] of dicts
  *                token (request bytes 4..16) -> reply bytes; the Python
  *                ReplyCache rotates it in place.
@@ -89,6 +94,11 @@
 #define MISSING 0xFFFFFFFFu
 /* Larger than any UDP payload (65,535 - 8), so no datagram is cut. */
 #define RECV_BUFFER_SIZE 65536
+/* One request in SAMPLE_EVERY answered here is sampled, (DHT id, bucket),
+ * into a ring of SAMPLE_RING entries that the service drains on each
+ * heartbeat: which buckets are hot, for the cost of a mask and a store. */
+#define SAMPLE_EVERY 16
+#define SAMPLE_RING 4096
 
 #define HANDLED 1
 #define DECLINED 0
@@ -122,6 +132,7 @@ typedef struct {
     PyObject *dict_type;                /* or NULL */
     const DomusRecordTreeAPI *tree_api; /* NULL: trees are declined */
     Py_ssize_t current_limit;
+    unsigned char layout_tag;           /* the request's DHT's, for its reply */
     unsigned char *buffer;              /* serve()'s datagram, made lazily */
     unsigned long long requests;
     unsigned long long replayed;
@@ -129,6 +140,8 @@ typedef struct {
     unsigned long long send_errors;
     unsigned long long recv_errors;
     unsigned long long by_op[256];
+    unsigned long long sampled;         /* samples taken since the last take */
+    uint64_t samples[SAMPLE_RING];      /* dht id << 32 | bucket */
 } FastPath;
 
 typedef enum {
@@ -180,15 +193,16 @@ write_u16(unsigned char *p, uint16_t v)
     p[1] = (unsigned char)v;
 }
 
-/* Writes the 8-byte reply header for `request` (whose id it echoes). */
+/* Writes the 8-byte reply header for `request` (whose id it echoes), with
+ * the layout tag of the request's DHT. */
 static void
 write_reply_header(unsigned char *out, int status,
-                   const unsigned char *request)
+                   const unsigned char *request, unsigned char layout_tag)
 {
     out[0] = REPLY_MAGIC;
     out[1] = PROTOCOL_VERSION;
     out[2] = (unsigned char)status;
-    out[3] = 0;
+    out[3] = layout_tag;
     memcpy(out + 4, request + 4, 4);
 }
 
@@ -196,7 +210,8 @@ write_reply_header(unsigned char *out, int status,
  * shared singleton (it is at least 8 bytes), so it may be filled in until
  * another reference to it is handed out. */
 static PyObject *
-new_reply(int status, const unsigned char *request, Py_ssize_t body_size)
+new_reply(int status, const unsigned char *request, Py_ssize_t body_size,
+          unsigned char layout_tag)
 {
     PyObject *reply = PyBytes_FromStringAndSize(NULL,
                                                 REPLY_HEADER_SIZE + body_size);
@@ -204,7 +219,7 @@ new_reply(int status, const unsigned char *request, Py_ssize_t body_size)
         return NULL;
     }
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(reply);
-    write_reply_header(out, status, request);
+    write_reply_header(out, status, request, layout_tag);
     memset(out + REPLY_HEADER_SIZE, 0, (size_t)body_size);
     return reply;
 }
@@ -237,10 +252,14 @@ repo_kind(FastPath *self, PyObject *repo)
     return REPO_UNSUPPORTED;
 }
 
-/* The bucket table of an active DHT: a borrowed reference in *buckets.
- * HANDLED, DECLINED (no such DHT here, or not a dict), or -1. */
+/* The bucket table of an active DHT, for a request whose header byte 3
+ * (its bucket numbering) is `numbering`: a borrowed reference in *buckets,
+ * and the DHT's layout tag in self->layout_tag.  HANDLED; DECLINED (no such
+ * DHT here, an entry of another shape, or a request numbered otherwise
+ * than the DHT: the Python handler translates it); or -1. */
 static int
-find_buckets(FastPath *self, uint32_t dht_id, PyObject **buckets)
+find_buckets(FastPath *self, uint32_t dht_id, unsigned char numbering,
+             PyObject **buckets)
 {
     if (self->dhts == NULL) {
         return DECLINED;
@@ -254,10 +273,21 @@ find_buckets(FastPath *self, uint32_t dht_id, PyObject **buckets)
     if (found == NULL) {
         return PyErr_Occurred() ? -1 : DECLINED;
     }
-    if (!PyDict_Check(found)) {
+    if (!PyTuple_CheckExact(found) || PyTuple_GET_SIZE(found) != 2
+            || !PyDict_Check(PyTuple_GET_ITEM(found, 0))
+            || !PyLong_CheckExact(PyTuple_GET_ITEM(found, 1))) {
         return DECLINED;
     }
-    *buckets = found;
+    long layout = PyLong_AsLong(PyTuple_GET_ITEM(found, 1));
+    if (layout < 0 || layout > 0xFFFF) {
+        PyErr_Clear();
+        return DECLINED;
+    }
+    if (numbering != 0 && numbering != (unsigned char)(layout >> 8)) {
+        return DECLINED;
+    }
+    self->layout_tag = (unsigned char)(layout & 0xFF);
+    *buckets = PyTuple_GET_ITEM(found, 0);
     return HANDLED;
 }
 
@@ -613,7 +643,7 @@ parse_keyed(FastPath *self, const unsigned char *data, Py_ssize_t size,
         return DECLINED;
     }
     PyObject *buckets;
-    int found = find_buckets(self, dht_id, &buckets);
+    int found = find_buckets(self, dht_id, data[3], &buckets);
     if (found != HANDLED) {
         return found;
     }
@@ -625,25 +655,25 @@ parse_keyed(FastPath *self, const unsigned char *data, Py_ssize_t size,
     return HANDLED;
 }
 
-/* Writes a GET's OK reply to *reply: the stored value, sent as it is (a
- * bytes object), or copied from a tree's arena into the reply.  HANDLED,
- * DECLINED (not bytes, or too large for `limit`: REPLY_TOO_LARGE), or -1.
- * Takes over value->object. */
+/* Writes a GET's OK reply to *reply (with the layout tag of the request's
+ * DHT): the stored value, sent as it is (a bytes object), or copied from a
+ * tree's arena into the reply.  HANDLED, DECLINED (not bytes, or too large
+ * for `limit`: REPLY_TOO_LARGE), or -1.  Takes over value->object. */
 static int
 reply_value(const unsigned char *request, Found *value, Py_ssize_t limit,
-            Reply *reply)
+            unsigned char layout_tag, Reply *reply)
 {
     if (value->size < 0 || value->size + REPLY_HEADER_SIZE > limit) {
         found_clear(value);
         return DECLINED;
     }
     if (value->object != NULL) {
-        write_reply_header(reply->head, ST_OK, request);
+        write_reply_header(reply->head, ST_OK, request, layout_tag);
         reply->value = value->object;
         value->object = NULL;
         return HANDLED;
     }
-    reply->whole = new_reply(ST_OK, request, value->size);
+    reply->whole = new_reply(ST_OK, request, value->size, layout_tag);
     if (reply->whole == NULL) {
         return -1;
     }
@@ -677,7 +707,7 @@ handle_read(FastPath *self, int op, const unsigned char *data,
         Found value = {NULL, NULL, 0};
         present = repo_get(self, repo, key, key_size, &value);
         if (present == 1) {
-            result = reply_value(data, &value, limit, reply);
+            result = reply_value(data, &value, limit, self->layout_tag, reply);
             goto done;
         }
     }
@@ -685,7 +715,8 @@ handle_read(FastPath *self, int op, const unsigned char *data,
         result = present == FAILED ? DECLINED : -1;
         goto done;
     }
-    write_reply_header(reply->head, present ? ST_OK : ST_NOT_FOUND, data);
+    write_reply_header(reply->head, present ? ST_OK : ST_NOT_FOUND, data,
+                       self->layout_tag);
     result = HANDLED;
 done:
     Py_DECREF(repo.object);
@@ -718,7 +749,7 @@ change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
         result = DECLINED;
         goto done;
     }
-    answer = new_reply(ST_OK, data, 1);
+    answer = new_reply(ST_OK, data, 1, self->layout_tag);
     if (answer == NULL || PyDict_SetItem(current, token, answer) < 0) {
         result = -1;
         goto done;
@@ -776,7 +807,8 @@ change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
             goto done;
         }
     }
-    answer = new_reply(present ? ST_OK : ST_NOT_FOUND, data, 0);
+    answer = new_reply(present ? ST_OK : ST_NOT_FOUND, data, 0,
+                       self->layout_tag);
     if (answer == NULL || PyDict_SetItem(current, token, answer) < 0) {
         result = -1;
         goto done;
@@ -850,7 +882,7 @@ parse_batch(FastPath *self, const unsigned char *data, Py_ssize_t size,
         return DECLINED;        /* cannot hold that many non-empty keys */
     }
     PyObject *buckets;
-    int result = find_buckets(self, dht_id, &buckets);
+    int result = find_buckets(self, dht_id, data[3], &buckets);
     if (result != HANDLED) {
         return result;
     }
@@ -980,7 +1012,7 @@ change_put_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
     if (result != HANDLED) {
         return result;
     }
-    PyObject *answer = new_reply(ST_OK, data, 4);
+    PyObject *answer = new_reply(ST_OK, data, 4, self->layout_tag);
     if (answer == NULL || PyDict_SetItem(current, token, answer) < 0) {
         result = -1;
         goto done;
@@ -1063,7 +1095,7 @@ handle_get_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
         goto done;
     }
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(answer);
-    write_reply_header(out, ST_OK, data);
+    write_reply_header(out, ST_OK, data, self->layout_tag);
     write_u16(out + REPLY_HEADER_SIZE, (uint16_t)answered);
     out += REPLY_HEADER_SIZE + 2;
     for (Py_ssize_t i = 0; i < answered; i++) {
@@ -1143,6 +1175,22 @@ done:
     return result;
 }
 
+/* Notes the DHT and bucket of a handled request (a batch's first entry's)
+ * in the sample ring. */
+static void
+sample_request(FastPath *self, int op, const unsigned char *data,
+               Py_ssize_t size)
+{
+    Py_ssize_t at = (op == OP_PUT_MANY || op == OP_GET_MANY) ? BATCH_END
+                                                             : REQUEST_HEADER_SIZE + 4;
+    if (size < at + 4) {
+        return;             /* an empty batch */
+    }
+    self->samples[self->sampled % SAMPLE_RING] =
+        ((uint64_t)read_u32(data + 16) << 32) | read_u32(data + at);
+    self->sampled++;
+}
+
 /* Answers one request: HANDLED with *reply filled (the caller clears it),
  * DECLINED with nothing changed, or -1 with an exception set.  Counts the
  * request (handled or declined) in the counters. */
@@ -1171,7 +1219,9 @@ handle_request(FastPath *self, const unsigned char *data, Py_ssize_t size,
             break;
         }
         if (result == HANDLED) {
-            self->requests++;
+            if ((self->requests++ & (SAMPLE_EVERY - 1)) == 0) {
+                sample_request(self, op, data, size);
+            }
             self->by_op[op]++;
             return HANDLED;
         }
@@ -1677,7 +1727,39 @@ FastPath_get_by_op(FastPath *self, void *closure)
     return counts;
 }
 
+PyDoc_STRVAR(FastPath_take_samples_doc,
+"take_samples() -> (samples, taken)\n\n"
+"The requests sampled since the last call (one in SAMPLE_EVERY answered\n"
+"in C), each as dht_id << 32 | bucket, and how many were taken (more than\n"
+"len(samples) if the ring of SAMPLE_RING went round); starts afresh.");
+
+static PyObject *
+FastPath_take_samples(FastPath *self, PyObject *unused)
+{
+    Py_ssize_t held = self->sampled < SAMPLE_RING ? (Py_ssize_t)self->sampled
+                                                  : SAMPLE_RING;
+    PyObject *samples = PyList_New(held);
+    if (samples == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < held; i++) {
+        PyObject *sample = PyLong_FromUnsignedLongLong(self->samples[i]);
+        if (sample == NULL) {
+            Py_DECREF(samples);
+            return NULL;
+        }
+        PyList_SET_ITEM(samples, i, sample);
+    }
+    PyObject *result = Py_BuildValue("(NK)", samples, self->sampled);
+    if (result != NULL) {
+        self->sampled = 0;
+    }
+    return result;
+}
+
 static PyMethodDef FastPath_methods[] = {
+    {"take_samples", (PyCFunction)FastPath_take_samples, METH_NOARGS,
+     FastPath_take_samples_doc},
     {"handle", (PyCFunction)(void (*)(void))FastPath_handle,
      METH_VARARGS | METH_KEYWORDS, FastPath_handle_doc},
     {"serve", (PyCFunction)(void (*)(void))FastPath_serve,
@@ -1760,7 +1842,9 @@ PyInit__hotpath(void)
             || PyModule_AddIntConstant(module, "MAX_UDP_PAYLOAD",
                                        MAX_UDP_PAYLOAD) < 0
             || PyModule_AddIntConstant(module, "RECV_BUFFER_SIZE",
-                                       RECV_BUFFER_SIZE) < 0) {
+                                       RECV_BUFFER_SIZE) < 0
+            || PyModule_AddIntConstant(module, "SAMPLE_EVERY", SAMPLE_EVERY) < 0
+            || PyModule_AddIntConstant(module, "SAMPLE_RING", SAMPLE_RING) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -28,7 +28,12 @@ eligible one is under ``cpu_room`` is damped: its weight is multiplied by
 ``damping`` (down to ``min_factor``), so its share, and its load, shrink;
 the factor recovers by the same step once its CPU is back under
 ``cpu_room``.  Nothing else changes weights, so equal services under noisy
-load never trade buckets.
+load never trade buckets.  And a *hot* bucket (one that carries at least
+``hot_share`` of the storage requests of such a busy service, from the
+requests the services sample per bucket) is moved to the eligible service
+with the most room, and *pinned* there for ``pin_time`` seconds: the
+target layout is the counts' placement with the pinned buckets on their
+pins, so the balancer does not move it back meanwhile.
 
 Hysteresis and budgets.  A role is rebalanced only if some service is off
 its target count by more than ``tolerance`` buckets and more than
@@ -69,6 +74,8 @@ class Settings:
     cpu_room: float = 50.0          # own CPU % under which a service can take load
     damping: float = 0.8            # weight factor per round of sustained overload
     min_factor: float = 0.25
+    hot_share: float = 0.25         # of a busy service's requests, that makes a bucket hot
+    pin_time: float = 600.0         # seconds a hot bucket stays where it was moved
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,8 @@ class Memory:
     moved_at: dict[tuple[str, str, int], float] = field(default_factory=dict)
     factors: dict[str, float] = field(default_factory=dict)      # service -> load damping
     others: dict[str, float] = field(default_factory=dict)   # service -> smoothed others' CPU
+    # (dht, role, bucket) -> (service, until): hot buckets moved off busy services
+    pins: dict[tuple[str, str, int], tuple[str, float]] = field(default_factory=dict)
     decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=200))
 
     def note(self, now: float, text: str, **details: Any) -> None:
@@ -155,9 +164,70 @@ def targets(descriptor: Mapping[str, Any], role: str, services: Mapping[str, Map
     return dict(zip(names, proportional_counts(descriptor["buckets"], weights)))
 
 
-def target_layout(descriptor: Mapping[str, Any], counts: Mapping[str, int]) -> BucketMap[str]:
+def target_layout(descriptor: Mapping[str, Any], counts: Mapping[str, int],
+                  pins: Mapping[int, str] | None = None) -> BucketMap[str]:
+    """The counts' contiguous placement, with ``pins`` (bucket -> service)
+    on their services."""
     names = list(counts)
-    return BucketMap.from_counts([counts[name] for name in names], names, descriptor["buckets"])
+    wanted = BucketMap.from_counts([counts[name] for name in names], names,
+                                   descriptor["buckets"])
+    for bucket, service in (pins or {}).items():
+        if service in counts and 0 <= bucket < descriptor["buckets"]:
+            wanted.assign(bucket, bucket + 1, service)
+    return wanted
+
+
+def pinned(descriptor: Mapping[str, Any], role: str, memory: Memory,
+           now: float) -> dict[int, str]:
+    """The DHT's buckets of ``role`` pinned now.  An expired pin is
+    forgotten, and its role balanced to the exact target again (the bucket
+    goes back: the layout is counts again)."""
+    name = descriptor["name"]
+    found = {}
+    for key, (service, until) in list(memory.pins.items()):
+        if until <= now:
+            del memory.pins[key]
+            memory.active.add(key[:2])
+        elif key[:2] == (name, role):
+            found[key[2]] = service
+    return found
+
+
+def hot_moves(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]],
+              memory: Memory, settings: Settings, now: float,
+              heat: Mapping[str, Mapping[int, float]], eligible_storage: list[str]
+              ) -> list[Move]:
+    """A hot bucket off each busy storage service (see the module's
+    docstring), to the eligible service with the least CPU, pinned there."""
+    def cpu(name: str) -> float:
+        return float((services[name].get("load") or {}).get("cpu") or 0)
+
+    room = sorted((name for name in eligible_storage if cpu(name) < settings.cpu_room),
+                  key=cpu)
+    current = layout.owners(descriptor, "storage")
+    moves = []
+    for name in eligible_storage:
+        rates = {int(bucket): float(rate) for bucket, rate in (heat.get(name) or {}).items()}
+        served = float((services[name].get("load") or {}).get("requests_per_s") or 0)
+        if cpu(name) <= settings.cpu_busy or not rates or not served or not room:
+            continue
+        bucket, rate = max(rates.items(), key=lambda item: item[1])
+        key = (descriptor["name"], "storage", bucket)
+        if (rate < settings.hot_share * served or key in memory.pins
+                or current.get(bucket) != name
+                or now - memory.moved_at.get(key, -1e18) < settings.cooldown):
+            continue
+        target = room[0]
+        memory.pins[key] = (target, now + settings.pin_time)
+        memory.note(now, f"DHT {descriptor['name']!r}: bucket {bucket} is hot on busy {name} "
+                    f"({rate:.0f} of its {served:.0f} requests/s, CPU {cpu(name):.0f}%): "
+                    f"pinned to {target} for {settings.pin_time:.0f}s", dht=descriptor["name"],
+                    bucket=bucket, service=name)
+        moves.append(Move(descriptor["name"], bucket, "storage", name, target, None,
+                          f"bucket {bucket} serves {rate:.0f} of busy {name}'s {served:.0f} "
+                          f"requests/s (CPU {cpu(name):.0f}%); {target} has room "
+                          f"(CPU {cpu(target):.0f}%)"))
+    return moves
 
 
 def adjust_for_load(services: Mapping[str, Mapping[str, Any]], memory: Memory,
@@ -189,10 +259,12 @@ def adjust_for_load(services: Mapping[str, Mapping[str, Any]], memory: Memory,
 def plan(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]],
          memory: Memory, settings: Settings, now: float | None = None, *,
          draining: Iterable[str] = (), immediate: bool = False,
-         records: Mapping[str, float] | None = None) -> list[Move]:
+         records: Mapping[str, float] | None = None,
+         heat: Mapping[str, Mapping[int, float]] | None = None) -> list[Move]:
     """The moves of this round for one DHT (empty: nothing to do yet).
     ``records``: service -> records per bucket it stores (an estimate, for
-    the budget and the plan's table)."""
+    the budget and the plan's table); ``heat``: service -> bucket ->
+    requests per second on its busiest buckets (sampled)."""
     now = time.monotonic() if now is None else now
     draining = set(draining)
     name = descriptor["name"]
@@ -209,13 +281,16 @@ def plan(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]
             # Records cannot be copied off a service that does not answer,
             # and a routing change must reach every service: wait for it.
             continue
+        if role == "storage" and heat:
+            moves += hot_moves(descriptor, services, memory, settings, now, heat, list(counts))
         held = {service: current.buckets(service) for service in set(counts) | current.owners()}
         leaving = {service for service in current.owners() if service not in counts}
         off = [abs(held.get(service, 0) - share) > max(settings.tolerance,
                                                        settings.relative_tolerance * share)
                for service, share in counts.items()]
         key = (name, role)
-        wanted = target_layout(descriptor, counts)
+        pins = pinned(descriptor, role, memory, now)
+        wanted = target_layout(descriptor, counts, pins)
         if key not in memory.active:
             if not leaving and not any(off):
                 memory.imbalanced_since.pop(key, None)
@@ -230,6 +305,8 @@ def plan(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]
             memory.imbalanced_since.pop(key, None)
             continue
         for bucket, owner, goal in _differences(current, wanted):
+            if any(move.bucket == bucket and move.role == role for move in moves):
+                continue                            # (a hot move already)
             must = owner in leaving
             if not must and now - memory.moved_at.get((name, role, bucket), -1e18) \
                     < settings.cooldown:
@@ -310,6 +387,36 @@ def describe(descriptor: Mapping[str, Any], role: str, owners: BucketMap[str],
     return changed
 
 
+def resized(descriptor: Mapping[str, Any], count: int) -> dict[str, Any]:
+    """``descriptor`` with ``count`` buckets (twice or half its count, or
+    any power of two times it), each role's owners following: bucket c of
+    a finer count is its coarser bucket's; a coarser bucket is the owner of
+    its first finer bucket's (storage must be co-located beforehand, see
+    domus.service.hosted, "Resizing").  Counts are scaled in proportion,
+    so a layout described by counts stays so when doubled; the other
+    buckets are listed as moved.  A new layout version."""
+    old = descriptor["buckets"]
+    changed = dict(descriptor, buckets=count, version=layout.next_version(descriptor))
+    changed["initial_buckets"] = descriptor.get("initial_buckets") or old
+    for role in ROLES:
+        owners = layout.owners(descriptor, role)
+        scaled: BucketMap[str] = BucketMap(count)
+        for first, end, owner in owners.ranges():
+            if count >= old:
+                scaled.assign(first * (count // old), end * (count // old), owner)
+            else:
+                factor = old // count
+                low, high = -(-first // factor), -(-end // factor)   # (ceilings)
+                if low < high:
+                    scaled.assign(low, high, owner)
+        entries = [dict(entry) for entry in descriptor[f"{role}_services"]]
+        for entry, share in zip(entries, proportional_counts(
+                count, [entry["count"] for entry in entries])):
+            entry["count"] = share
+        changed = describe(changed, role, scaled, entries)
+    return changed
+
+
 def force_out(descriptor: Mapping[str, Any], service: str,
               services: Mapping[str, Mapping[str, Any]], memory: Memory,
               draining: Iterable[str] = ()) -> dict[str, Any]:
@@ -347,5 +454,5 @@ def force_out(descriptor: Mapping[str, Any], service: str,
 
 
 __all__ = ["Settings", "Move", "Memory", "others_busy", "capacity", "eligible", "targets",
-           "target_layout", "adjust_for_load", "plan", "rebase", "describe",
-           "force_out"]
+           "target_layout", "pinned", "hot_moves", "adjust_for_load", "plan", "rebase",
+           "describe", "resized", "force_out"]

@@ -32,6 +32,8 @@ from domus.wire import address as addresses
 from domus.wire import launch
 from domus.wire import protocol as wire
 from domus.wire.attributes import (
+    MAX_BUCKETS,
+    MIN_BUCKETS,
     PLATFORM_MEDIA,
     PLATFORM_NEEDS,
     check_request,
@@ -76,7 +78,8 @@ class SupervisorService(Service):
                 ("--balance-settle", knobs.settle, balancer.Settings.settle),
                 ("--balance-max-moves", knobs.max_moves, balancer.Settings.max_moves),
                 ("--balance-cooldown", knobs.cooldown, balancer.Settings.cooldown),
-                ("--balance-cpu-busy", knobs.cpu_busy, balancer.Settings.cpu_busy)):
+                ("--balance-cpu-busy", knobs.cpu_busy, balancer.Settings.cpu_busy),
+                ("--balance-smoothing", knobs.smoothing, balancer.Settings.smoothing)):
             if value != default:
                 timing += [flag, repr(value)]
         self.state.launch = launch.record("supervisor", listen, [
@@ -224,10 +227,14 @@ class SupervisorService(Service):
 
     def _readdress(self, name: str, address: str) -> None:
         for descriptor in self.state.dhts.values():
+            moved = False
             for role in ("routing_services", "storage_services"):
                 for entry in descriptor[role]:
                     if entry["name"] == name:
                         entry["address"] = address
+                        moved = True
+            if moved:
+                descriptor["version"] = layout.next_version(descriptor)
 
     def _link_lost(self, name: str, link: MessageProtocol) -> None:
         if self.links.get(name) is link:
@@ -320,7 +327,7 @@ class SupervisorService(Service):
                                    f"run `domus dht rebalance {descriptor['name']}` first")
         changed = []
         for descriptor in listing:
-            stripped = dict(descriptor)
+            stripped = dict(descriptor, version=layout.next_version(descriptor))
             for role in ("routing_services", "storage_services"):
                 stripped[role] = [entry for entry in descriptor[role] if entry["name"] != name]
             self.state.dhts[descriptor["name"]] = stripped
@@ -363,7 +370,21 @@ class SupervisorService(Service):
             held = stats.get("dhts", {}).get(name)
             records[entry["name"]] = held["records"] if held else None
         descriptor["records_reported"] = records
+        descriptor["hot_buckets"] = self._hot_buckets(name)
         return descriptor
+
+    def _hot_buckets(self, name: str, top: int = 10) -> list[dict[str, Any]]:
+        """The buckets of DHT ``name`` that served the most requests per
+        second in the services' last heartbeats (sampled), busiest first."""
+        hot = []
+        for service, live in self.live.items():
+            stats = live.get("stats") or {}
+            records = (stats.get("bucket_records") or {}).get(name) or {}
+            for bucket, rate in ((stats.get("bucket_requests") or {}).get(name) or {}).items():
+                hot.append({"bucket": int(bucket), "service": service,
+                            "requests_per_s": rate, "records": records.get(bucket)})
+        hot.sort(key=lambda entry: -entry["requests_per_s"])
+        return hot[:top]
 
     def op_list_dhts(self, link: MessageProtocol) -> list[dict[str, Any]]:
         return [self._summary(descriptor) for descriptor in self.state.dhts.values()]
@@ -458,7 +479,7 @@ class SupervisorService(Service):
             "routing": wanted["routing"], "routing_degree": wanted["routing_degree"],
             "routing_algorithm": wanted["routing_algorithm"], "lookup": wanted["lookup"],
             "durability": wanted["durability"], "state": "active",
-            "created": time.time(),
+            "created": time.time(), "version": 1, "initial_buckets": buckets,
             # roles given no service list follow the deployment: services
             # that register later get their share (the balancer)
             "follow": [role for role in layout.ROLES if not wanted.get(f"{role}_services")],
@@ -670,13 +691,22 @@ class SupervisorService(Service):
                 estimate[name] = held["records"] / held["storage_buckets"]
         return estimate
 
+    def _heat(self, dht: str) -> dict[str, dict[int, float]]:
+        """service -> bucket -> requests per second on its busiest buckets
+        of ``dht`` (sampled; their last heartbeats)."""
+        heat = {}
+        for name, live in self.live.items():
+            sampled = ((live.get("stats") or {}).get("bucket_requests") or {}).get(dht) or {}
+            heat[name] = {int(bucket): rate for bucket, rate in sampled.items()}
+        return heat
+
     def _whole_plan(self, name: str) -> list[balancer.Move]:
         """Every move that takes DHT ``name`` to its targets now, with no
         wait, budget or rest (``rebalance``, a drain)."""
         unbounded = dataclasses.replace(self.balancer_settings, max_moves=1 << 30,
                                         records_per_round=1 << 62, cooldown=0.0)
         scratch = balancer.Memory(factors=dict(self.memory.factors),
-                                  others=dict(self.memory.others))
+                                  others=dict(self.memory.others), pins=dict(self.memory.pins))
         return balancer.plan(self.state.dhts[name], self._balancer_view(), scratch, unbounded,
                              immediate=True, draining=self.draining,
                              records=self._records_per_bucket(name))
@@ -685,6 +715,7 @@ class SupervisorService(Service):
         """One round of ``--balance auto``: at most one DHT's moves at a time."""
         if self._balancing or self._shutting_down:
             return
+        self._regroup_round()
         services = self._balancer_view()
         now = time.monotonic()
         balancer.adjust_for_load(services, self.memory, self.balancer_settings, now)
@@ -694,7 +725,8 @@ class SupervisorService(Service):
             if (name in self._changing or descriptor.get("state", "active") != "active"):
                 continue
             moves = balancer.plan(descriptor, services, self.memory, self.balancer_settings, now,
-                                  draining=self.draining, records=self._records_per_bucket(name))
+                                  draining=self.draining, records=self._records_per_bucket(name),
+                                  heat=self._heat(name))
             if moves:
                 self._balancing = f"moving {len(moves)} bucket(s) of DHT {name!r}"
                 self._carry_out(moves, "balancer").addErrback(
@@ -746,6 +778,7 @@ class SupervisorService(Service):
         rebased = balancer.rebase(descriptor)
         if rebased == descriptor:
             return
+        rebased["version"] = layout.next_version(descriptor)
         self._changing[name] = "being described by counts again"
         try:
             self.state.dhts[name] = rebased
@@ -812,7 +845,7 @@ class SupervisorService(Service):
         if "storage" in roles and add:
             self._able_to_store(descriptor["platform"], add, named=True)
         self._refuse_while_changing(name, "change the services of")
-        changed = dict(descriptor)
+        changed = dict(descriptor, version=layout.next_version(descriptor))
         for role in roles:
             entries = list(changed[f"{role}_services"])
             listed = {entry["name"] for entry in entries}
@@ -874,6 +907,7 @@ class SupervisorService(Service):
                 if leaving - gone:
                     changed[f"{role}_leaving"] = sorted(leaving - gone)
         if changed != descriptor:
+            changed["version"] = layout.next_version(descriptor)
             self.state.dhts[name] = changed
             self.state.save()
             dropped = set(self._involved(descriptor)) - set(self._involved(changed))
@@ -902,6 +936,7 @@ class SupervisorService(Service):
                 except ValueError as exc:
                     raise ControlError("SupervisorError", f"cannot remove service {name!r}: "
                                        f"{exc}") from None
+                changed["version"] = layout.next_version(descriptor)
                 self.state.dhts[dht] = changed
                 self.state.save()
                 lagging = yield self._push(self._involved(changed), changed, self.push_timeout)
@@ -958,6 +993,173 @@ class SupervisorService(Service):
                                f"{left} after the drain: {why}")
         records = sum(move["records"] or 0 for move in moved if move["role"] == "storage")
         return {"drained": name, "moves": len(moved), "records": records}
+
+    # -------------------------------------------------------------- resizing
+    # A DHT's bucket count doubles or halves, one step at a time, while its
+    # clients read and write (domus.service.hosted, "Resizing", says how a
+    # service serves buckets of either count meanwhile):
+    #   doubling: every involved service takes the descriptor of 2C buckets
+    #     (all or nothing: one that fails has the others take the old one
+    #     back); it serves each new bucket from the repository of the old
+    #     one it is half of.  The new layout is saved and clients learn of
+    #     it from their replies' layout tags.  Then each storage service
+    #     splits its repositories, live; one that cannot now (it is down)
+    #     does when it is back (``_regroup_round``).
+    #   halving: the two buckets that become one are first stored on one
+    #     service (live moves of the odd ones, where the pairs straddle two
+    #     services); each storage service merges them, live, into one
+    #     repository that serves both; then every involved service takes
+    #     the descriptor of C/2 buckets (all or nothing), which is saved.
+    #     If a service fails before that, the DHT keeps C buckets and the
+    #     merged repositories are split again by ``_regroup_round``.
+    # Clients that still number buckets out of the old count are served all
+    # along: services translate their requests.
+    def op_resize_dht(self, link: MessageProtocol, *, name: str, buckets: int) -> Any:
+        descriptor = self._find(name)
+        if (isinstance(buckets, bool) or not isinstance(buckets, int)
+                or not MIN_BUCKETS <= buckets <= MAX_BUCKETS or buckets & (buckets - 1)):
+            raise ControlError("InvalidAttribute", f"a DHT's bucket count must be a power of "
+                               f"two from {MIN_BUCKETS} to {MAX_BUCKETS}, not {buckets!r}")
+        if descriptor.get("state", "active") != "active":
+            raise ControlError("SupervisorError", f"DHT {name!r} is inactive; activate it "
+                               f"(`domus dht activate {name}`) before resizing it")
+        self._refuse_while_changing(name, "resize")
+        down = [service for service in self._involved(descriptor)
+                if self.service_state(service) != "up"]
+        if down:
+            raise ControlError("SupervisorError", f"cannot resize DHT {name!r}: service(s) "
+                               f"{down} are not up; start them (or remove them) first")
+        return self._resize(name, buckets)
+
+    @defer.inlineCallbacks
+    def _resize(self, name: str, buckets: int) -> Any:
+        started = time.monotonic()
+        before = self.state.dhts[name]["buckets"]
+        self._changing[name] = f"being resized to {buckets} buckets"
+        steps: list[dict[str, Any]] = []
+        try:
+            yield self._wait_for_balancer()
+            self._balancing = f"resizing DHT {name!r} to {buckets} buckets"
+            while self.state.dhts[name]["buckets"] != buckets:
+                current = self.state.dhts[name]["buckets"]
+                if buckets > current:
+                    steps.append((yield self._double(name)))
+                else:
+                    steps.append((yield self._halve(name)))
+                self._forget_buckets(name)
+        finally:
+            self._balancing = None
+            self._changing.pop(name, None)
+        seconds = time.monotonic() - started
+        log.info("DHT {name!r} resized from {before} to {after} buckets in {seconds:.2f}s",
+                 name=name, before=before, after=buckets, seconds=seconds)
+        self.memory.note(time.monotonic(), f"DHT {name!r} resized from {before} to "
+                         f"{buckets} buckets", dht=name)
+        return {"name": name, "from": before, "buckets": buckets, "steps": steps,
+                "seconds": round(seconds, 3)}
+
+    def _forget_buckets(self, name: str) -> None:
+        """The balancer's memory of a DHT's buckets, whose numbers changed."""
+        for memory in (self.memory.moved_at, self.memory.pins):
+            for key in [key for key in memory if key[0] == name]:
+                del memory[key]
+
+    @defer.inlineCallbacks
+    def _take_layout(self, name: str, before: dict[str, Any], after: dict[str, Any],
+                     why: str) -> Any:
+        """Every involved service takes ``after``, or those that did take
+        ``before`` back and ControlError says why; then ``after`` is saved."""
+        involved = self._involved(after)
+        failed = yield self._push(involved, after, self.push_timeout)
+        if failed:
+            took = [service for service in involved if service not in failed]
+            self._push_back(before, took, self._involved(before))
+            problems = "; ".join(f"{service}: {error}" for service, error in sorted(failed.items()))
+            raise ControlError("SupervisorError", f"could not {why} DHT {name!r}; it keeps "
+                               f"{before['buckets']} buckets: {problems}")
+        self.state.dhts[name] = after
+        self.state.save()
+
+    @defer.inlineCallbacks
+    def _regroup(self, name: str, services: list[str], count: int) -> Any:
+        """Each of ``services`` regroups its repositories of DHT ``name`` into
+        parts of ``count`` buckets; fires with service -> error for those
+        that failed, and the records regrouped."""
+        dht_id = self.state.dhts[name]["id"]
+        answers = yield defer.DeferredList(
+            [self._call(service, "regroup_buckets", STATE_CHANGE_TIMEOUT, id=dht_id, count=count)
+             for service in services], consumeErrors=True)
+        failed = {service: _error_text(answer)
+                  for service, (ok, answer) in zip(services, answers) if not ok}
+        records = sum(answer.get("records", 0) for ok, answer in answers if ok)
+        return failed, records
+
+    @defer.inlineCallbacks
+    def _double(self, name: str) -> Any:
+        before = self.state.dhts[name]
+        after = balancer.resized(before, before["buckets"] * 2)
+        yield self._take_layout(name, before, after, "double")
+        storage = sorted(layout.owners(after, "storage").owners())
+        failed, records = yield self._regroup(name, storage, after["buckets"])
+        for service, error in sorted(failed.items()):
+            log.warn("DHT {name!r}: service {service} did not split its buckets yet ({error}); "
+                     "it serves them as they are and splits them later", name=name,
+                     service=service, error=error)
+        return {"buckets": after["buckets"], "split": records, "lagging": failed}
+
+    @defer.inlineCallbacks
+    def _halve(self, name: str) -> Any:
+        descriptor = self.state.dhts[name]
+        count = descriptor["buckets"]
+        if count < 2:
+            raise ControlError("SupervisorError", f"DHT {name!r} has one bucket already")
+        # The two buckets that become one go to one service first.
+        moved = 0
+        for bucket, source, target in _straddling_pairs(layout.owners(descriptor, "storage")):
+            current = self.state.dhts[name]
+            changed = layout.move(current, "storage", bucket, target,
+                                  self.state.services[target]["address"])
+            result = yield self._move_storage(current, changed, bucket, source, target)
+            moved += result.get("records") or 0
+        storage = sorted(layout.owners(self.state.dhts[name], "storage").owners())
+        failed, merged = yield self._regroup(name, storage, count // 2)
+        if failed:
+            problems = "; ".join(f"{service}: {error}" for service, error in sorted(failed.items()))
+            raise ControlError("SupervisorError", f"could not halve DHT {name!r}, which keeps "
+                               f"{count} buckets: merging failed on {problems}")
+        before = self.state.dhts[name]
+        yield self._take_layout(name, before, balancer.resized(before, count // 2), "halve")
+        return {"buckets": count // 2, "moved": moved, "merged": merged}
+
+    def _regroup_round(self) -> None:
+        """Services that still serve buckets from parts of another count
+        (a split after doubling that they missed; merges of a halving that
+        failed) are asked to regroup, one DHT and service at a time."""
+        for name, descriptor in sorted(self.state.dhts.items()):
+            if name in self._changing or descriptor.get("state", "active") != "active":
+                continue
+            for service in sorted(self._involved(descriptor)):
+                held = ((self.live.get(service) or {}).get("stats") or {}).get("dhts", {})
+                mine = held.get(name) or {}
+                if (mine.get("unregrouped_buckets") and mine.get("buckets") ==
+                        descriptor["buckets"] and self.service_state(service) == "up"):
+                    self._changing[name] = f"having its buckets regrouped on {service}"
+                    regrouping = self._regroup(name, [service], descriptor["buckets"])
+
+                    def done(result: Any, dht: str = name, by: str = service) -> None:
+                        failed, records = result
+                        self.memory.note(time.monotonic(), f"service {by} regrouped the "
+                                         f"buckets of DHT {dht!r} ({records} records)"
+                                         if not failed else f"service {by} could not regroup "
+                                         f"DHT {dht!r}: {failed[by]}", dht=dht, service=by)
+                        # (Its next heartbeat tells the outcome.)
+                        held_by = (self.live.get(by) or {}).get("stats", {}).get("dhts", {})
+                        held_by.get(dht, {}).pop("unregrouped_buckets", None)
+
+                    regrouping.addCallback(done).addErrback(
+                        lambda failure: log.failure("regrouping failed", failure)).addBoth(
+                        lambda _, dht=name: self._changing.pop(dht, None))
+                    return
 
     def op_balancer_status(self, link: MessageProtocol) -> dict[str, Any]:
         return {"mode": self.balance, "settings": dataclasses.asdict(self.balancer_settings),
@@ -1204,6 +1406,19 @@ class SupervisorService(Service):
 
     def op_ping(self, link: MessageProtocol) -> dict[str, Any]:
         return {"supervisor": self.address, "version": __version__}
+
+
+def _straddling_pairs(owners: Any) -> list[tuple[int, str, str]]:
+    """(odd bucket, its owner, its even sibling's owner) of every pair of
+    buckets (2b, 2b + 1) that two services hold: only where a range of the
+    layout starts at an odd bucket."""
+    pairs = []
+    for first, _end, owner in owners.ranges():
+        if first % 2:
+            sibling = owners.get(first - 1)
+            if sibling is not None and sibling != owner:
+                pairs.append((first, owner, sibling))
+    return pairs
 
 
 def _describe(error: BaseException) -> str:

@@ -37,6 +37,7 @@ from domus.client.lookup import (
     PAUSE,
     SEND,
     DirectLookup,
+    Renumbered,
     reply_error,
 )
 from domus.client.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
@@ -208,6 +209,16 @@ class Cluster:
         return self.supervisor.call("rebalance", name=name, dry_run=dry_run,
                                     timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))["moves"]
 
+    def resize_dht(self, name: str, buckets: int) -> dict[str, Any]:
+        """Change DHT ``name``'s bucket count to ``buckets`` (a power of two),
+        doubling or halving a step at a time, while its clients read and
+        write (they learn the new count from their replies).  Returns
+        ``name, from, buckets, steps, seconds``.  A step that fails leaves
+        the DHT at the count it had before that step, every record kept,
+        and SupervisorError says why."""
+        return self.supervisor.call("resize_dht", name=name, buckets=buckets,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+
     def dht_services(self, name: str, *, add: Sequence[str] = (), remove: Sequence[str] = (),
                      roles: Sequence[str] = ("routing", "storage")) -> list[dict[str, Any]]:
         """Change the services DHT ``name`` is listed on, for ``roles``:
@@ -261,6 +272,16 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                              f"create or open it again") from None
         self._load(descriptor)
 
+    def _refresh_soon(self) -> None:
+        """(A reply told of a newer layout: fetch it now; if the supervisor
+        cannot be reached, redirects still lead the way.)"""
+        try:
+            self.refresh()
+        except UnknownDht:
+            raise
+        except DomusError:
+            pass
+
     # ------------------------------------------------------------ single keys
     def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
         """One keyed request (``value``: a PUT's packed value); returns its
@@ -280,6 +301,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 channel = self._first_walked(self._drive(walk))
                 skip = channel is None
         if channel is not None:
+            self._counters["messages"] += 1
             try:
                 reply = channel.request(message, self.name, bucket)
             except ServiceUnavailable:
@@ -290,7 +312,10 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                     return reply
                 first = (channel, reply)
         encode = self._encoder(op, key, value, message if channel is None else None)
-        return self._drive(self._course(encode, bucket, first, skip=skip))
+        try:
+            return self._drive(self._course(encode, bucket, first, skip=skip))
+        except Renumbered:          # the DHT was resized: hash the key anew
+            return self._request(op, key, value)
 
     def _drive(self, course: Generator[tuple[Any, ...], Any, Any]) -> Any:
         """Run a course (domus.client.lookup) to its end with blocking I/O."""
@@ -301,6 +326,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 kind = instruction[0]
                 try:
                     if kind == SEND:
+                        self._counters["messages"] += 1
                         result = instruction[1].request(instruction[2], self.name,
                                                         instruction[3])
                     elif kind == PAUSE:
@@ -469,6 +495,14 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         except DomusError:
             pass
 
+    def _renumbered_at(self, bucket: int, count: int, floor: int) -> tuple[int, int]:
+        """A scan that had read buckets [0, ``bucket``) of ``count`` when
+        the DHT was resized: the bucket of the new count to go on from, and
+        the floor (the top 32 bits of a key's hash) below which records were
+        read already."""
+        floor = max(floor, bucket << (32 - (count.bit_length() - 1)))
+        return floor >> (32 - (self.bucket_count.bit_length() - 1)), floor
+
     def records_by_service(self) -> dict[str, int]:
         """How many records each storage service holds of this DHT."""
         self._whole_dht()
@@ -488,26 +522,38 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         its new owner (a move during a bucket's scan fails the scan)."""
         self._whole_dht()
         ids = self.cluster.ids
-        for bucket in range(self.bucket_count):
-            scan_id, offset = 0, 0
+        bucket, floor = 0, 0
+        while bucket < self.bucket_count:
+            count = self.bucket_count
             for attempt in (1, 2):
                 channel = self._owners[bucket]
                 first_page = functools.partial(wire.encode_scan, ids.next(), ids.client_id,
-                                               self.id, bucket, 0, 0)
+                                               self.id, bucket, 0, 0, self._numbered)
                 reply = self._drive(self._send(channel, first_page, bucket))
                 if reply[2] != _NOT_OWNER or attempt == 2:
                     break
                 self.refresh()
+                if self.bucket_count != count:
+                    break
+            if self.bucket_count != count:
+                # Resized meanwhile: go on from the same point of the hash
+                # range, skipping what was read already.
+                bucket, floor = self._renumbered_at(bucket, count, floor)
+                continue
             while True:
                 if reply[2] != _OK:
                     raise self._error(reply, channel, bucket)
                 scan_id, offset, entries = codec.decode_scan_reply(reply)
+                if floor:
+                    entries = [entry for entry in entries
+                               if codec.bucket_of(self._hasher, 32, entry[0]) >= floor]
                 yield from entries
                 if offset == wire.SCAN_END:
                     break
                 reply = channel.request(wire.encode_scan(ids.next(), ids.client_id, self.id,
                                                          bucket, scan_id, offset),
                                         self.name, bucket)
+            bucket += 1
 
     def __iter__(self) -> Iterator[Any]:
         for key, _value in self._scan():

@@ -71,7 +71,12 @@ def keyed(op: int, request_id: int, client_id: int, dht_id: int, hasher: Hasher,
     encoded = _keys.encode_key(key)
     bucket = hasher(encoded) >> shift
     return (wire.encode_keyed(op, request_id, client_id, dht_id, bucket, encoded,
-                              b"" if value is None else value), bucket)
+                              b"" if value is None else value, numbered(shift)), bucket)
+
+
+def numbered(shift: int) -> int:
+    """The NUMBERING byte of requests whose buckets are ``hash >> shift``."""
+    return 65 - shift
 
 
 # ------------------------------------------------------------ batches
@@ -127,7 +132,7 @@ def put_many_requests(keys: Sequence[bytes], values: Sequence[bytes], hasher: Ha
         sizes = [wire.put_entry_size(key, value) for _bucket, key, value in entries]
         for chunk in chunks(entries, sizes, limit, max_datagram):
             requests.append((channel, wire.encode_put_many(next_id(), client_id, dht_id,
-                                                           chunk)))
+                                                           chunk, numbered(shift))))
     return requests
 
 
@@ -150,7 +155,8 @@ def get_many_requests(keys: Sequence[bytes], pending: Sequence[int], hasher: Has
             request_id = next_id()
             batches.append([pending[local] for local, _bucket, _key in chunk])
             requests.append((channel, wire.encode_get_many(
-                request_id, client_id, dht_id, [(bucket, key) for _local, bucket, key in chunk])))
+                request_id, client_id, dht_id, [(bucket, key) for _local, bucket, key in chunk],
+                numbered(shift))))
     return requests, batches
 
 

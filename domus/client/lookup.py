@@ -3,10 +3,12 @@
 A client looks buckets up by a *strategy*, an ordered fall-back list of
 methods (DESIGN.md, "Lookup"):
 
-- **D, direct**: the initial placement rebuilt from the descriptor's
-  per-service counts (domus.placement.layout.initial).  One hop, no routing.  It
-  misses on buckets moved since; after ``direct_cutoff`` misses a client
-  whose strategy has other methods stops using it.
+- **D, direct**: the layout rebuilt from the descriptor: the placement of
+  its per-service counts (domus.placement.layout.initial) and the few
+  buckets moved since (its ``storage_moves``).  One hop, no routing.  It
+  misses only when the layout changed after this client fetched it; after
+  ``direct_cutoff`` misses a client whose strategy has other methods stops
+  using it, until it fetches the layout again.
 - **C, cached**: an LRU of (bucket -> routing service, storage service) fed
   by distributed lookups, with ``cache`` x buckets entries at most.  A
   bucket not in it is looked up starting at the cached entry nearest the
@@ -23,6 +25,11 @@ A dead hop is a ServiceUnavailable after the transport's usual retries; a
 chain longer than the graph's hop bound (plus slack for layouts changing
 meanwhile) is abandoned; either way the strategy falls back to its next
 method.
+
+Every reply carries the tag of the layout version the answering service
+holds (docs/protocol.md, "Resizing"); a client that sees a newer one than
+its own fetches the layout again (at most every REFRESH_INTERVAL), so it
+learns of moves, and of a new bucket count, from its ordinary replies.
 
 When every method of the strategy has missed, the client follows the
 redirect in the last NOT_OWNER reply (the service that does store the
@@ -86,7 +93,13 @@ REFRESH_INTERVAL = 0.25
 
 # Replies the fast path leaves to a request's course: a service that does
 # not (or no longer) hold the bucket, or the DHT, and a bucket being moved.
-_NOT_FINAL = frozenset({wire.ST_NOT_OWNER, wire.ST_MOVING, wire.ST_UNKNOWN_DHT})
+_NOT_FINAL = frozenset({wire.ST_NOT_OWNER, wire.ST_MOVING, wire.ST_UNKNOWN_DHT,
+                        wire.ST_STALE_LAYOUT})
+
+
+class Renumbered(Exception):
+    """Raised inside a request's course when the layout fetched meanwhile
+    has another bucket count: the request starts again, hashed anew."""
 
 # Instructions a request's course yields to its driver.
 SEND = 0      # (SEND, channel, message, bucket) -> the reply; ServiceUnavailable thrown in
@@ -96,6 +109,7 @@ REFRESH = 2   # (REFRESH, mark) -> None: a layout fetched after ``mark``; DomusE
 Course = Generator[tuple[Any, ...], Any, bytes]
 _LOOKUP_REPLY = wire.LOOKUP_REPLY.unpack_from
 _AS_MISS = bytes([wire.REPLY_MAGIC, wire.VERSION, wire.ST_NOT_OWNER])
+_NO_REF = wire.service_ref("", "")
 _REF_AT = wire.REPLY_HEADER_SIZE + wire.LOOKUP_REPLY.size   # the service reference
 METHOD_NAMES = {"D": "direct", "C": "cached", "R": "random"}
 
@@ -156,7 +170,9 @@ class DirectLookup(Generic[Channel]):
         self.direct_misses = 0
         self._direct_on = "D" in self.strategy
         self._method_stats = {method: MethodStats() for method in self.strategy}
-        self._counters = {"refreshes": 0, "redirects": 0, "moving_waits": 0,
+        # "messages": requests and LOOKUPs sent for single keys (each try
+        # once), so that messages per request can be measured
+        self._counters = {"messages": 0, "refreshes": 0, "redirects": 0, "moving_waits": 0,
                           "lookup_failures": 0}
         # bucket -> (routing channel, storage channel), least recent first.
         self._cache: OrderedDict[int, tuple[Channel, Channel]] = OrderedDict()
@@ -164,6 +180,7 @@ class DirectLookup(Generic[Channel]):
         self._caching = "C" in self.strategy
         self._first_hops = 0          # what the fast path's channel cost to find
         self._named: dict[bytes, Channel] = {}    # service reference -> channel
+        self._tag_refreshed_at = -REFRESH_INTERVAL  # when a reply's layout tag made it refresh
         self.last_lookup_failure: str | None = None
         self._load(descriptor)
 
@@ -190,13 +207,16 @@ class DirectLookup(Generic[Channel]):
             raise ProtocolError(
                 f"DHT {self.name!r}: the supervisor's descriptor gives its storage services "
                 f"{sum(counts)} buckets in all, not {self.bucket_count}")
-        # D: the placement rebuilt from the counts alone.
-        self._direct: Any = self._table(layout.initial(descriptor, "storage"), channels)
-        # The layout as the supervisor knows it now (the moves included):
-        # the last resort, and what whole-DHT operations (scans) follow.
+        # The layout as the supervisor knows it now (the counts' placement,
+        # then the moves): what D looks up, the last resort of the other
+        # methods, and what whole-DHT operations (scans) follow.
         self.layout: BucketMap[Channel] = self._channel_map(
             layout.owners(descriptor, "storage"), channels)
         self._owners: Any = self._dense(self.layout)
+        self._direct: Any = self._owners
+        self.layout_version: int = descriptor.get("version", 0)
+        self._layout_tag = wire.layout_tag(self.layout_version)
+        self._numbered = wire.numbering(self.bucket_count)
         routers = {entry["name"]: self.cluster.channel(entry["name"], entry["address"])
                    for entry in descriptor["routing_services"]}
         self._routers: Any = self._table(layout.owners(descriptor, "routing"), routers)
@@ -208,9 +228,8 @@ class DirectLookup(Generic[Channel]):
         self._named.clear()     # (addresses may have changed)
         self._redirects_since_refresh = 0
         self._refreshed_at = time.monotonic()
-        if "D" in self.strategy and not descriptor.get("storage_moves"):
-            # The counts describe the layout exactly again (the balancer
-            # rebases a DHT once it settles): direct lookups hit again.
+        if "D" in self.strategy:
+            # The direct table is the layout just fetched: it hits again.
             self._direct_on = True
             self.direct_misses = 0
         self._in_use()
@@ -307,10 +326,26 @@ class DirectLookup(Generic[Channel]):
         status = reply[2]
         if status <= wire.ST_NOT_FOUND:
             self._first_hit()
+            if reply[3] != self._layout_tag:
+                self._layout_seen(reply[3])
             return True
         if status not in _NOT_FINAL:
             raise self._error(reply, channel, bucket)
         return False
+
+    def _layout_seen(self, tag: int) -> None:
+        """A reply tagged with another layout version than this client's:
+        fetch the layout again if it is newer (at most every
+        REFRESH_INTERVAL), with ``_refresh_soon``, which each client does
+        its own way (the blocking one at once, the Twisted one in the
+        background)."""
+        if wire.layout_newer(tag, self._layout_tag) \
+                and time.monotonic() - self._tag_refreshed_at >= REFRESH_INTERVAL:
+            self._tag_refreshed_at = time.monotonic()
+            self._refresh_soon()
+
+    def _refresh_soon(self) -> None:
+        raise NotImplementedError
 
     def _encoder(self, op: int, key: Any, value: bytes | None,
                  unsent: bytes | None) -> Callable[[], bytes]:
@@ -343,6 +378,7 @@ class DirectLookup(Generic[Channel]):
         request; raises the error of one that fails."""
         if mark is None:
             mark = self._layout_mark()
+        count = self.bucket_count
         redirect: tuple[str, str] | None = None
         methods = self._methods
         for index, method in enumerate(methods):
@@ -384,9 +420,13 @@ class DirectLookup(Generic[Channel]):
                 if (self._redirects_since_refresh >= REFRESH_AFTER_REDIRECTS
                         and time.monotonic() - self._refreshed_at >= REFRESH_INTERVAL):
                     yield (REFRESH, mark)
+                elif reply[3] != self._layout_tag:
+                    self._layout_seen(reply[3])
                 return reply
         # Last resort: the layout as the supervisor knows it now.
         yield (REFRESH, mark)
+        if self.bucket_count != count:
+            raise Renumbered()
         channel = self._owners[bucket]
         reply = yield from self._send(channel, encode, bucket)
         if reply[2] == wire.ST_NOT_OWNER:
@@ -437,12 +477,14 @@ class DirectLookup(Generic[Channel]):
         when it fails (a dead hop, a chain too long, a stale AS)."""
         ids = self.cluster.ids
         for hop in range(1, self.hop_limit + 1):
-            message = wire.encode_lookup(ids.next(), ids.client_id, self.id, target, current)
+            message = wire.encode_lookup(ids.next(), ids.client_id, self.id, target, current,
+                                         self._numbered)
             try:
                 reply = yield (SEND, channel, message, target)
             except DomusError as exc:
                 return self._walk_failed(f"hop {hop}: {exc}")
-            if reply[2] == wire.ST_NOT_OWNER:       # it routes nothing of this DHT now
+            if reply[2] in (wire.ST_NOT_OWNER, wire.ST_STALE_LAYOUT):
+                # It routes nothing of this DHT now, or has another bucket count.
                 refused = reply_error(self.name, reply, channel, target)
                 return self._walk_failed(f"hop {hop}: {refused}")
             if reply[2] != wire.ST_OK:
@@ -474,11 +516,14 @@ class DirectLookup(Generic[Channel]):
         received), asking again while the bucket is MOVING; returns the
         reply."""
         reply = given if given is not None else (yield (SEND, channel, encode(), bucket))
-        if reply[2] == wire.ST_UNKNOWN_DHT:
+        if reply[2] in (wire.ST_UNKNOWN_DHT, wire.ST_STALE_LAYOUT):
             # A service that left the DHT (it was taken off its lists) knows
-            # nothing of it: a miss, as NOT_OWNER with no redirect.  If the
-            # DHT itself is gone, the layout fetched last says so.
-            reply = _AS_MISS + reply[3:]
+            # nothing of it, and one that cannot translate a request's bucket
+            # numbering has another layout: a miss, as NOT_OWNER with no
+            # redirect.  If the DHT itself is gone, the layout fetched last
+            # says so.
+            reply = _AS_MISS + reply[3:wire.REPLY_HEADER_SIZE] + _NO_REF \
+                + reply[wire.REPLY_HEADER_SIZE:]
         pause, waited = MOVING_FIRST_PAUSE, 0.0
         while reply[2] == wire.ST_MOVING:
             if waited >= MOVING_PATIENCE:

@@ -43,7 +43,7 @@ from twisted.python.failure import Failure
 
 from domus.client import batch, codec
 from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target, reply_error
-from domus.client.lookup import PAUSE, SEND, DirectLookup
+from domus.client.lookup import PAUSE, SEND, DirectLookup, Renumbered
 from domus.client.transport import (
     FIRST_TIMEOUT,
     MAX_DEADLINE,
@@ -657,6 +657,11 @@ class TxCluster:
         return self.call("rebalance", name=name, dry_run=dry_run,
                          timeout=STATE_CHANGE_TIMEOUT).addCallback(lambda answer: answer["moves"])
 
+    def resize_dht(self, name: str, buckets: int) -> defer.Deferred:
+        """As Cluster.resize_dht: fires with ``name, from, buckets, steps,
+        seconds``."""
+        return self.call("resize_dht", name=name, buckets=buckets, timeout=STATE_CHANGE_TIMEOUT)
+
     def dht_services(self, name: str, *, add: Iterable[str] = (), remove: Iterable[str] = (),
                      roles: Iterable[str] = ("routing", "storage")) -> defer.Deferred:
         """As Cluster.dht_services: fires with the moves made."""
@@ -714,6 +719,10 @@ class TxDht(DirectLookup[TxChannel]):
     def _layout_mark(self) -> int:
         return self._fetches
 
+    def _refresh_soon(self) -> None:
+        """(A reply told of a newer layout: fetch it in the background.)"""
+        self.refresh().addErrback(lambda _failure: None)
+
     def _layout_after(self, mark: int) -> defer.Deferred:
         """Wait for a layout fetched after ``mark`` (a past value of
         ``_fetches``): one started since, or else a new one.  A thousand
@@ -744,6 +753,7 @@ class TxDht(DirectLookup[TxChannel]):
                 channel = self._first_walked(await self._drive(walk))
                 skip = channel is None
         if channel is not None:
+            self._counters["messages"] += 1
             try:
                 reply = await channel.request(message, self.name, bucket)
             except ServiceUnavailable:
@@ -754,7 +764,10 @@ class TxDht(DirectLookup[TxChannel]):
                     return reply
                 first = (channel, reply)
         encode = self._encoder(op, key, value, message if channel is None else None)
-        return await self._drive(self._course(encode, bucket, first, mark, skip))
+        try:
+            return await self._drive(self._course(encode, bucket, first, mark, skip))
+        except Renumbered:          # the DHT was resized: hash the key anew
+            return await self._request(op, key, value)
 
     async def _drive(self, course: Any) -> Any:
         """Run a course (domus.client.lookup) to its end, without blocking."""
@@ -765,6 +778,7 @@ class TxDht(DirectLookup[TxChannel]):
                 kind = instruction[0]
                 try:
                     if kind == SEND:
+                        self._counters["messages"] += 1
                         result = await instruction[1].request(instruction[2], self.name,
                                                               instruction[3])
                     elif kind == PAUSE:

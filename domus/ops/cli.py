@@ -28,6 +28,34 @@ def _positive_seconds(text: str) -> float:
     return seconds
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
+    return value
+
+
+def _cpu_list(text: str) -> list[int]:
+    """'2', '0,1' or '4-7' (as taskset -c): the CPU numbers, each one that
+    this machine has."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CPU list such as 2, 0,1 or "
+                                         f"4-7") from None
+    present = os.cpu_count() or 1
+    if not cpus or min(cpus) < 0 or max(cpus) >= present:
+        raise argparse.ArgumentTypeError(f"CPUs {text} are not all among this machine's "
+                                         f"0 to {present - 1}")
+    return sorted(cpus)
+
+
 def _run_reactor(service: Any) -> int:
     from twisted.internet import reactor
     from twisted.logger import (
@@ -72,7 +100,8 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
                                               settle=args.balance_settle,
                                               max_moves=args.balance_max_moves,
                                               cooldown=args.balance_cooldown,
-                                              cpu_busy=args.balance_cpu_busy)))
+                                              cpu_busy=args.balance_cpu_busy,
+                                              smoothing=args.balance_smoothing)))
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -83,7 +112,8 @@ def cmd_service(args: argparse.Namespace) -> int:
                  if value is not None}
     return _run_reactor(DomusService(supervisor=addresses.supervisor_address(args.supervisor),
                                      listen=args.listen, data_dir=args.data_dir, name=args.name,
-                                     heartbeat=args.heartbeat, resources=overrides))
+                                     heartbeat=args.heartbeat, resources=overrides,
+                                     cpus=args.cpus))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -335,6 +365,15 @@ def cmd_dht(args: argparse.Namespace) -> int:
             if moves:
                 print(f"{'would move' if args.dry_run else 'moved'} {len(moves)} bucket(s) of "
                       f"DHT {args.name!r}")
+        elif args.action == "resize":
+            answer = cluster.resize_dht(args.name, args.buckets)
+            print(f"resized DHT {args.name!r} from {answer['from']} to {answer['buckets']} "
+                  f"buckets in {answer['seconds']:.2f}s "
+                  f"({len(answer['steps'])} step{'s' if len(answer['steps']) != 1 else ''})")
+            for step in answer["steps"]:
+                for service, error in sorted(step.get("lagging", {}).items()):
+                    print(f"domus: warning: service {service} has not split its buckets yet "
+                          f"({error}); it will", file=sys.stderr)
         elif args.action == "services":
             roles = [args.role] if args.role else ["routing", "storage"]
             moves = cluster.dht_services(args.name, add=_names(args.add) or [],
@@ -525,6 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="PERCENT", help="a service whose own CPU stays above this (%% of "
                      "a core) while another has room gives buckets away (default %(default)s; "
                      "over 100: never)")
+    sup.add_argument("--balance-smoothing", type=_fraction, default=knobs.smoothing,
+                     metavar="FRACTION", help="weight of each new sample of the CPU other work "
+                     "uses on a node, in the balancer's average that routing shares follow "
+                     "(default %(default)s: slow, so bursts move nothing)")
     sup.set_defaults(func=cmd_supervisor)
 
     svc = commands.add_parser("service", help="run a service (or: service list|remove)")
@@ -536,13 +579,16 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--cores", type=float, default=None, help="declare cores (weight)")
     svc.add_argument("--ram", type=int, default=None, help="declare RAM bytes (weight)")
     svc.add_argument("--disk", type=int, default=None, help="declare disk bytes (weight)")
+    svc.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
+                     help="run on these CPUs only, e.g. 2 or 0,1 or 4-7 (default: those it "
+                     "was started with); its cores and node load count these only")
     svc.set_defaults(func=cmd_service)
 
     status = talks(commands.add_parser("status", help="services, roles, buckets and load"))
     status.add_argument("--json", action="store_true")
     status.set_defaults(func=cmd_status)
 
-    dht = commands.add_parser("dht", help="create, list, inspect, deactivate, activate and "
+    dht = commands.add_parser("dht", help="create, list, inspect, resize, deactivate, activate and "
                               "destroy DHTs, and move their buckets")
     actions = dht.add_subparsers(dest="action", required=True, metavar="ACTION")
     create = talks(actions.add_parser("create"))
@@ -587,6 +633,11 @@ def build_parser() -> argparse.ArgumentParser:
                                          "balancer's targets now (or --dry-run: say which)"))
     rebalance.add_argument("name")
     rebalance.add_argument("--dry-run", action="store_true", help="print the plan, move nothing")
+    resize = talks(actions.add_parser("resize", help="double or halve a DHT's bucket count "
+                                      "(any power of two, a step at a time) while it serves"))
+    resize.add_argument("name")
+    resize.add_argument("--buckets", type=int, required=True, metavar="N",
+                        help="the new bucket count, a power of two")
     dht.set_defaults(func=cmd_dht)
 
     balance = commands.add_parser("balancer", help="what the balancer does and why")

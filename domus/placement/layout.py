@@ -12,6 +12,12 @@ it had none at creation, so that its address is known.
 ``owners`` is the current truth: the placement, then the moves;
 ``ranges_of`` gives one service's part of it as sorted (first, end) ranges.
 ``move`` is the descriptor after one more move.
+
+A descriptor's ``version`` counts the changes of its layout (every move,
+every change of its service lists, every resize): services tag their
+replies with it (domus.wire.protocol.layout_tag), and a client that sees a
+newer one fetches the layout again.  ``next_version`` is what a changed
+layout takes.
 """
 
 from __future__ import annotations
@@ -24,7 +30,12 @@ from domus.placement.bucketmap import local_ranges as ranges_of  # (first, end) 
 
 ROLES = ("routing", "storage")
 __all__ = ["ROLES", "initial", "owners", "moves", "move", "ranges_of", "buckets_in",
-           "addresses"]
+           "addresses", "next_version"]
+
+
+def next_version(descriptor: dict[str, Any]) -> int:
+    """The version of a layout changed from ``descriptor``'s."""
+    return int(descriptor.get("version", 0)) + 1
 
 
 def initial(descriptor: dict[str, Any], role: str) -> BucketMap[str]:
@@ -77,7 +88,7 @@ def move(descriptor: dict[str, Any], role: str, bucket: int, service: str,
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
     if not 0 <= bucket < descriptor["buckets"]:
         raise ValueError(f"bucket {bucket} is not in [0, {descriptor['buckets']})")
-    changed = dict(descriptor)
+    changed = dict(descriptor, version=next_version(descriptor))
     role_moves = {key: name for key, name in descriptor.get(f"{role}_moves", {}).items()
                   if int(key) != bucket}
     if initial(descriptor, role).get(bucket) != service:

@@ -6,9 +6,15 @@ call them directly.
 ``handle`` is the pure-Python reference.  ``handle_fast`` asks the C hot
 path (domus.service.hotpath) first, which answers the common successful requests
 byte for byte as ``handle`` would, and hands everything else to ``handle``.
-The C path reads ``fast_table`` (active DHT id -> bucket -> repository),
-which this handler keeps in step with ``dhts`` on every assign and drop, and
-the reply cache's generations.
+The C path reads ``fast_table`` (active DHT id -> (bucket -> repository,
+numbering << 8 | layout tag)), which this handler keeps in step with
+``dhts`` on every assign and drop, and the reply cache's generations.
+
+Every reply to a request on a DHT hosted here carries in its header byte 3
+the tag of the layout version this service holds of it (clients fetch the
+layout again when it is newer than theirs); a request numbered out of
+another bucket count than the DHT's now (a resize) is translated
+(HostedDht.local_bucket), or answered STALE_LAYOUT where it cannot be.
 
 Guarantees:
 - ``handle`` never raises.  Anything it cannot parse gets a MALFORMED (or
@@ -46,9 +52,19 @@ _REPLACED = b"\x00"
 _KEYED_END = wire.KEYED_END
 _KEYED_UNPACK = wire.KEYED.unpack_from
 _CHANGING = wire.CHANGING_OPS
+# Every op whose request names a DHT (its id at byte 16).
+_DHT_OPS = frozenset({wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS,
+                      wire.OP_PUT_MANY, wire.OP_GET_MANY, wire.OP_LENGTH, wire.OP_SCAN,
+                      wire.OP_RANGE, wire.OP_LOOKUP})
 
 SCAN_TTL = 120.0
 MAX_SCANS = 4096
+# Which buckets are hot: one request in SAMPLE_EVERY is sampled, as the C
+# path does (domus._hotpath.FastPath.take_samples), keeping SAMPLE_RING.
+SAMPLE_EVERY = 16
+SAMPLE_RING = 4096
+_SAMPLED_AT = {wire.OP_PUT: 20, wire.OP_GET: 20, wire.OP_DELETE: 20, wire.OP_CONTAINS: 20,
+               wire.OP_PUT_MANY: 22, wire.OP_GET_MANY: 22}
 
 
 class RequestFailed(Exception):
@@ -73,11 +89,13 @@ class RequestHandler:
         self.reply_cache = reply_cache if reply_cache is not None else ReplyCache(clock=clock)
         self._clock = clock
         self._requests = 0
+        self._samples: list[int] = []      # dht id << 32 | bucket
+        self._sampled = 0
         self.by_op = [0] * 256
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
                                          "internal_errors": 0, "storage_errors": 0}
-        # scan id -> (expiry, dht id, bucket, key snapshot)
-        self._scans: OrderedDict[int, tuple[float, int, int, list[bytes]]] = OrderedDict()
+        # scan id -> (expiry, dht id, bucket, key snapshot, bucket count then)
+        self._scans: OrderedDict[int, tuple[float, int, int, list[bytes], int]] = OrderedDict()
         self._scan_ids = itertools.count(1)
         self._ops: dict[int, Callable[[bytes, bytes, int], bytes]] = {
             wire.OP_PUT: self._put,
@@ -94,7 +112,7 @@ class RequestHandler:
             wire.OP_LOOKUP: self._lookup,
         }
         # What the C path serves from: the repositories of active DHTs only.
-        self.fast_table: dict[int, dict[int, Repository]] = {}
+        self.fast_table: dict[int, tuple[dict[int, Repository], int]] = {}
         self.fast = hotpath.make_fast_path(self.fast_table, self.reply_cache)
 
     @property
@@ -118,6 +136,8 @@ class RequestHandler:
                                f"this service speaks version {wire.VERSION}")
         op = data[2]
         self.by_op[op] += 1
+        if not self._requests % SAMPLE_EVERY:
+            self._sample(op, data)
         changing = op in _CHANGING
         if changing:
             token = data[4:16]
@@ -149,11 +169,50 @@ class RequestHandler:
             log.failure("service {service}: internal error in {op}", service=self.service_name,
                         op=wire.OP_NAMES.get(op, op))
             answer = self._error(wire.ST_INTERNAL, request_id, f"internal error: {exc!r}")
+        if op in _DHT_OPS and len(data) >= 20:
+            hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
+            if hosted is not None and hosted.layout_tag:
+                answer = answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
         if changing and answer[2] != wire.ST_MOVING:
             # (MOVING applied nothing: a retry with the same id must be tried
             # again, not told MOVING from the cache once the move is done.)
             self.reply_cache.put(token, answer)
         return answer
+
+    def _sample(self, op: int, data: bytes) -> None:
+        at = _SAMPLED_AT.get(op)
+        if at is not None and len(data) >= at + 4:
+            sample = wire.U32.unpack_from(data, 16)[0] << 32 | wire.U32.unpack_from(data, at)[0]
+            if len(self._samples) < SAMPLE_RING:
+                self._samples.append(sample)
+            else:
+                self._samples[self._sampled % SAMPLE_RING] = sample
+            self._sampled += 1
+
+    def bucket_load(self, seconds: float, top: int = 16) -> dict[str, dict[int, float]]:
+        """Requests per second on the busiest ``top`` buckets of each DHT
+        hosted here, estimated from the requests sampled (by the C path and
+        this one) over the last ``seconds``; starts the sampling afresh."""
+        taken = [(self._samples, self._sampled, SAMPLE_EVERY)]
+        if self.fast is not None:
+            samples, count = self.fast.take_samples()
+            taken.append((samples, count, hotpath.SAMPLE_EVERY))
+        self._samples, self._sampled = [], 0
+        rates: dict[int, float] = {}
+        for samples, count, every in taken:
+            if samples:
+                weight = every * count / len(samples) / max(seconds, 1e-3)
+                for sample in samples:
+                    rates[sample] = rates.get(sample, 0.0) + weight
+        by_dht: dict[str, dict[int, float]] = {}
+        for sample, rate in sorted(rates.items(), key=lambda item: -item[1]):
+            hosted = self.dhts.get(sample >> 32)
+            if hosted is None:
+                continue
+            buckets = by_dht.setdefault(hosted.name, {})
+            if len(buckets) < top:
+                buckets[sample & 0xFFFFFFFF] = round(rate, 1)
+        return by_dht
 
     def handle_fast(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD) -> bytes | None:
         """``handle``, with the C path answering what it can."""
@@ -189,9 +248,14 @@ class RequestHandler:
                                 f"activate it (`domus dht activate {hosted.name}`) to use it")
         return hosted
 
-    def _repo(self, dht_id: int, bucket: int) -> Repository:
+    def _repo(self, dht_id: int, bucket: int, numbered: int = 0,
+              key: bytes | None = None) -> Repository:
+        """The repository of a request's bucket (``numbered``: its header
+        byte 3, for a request numbered out of another bucket count)."""
         hosted = self.dhts.get(dht_id)
         if hosted is not None and hosted.active:
+            if numbered:
+                bucket = self._local_bucket(hosted, numbered, bucket, key)
             repo = hosted.repos.get(bucket)
             if repo is not None:
                 return repo
@@ -211,11 +275,34 @@ class RequestHandler:
                             f"of DHT {hosted.name!r}; service {owner} does",
                             wire.service_ref(owner, hosted.addresses.get(owner, "")))
 
+    @staticmethod
+    def _local_bucket(hosted: HostedDht, numbered: int, bucket: int,
+                      key: bytes | None) -> int:
+        try:
+            return hosted.local_bucket(numbered, bucket, key)
+        except ValueError as exc:
+            if key is None:
+                raise RequestFailed(wire.ST_STALE_LAYOUT,
+                                    f"DHT {hosted.name!r} has {hosted.bucket_count} buckets "
+                                    f"now, not {wire.numbered_count(numbered)}: fetch its "
+                                    f"layout again") from None
+            raise ProtocolError(str(exc)) from None
+
+    def _numbered_as(self, hosted: HostedDht, data: bytes) -> None:
+        """A request on whole buckets (SCAN, LOOKUP) must number them as the
+        DHT does now: STALE_LAYOUT otherwise."""
+        if data[3] and data[3] != hosted.numbering:
+            self._local_bucket(hosted, data[3], 0, None)
+            raise RequestFailed(wire.ST_STALE_LAYOUT,
+                                f"DHT {hosted.name!r} has {hosted.bucket_count} buckets now, "
+                                f"not {wire.numbered_count(data[3])}: fetch its layout again")
+
     def _lookup(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
         """One hop of a distributed lookup (docs/protocol.md, "Distributed
         lookup"): this service as an AS."""
         dht_id, target, current = wire.decode_lookup(data)
         hosted = self._hosted(dht_id)
+        self._numbered_as(hosted, data)
         if not 0 <= target < hosted.graph.bucket_count:
             raise ProtocolError(f"bucket {target} is not a bucket of DHT {hosted.name!r} "
                                 f"(0 to {hosted.graph.bucket_count - 1})")
@@ -241,7 +328,8 @@ class RequestHandler:
         if key_length > wire.MAX_KEY_BYTES:
             raise RequestFailed(wire.ST_TOO_LARGE, f"key of {key_length} bytes is over "
                                 f"the {wire.MAX_KEY_BYTES}-byte limit")
-        return self._repo(dht_id, bucket), data[_KEYED_END:key_end], data[key_end:]
+        key = data[_KEYED_END:key_end]
+        return self._repo(dht_id, bucket, data[3], key), key, data[key_end:]
 
     def _put(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
         repo, key, rest = self._keyed(data)
@@ -285,7 +373,7 @@ class RequestHandler:
             if len(key) > wire.MAX_KEY_BYTES or len(value) > wire.MAX_VALUE_BYTES:
                 raise RequestFailed(wire.ST_TOO_LARGE, "an entry of put_many is over the "
                                     "key or value limit")
-            targets.append(self._repo(dht_id, bucket))
+            targets.append(self._repo(dht_id, bucket, data[3], key))
         created = 0
         for repo, (_bucket, key, value) in zip(targets, entries):
             created += repo.put(key, value)
@@ -293,7 +381,7 @@ class RequestHandler:
 
     def _get_many(self, data: bytes, request_id: bytes, limit: int) -> bytes:
         dht_id, entries = wire.decode_get_many(data)
-        repos = [self._repo(dht_id, bucket) for bucket, _key in entries]
+        repos = [self._repo(dht_id, bucket, data[3], key) for bucket, key in entries]
         values = []
         size = wire.REPLY_HEADER_SIZE + wire.U16.size
         for repo, (_bucket, key) in zip(repos, entries):
@@ -319,13 +407,16 @@ class RequestHandler:
         scan sees every key present for its whole duration exactly once,
         skips keys deleted meanwhile, and may miss keys added meanwhile."""
         dht_id, bucket, scan_id, offset = wire.decode_scan(data)
-        repo = self._repo(dht_id, bucket)
+        hosted = self._hosted(dht_id)
         now = self._clock()
         self._expire_scans(now)
         if scan_id == 0:
+            self._numbered_as(hosted, data)
+            self._repo(dht_id, bucket)              # (NOT_OWNER, MOVING...)
             scan_id = next(self._scan_ids) & 0xFFFFFFFF or next(self._scan_ids)
-            keys = repo.key_snapshot()
-            self._scans[scan_id] = (now + SCAN_TTL, dht_id, bucket, keys)
+            keys = hosted.bucket_keys(bucket)
+            count_then = hosted.bucket_count
+            self._scans[scan_id] = (now + SCAN_TTL, dht_id, bucket, keys, count_then)
             if len(self._scans) > MAX_SCANS:
                 self._scans.popitem(last=False)
         else:
@@ -333,15 +424,24 @@ class RequestHandler:
             if session is None or session[1:3] != (dht_id, bucket):
                 raise RequestFailed(wire.ST_MALFORMED, f"scan {scan_id} of bucket {bucket} "
                                     f"expired or unknown; start the iteration again")
-            keys = session[3]
-            self._scans[scan_id] = (now + SCAN_TTL, dht_id, bucket, keys)
+            keys, count_then = session[3], session[4]
+            self._scans[scan_id] = (now + SCAN_TTL, *session[1:])
             self._scans.move_to_end(scan_id)
+        if hosted.bucket_count == count_then:
+            repo = self._repo(dht_id, bucket)
+            value_of = repo.get
+        else:
+            # Resized since the scan began: each key is in the bucket its
+            # hash says now (on this service, unless it moved away).
+            def value_of(key: bytes) -> bytes | None:
+                found = hosted.repos.get(hosted.bucket_of(key))
+                return found.get(key) if found is not None else None
         entries = []
         size = wire.REPLY_HEADER_SIZE + wire.SCAN_REPLY.size
         position = offset
         while position < len(keys):
             key = keys[position]
-            value = repo.get(key)
+            value = value_of(key)
             if value is not None:
                 if len(entries) == wire.MAX_BATCH:
                     break  # the page's entry count is a u16 (a TCP frame holds more)
@@ -386,7 +486,7 @@ class RequestHandler:
         keys_only = query.keys_only
         walks = [repo.key_range(query.low, query.high, inclusive=inclusive,
                                 reverse=query.reverse, items=not keys_only)
-                 for repo in hosted.repos.values()]
+                 for repo in hosted.distinct_repos()]
         most = query.max_entries or wire.MAX_BATCH
         entries: list[tuple[bytes, bytes]] = []
         size = wire.RANGE_REPLY_OVERHEAD
@@ -444,9 +544,14 @@ class RequestHandler:
         """A DHT's part of the stats; ``storage_bytes`` (what its records
         occupy here) only where its platform can tell."""
         stats: dict[str, Any] = {"records": hosted.records(), "active": hosted.active,
+                                 "buckets": hosted.bucket_count,
                                  "storage_buckets": len(hosted.repos),
                                  "routing_buckets": hosted.routing_bucket_count,
-                                 "lookups": dict(hosted.lookups)}
+                                 "lookups": dict(hosted.lookups),
+                                 "layout_version": hosted.descriptor.get("version", 0)}
+        shared = hosted.shared_buckets()
+        if shared:
+            stats["unregrouped_buckets"] = shared
         storage_bytes = hosted.storage_bytes()
         if storage_bytes is not None:
             stats["storage_bytes"] = storage_bytes
@@ -474,12 +579,15 @@ class RequestHandler:
             self._update_fast_table(dht_id)
         return {"state": "active" if hosted.active else "inactive", "records": moved}
 
+    def refresh_fast_table(self, dht_id: int) -> None:
+        self._update_fast_table(dht_id)
+
     def _update_fast_table(self, dht_id: int) -> None:
         """The C path sees a DHT's repositories while, and only while, the DHT
         is hosted here and active (an inactive one gets INACTIVE from Python)."""
         hosted = self.dhts.get(dht_id)
         if hosted is not None and hosted.active:
-            self.fast_table[dht_id] = hosted.repos
+            self.fast_table[dht_id] = (hosted.repos, hosted.numbering << 8 | hosted.layout_tag)
         else:
             self.fast_table.pop(dht_id, None)
 

@@ -8,6 +8,7 @@ import functools
 import os
 import shutil
 import time
+from collections.abc import Generator
 from typing import Any
 
 from twisted.logger import Logger
@@ -19,8 +20,12 @@ from domus.routing.base import contains
 from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store, snapshot
 from domus.storage.base import TrackedRepository
 from domus.wire import protocol as wire
+from domus.wire.keys import HASH_FUNCTIONS, bucket_shift
 
 FREEZE_LEASE = wire.FREEZE_LEASE    # see domus.wire.protocol
+REGROUP_PAGE = 2048     # records copied per reactor turn while regrouping
+REGROUP_ROUNDS = 20     # catch-up rounds at most before the last one
+REGROUP_SETTLED = 256   # changed keys a round may bring for the last to follow
 
 log = Logger(namespace="domus.service")
 
@@ -66,6 +71,15 @@ class HostedDht:
         self.store: Store | None = None
         self.active = False
         self.repos: dict[int, Repository] = {}
+        # Numbering (see "Resizing" below): the bucket count, the request
+        # header byte that says it, the layout version's reply tag, and the
+        # part (count, bucket) of the medium that holds each stored bucket.
+        self._hash = HASH_FUNCTIONS[descriptor.get("hash") or "xxh3"]
+        self.base_count: int = descriptor.get("initial_buckets") or descriptor["buckets"]
+        self._set_count(descriptor["buckets"])
+        self.layout_tag = wire.layout_tag(descriptor.get("version", 0))
+        self.part_of: dict[int, tuple[int, int]] = {}
+        self._regrouping: Generator[None, None, Any] | None = None
         # AS: the buckets routed here, and for each the name of the service
         # storing it (a floor map over ranges; see domus.placement.bucketmap).
         # Buckets being moved (see "Moving a bucket" below): frozen here as
@@ -100,6 +114,9 @@ class HostedDht:
         of state that fails raises StorageFault and leaves the DHT as it
         was."""
         moved = 0
+        if descriptor["buckets"] != self.bucket_count:
+            self._renumber(descriptor["buckets"])
+            self.graph = routing_graph(descriptor)
         storage = layout.owners(descriptor, "storage")
         wanted = descriptor.get("state", "active") == "active"
         if wanted and not self.active:
@@ -114,6 +131,7 @@ class HostedDht:
             moved = self._deactivate()
         self.problem = None
         self.descriptor = descriptor
+        self.layout_tag = wire.layout_tag(descriptor.get("version", 0))
         self._route(descriptor, storage)
         return moved
 
@@ -134,16 +152,19 @@ class HostedDht:
                                    f"serve bucket {bucket}: its copy was staged "
                                    f"{waited:.0f}s ago, and its source may serve it "
                                    f"again by now; move it again")
-        for bucket in sorted(stored - self.repos.keys() - self.frozen.keys()):
+        opening = sorted(stored - self.repos.keys() - self.frozen.keys())
+        on_medium = self.store.parts() if opening else set()
+        for bucket in opening:
             staged = self.staged.get(bucket)
             if staged is not None:          # moved here: its records came first
                 self.staged.pop(bucket)
                 self.staged_at.pop(bucket, None)
                 self.repos[bucket] = staged
+                self.part_of[bucket] = (self.bucket_count, bucket)
                 adopted = True
                 continue
             try:
-                self.repos[bucket] = self.store.open(bucket)
+                self._open_bucket(bucket, on_medium)
             except StorageFault as exc:
                 # This bucket answers STORAGE_ERROR; the others serve on.
                 log.error("service {service}: {problem}", service=self.service_name,
@@ -157,18 +178,22 @@ class HostedDht:
         for bucket in sorted(self.repos.keys() - stored):
             dropped = self.repos.pop(bucket)
             self.snapshots.pop(bucket, None)
+            part = self.part_of.pop(bucket, (self.bucket_count, bucket))
+            if any(other is dropped for other in self.repos.values()):
+                continue        # (a part shared with buckets still stored here)
             log.warn("service {service}: DHT {dht!r} bucket {bucket} is no longer "
                      "stored here; dropping its {records} records",
                      service=self.service_name, dht=self.name, bucket=bucket,
                      records=len(dropped))
             if isinstance(dropped, FailedRepository):
                 continue
-            self.store.remove(bucket)
+            self.store.remove(part[1], part[0])
         for bucket in sorted(self.frozen.keys() - stored):   # moved away: done
             self.frozen.pop(bucket)
             self.frozen_at.pop(bucket, None)
             self.snapshots.pop(bucket, None)
-            self.store.remove(bucket)
+            part = self.part_of.pop(bucket, (self.bucket_count, bucket))
+            self.store.remove(part[1], part[0])
 
     def _route(self, descriptor: dict[str, Any], storage: BucketMap[str]) -> None:
         routing = layout.owners(descriptor, "routing")
@@ -223,7 +248,7 @@ class HostedDht:
         snapshot if there is one.  All or nothing: on failure everything
         opened is closed again and the snapshot stays."""
         self.store = self._platform.open_store(self.medium, self.home, self.label,
-                                               self.durability)
+                                               self.durability, base_count=self.base_count)
         loaded = 0
         # What this service saved when the DHT was deactivated (the
         # supervisor remembers it): a snapshot missing or short of it is an
@@ -253,6 +278,9 @@ class HostedDht:
         """Save a RAM DHT's records (all or nothing), flush a disk DHT, then
         close everything and give the memory back."""
         saved = 0
+        if self.shared_buckets():
+            raise StorageFault(f"{self.label}: service {self.service_name} is regrouping its "
+                               f"buckets after a resize; deactivate it once that is done")
         if self.medium == "ram":
             if self.home is None:
                 raise StorageFault(f"{self.label}: service {self.service_name} has no data "
@@ -272,6 +300,7 @@ class HostedDht:
     def _release(self) -> None:
         self.abandon_moves()
         self.repos.clear()
+        self.part_of.clear()
         if self.store is not None:
             self.store.close()
             self.store = None
@@ -315,6 +344,9 @@ class HostedDht:
         if repo is None or not self.active:
             raise StorageFault(f"{self.label}: service {self.service_name} does not store "
                                f"bucket {bucket}, so it cannot move it")
+        if self.part_of.get(bucket, (self.bucket_count,))[0] != self.bucket_count:
+            raise StorageFault(f"{self.label}: bucket {bucket} is not regrouped after the "
+                               f"resize yet on service {self.service_name}; move it later")
         if not isinstance(repo, TrackedRepository):
             repo = self.repos[bucket] = TrackedRepository(repo)
         keys = repo.key_snapshot()
@@ -403,7 +435,7 @@ class HostedDht:
                                f"inactive)")
         if first:
             self.discard(bucket)
-            fresh = self.staged[bucket] = self.store.open(bucket)
+            fresh = self.staged[bucket] = self.store.open(bucket, self.bucket_count)
             # A disk bucket's file can outlive a move cut short by a crash,
             # or a bucket moved away while this service was down: a staged
             # copy starts empty, whatever the medium holds.
@@ -427,14 +459,305 @@ class HostedDht:
         """Step 4 (target): drop what was staged for a bucket."""
         self.staged_at.pop(bucket, None)
         if self.staged.pop(bucket, None) is not None and self.store is not None:
-            self.store.remove(bucket)
+            self.store.remove(bucket, self.bucket_count)
 
     def abandon_moves(self) -> None:
-        """Step 5 for every move under way here, as source or target."""
+        """Step 5 for every move under way here, as source or target; and a
+        regrouping under way is stopped (see "Resizing")."""
+        if self._regrouping is not None:
+            self._regrouping.close()
         for bucket in {*self.frozen, *self.snapshots}:
             self.thaw(bucket)
         for bucket in list(self.staged):
             self.discard(bucket)
+
+    # ------------------------------------------------------------ resizing
+    # A DHT's bucket count doubles or halves (supervisor: resize_dht) while
+    # clients read and write.  Bucket b of 2^k buckets is buckets 2b and
+    # 2b + 1 of 2^(k+1) (a bucket is the top bits of a key's hash), so a
+    # service can serve a finer bucket from a coarser repository: the
+    # repository of bucket b holds the records of 2b and 2b + 1.  Hence:
+    #   - ``repos`` is keyed by buckets of the DHT's count now, but one
+    #     repository (a *part* of the medium, ``part_of``: its (count,
+    #     bucket)) may stand for several of them while a resize is under
+    #     way: after doubling, each repository stands for its two halves
+    #     until ``regroup`` splits it; before halving, ``regroup`` merges
+    #     the two halves of each new bucket into one repository that
+    #     stands for both, and then the new count is taken.  Single-key
+    #     requests (the C hot path too) find the right records either way;
+    #     what works on a whole bucket (scans, counts, moves, snapshots)
+    #     sees each repository once and filters keys by hash.
+    #   - a request says in its header how many buckets its client
+    #     numbered them out of (wire.numbering); ``local_bucket`` turns its
+    #     bucket into one of this count: a finer one by a shift, a coarser
+    #     one (a client that has not heard of a doubling) by the key's hash.
+    #   - on the medium a part is named by its count, so a restart in the
+    #     middle of a resize finds each record in exactly one complete part:
+    #     a split deletes the coarser part only once the finer ones are
+    #     complete (and synced, on disk); a merge fills a temporary part and
+    #     renames it into place before deleting the halves.  At activation
+    #     the coarsest part on the medium covering a bucket holds its
+    #     records, and finer ones under it are leftovers (``_open_bucket``).
+    def _set_count(self, count: int) -> None:
+        self.bucket_count = count
+        self.numbering = wire.numbering(count)
+        self._shift = bucket_shift(count)
+
+    def bucket_of(self, key: bytes) -> int:
+        """A key's bucket among the DHT's buckets now."""
+        return self._hash(key) >> self._shift
+
+    def local_bucket(self, numbered: int, bucket: int, key: bytes | None) -> int:
+        """The bucket, among this DHT's buckets now, of a request that
+        numbers its buckets by ``numbered`` (its header byte 3; 0: the
+        DHT's own).  ValueError if it cannot be told: a numbering out of
+        range, or a coarser one with no key, or a key not in ``bucket``."""
+        if numbered == 0 or numbered == self.numbering:
+            return bucket
+        if not 1 <= numbered <= 33:
+            raise ValueError(f"bucket numbering {numbered} is not 1 + log2 of a bucket count")
+        if numbered > self.numbering:           # finer: the bucket it is part of
+            return bucket >> (numbered - self.numbering)
+        if key is None:
+            raise ValueError("a coarser numbering needs the key")
+        mine = self.bucket_of(key)
+        if mine >> (self.numbering - numbered) != bucket:
+            raise ValueError(f"bucket {bucket} of {wire.numbered_count(numbered)} is not the "
+                             f"bucket of its key")
+        return mine
+
+    def _renumber(self, count: int) -> None:
+        """Take a new bucket count (a power of two times the old one):
+        each repository stands for the buckets of the new count that it
+        holds records of.  Halving needs every group of buckets that
+        becomes one to be stored by one repository here (``regroup``
+        first), or none of it; StorageFault otherwise, and nothing
+        changes."""
+        old = self.bucket_count
+        if count == old:
+            return
+        self.abandon_moves()
+        repos: dict[int, Repository] = {}
+        parts: dict[int, tuple[int, int]] = {}
+        if count > old:
+            factor = count // old
+            for bucket, repo in self.repos.items():
+                part = self.part_of.get(bucket, (old, bucket))
+                for finer in range(bucket * factor, (bucket + 1) * factor):
+                    repos[finer] = repo
+                    parts[finer] = part
+        else:
+            factor = old // count
+            for bucket, repo in self.repos.items():
+                group = range(bucket - bucket % factor, bucket - bucket % factor + factor)
+                if any(self.repos.get(member) is not repo for member in group):
+                    raise StorageFault(f"{self.label}: service {self.service_name} cannot take "
+                                       f"{count} buckets: buckets {group.start} to "
+                                       f"{group.stop - 1} are not merged here")
+                repos[bucket // factor] = repo
+                parts[bucket // factor] = self.part_of.get(bucket, (old, bucket))
+        self.repos.clear()
+        self.repos.update(repos)            # (the same dict: the C path holds it)
+        self.part_of = parts
+        self._set_count(count)
+        log.info("service {service}: DHT {dht!r} has {count} buckets now (was {old})",
+                 service=self.service_name, dht=self.name, count=count, old=old)
+
+    def _open_bucket(self, bucket: int, on_medium: set[tuple[int, int]]) -> None:
+        """Open a bucket stored here: from the coarsest part on the medium
+        that covers it (shared with the other buckets it covers), deleting
+        finer leftovers under it; else from the finer parts it is made of
+        (merged into one); else afresh."""
+        assert self.store is not None
+        count = self.bucket_count
+        for coarse in sorted({c for c, _ in on_medium if c <= count}):
+            part = (coarse, bucket // (count // coarse))
+            if part not in on_medium:
+                continue
+            for other, repo in self.repos.items():     # opened for a sibling already
+                if self.part_of.get(other) == part:
+                    self.repos[bucket] = repo
+                    self.part_of[bucket] = part
+                    return
+            factor = count // coarse
+            for finer_count, finer_bucket in sorted(on_medium):
+                if finer_count > coarse and finer_bucket // (finer_count // coarse) == part[1]:
+                    self.store.discard(finer_bucket, finer_count)   # a split cut short
+                    on_medium.discard((finer_count, finer_bucket))
+            self.repos[bucket] = self.store.open(part[1], coarse)
+            self.part_of[bucket] = part
+            if factor > 1:
+                log.info("service {service}: DHT {dht!r} bucket {bucket} is in part {part} "
+                         "of {coarse} buckets until it is regrouped", service=self.service_name,
+                         dht=self.name, bucket=bucket, part=part[1], coarse=coarse)
+            return
+        finer = sorted((c, b) for c, b in on_medium
+                       if c > count and b // (c // count) == bucket)
+        repo = self.store.open(bucket, count, temporary=bool(finer))
+        if finer:       # halved while this service was away: merge what it has
+            for finer_count, finer_bucket in finer:
+                source = self.store.open(finer_bucket, finer_count)
+                for key, value in list(source.records()):
+                    repo.put(key, value)
+            repo = self.store.commit(bucket, count)
+            for finer_count, finer_bucket in finer:
+                self.store.remove(finer_bucket, finer_count)
+                on_medium.discard((finer_count, finer_bucket))
+        self.repos[bucket] = repo
+        self.part_of[bucket] = (count, bucket)
+
+    def shared_buckets(self) -> int:
+        """Buckets stored here whose repository is a part of another count
+        (a resize not regrouped here yet)."""
+        return sum(1 for bucket in self.repos
+                   if self.part_of.get(bucket, (self.bucket_count,))[0] != self.bucket_count)
+
+    def bucket_keys(self, bucket: int) -> list[bytes]:
+        """The keys of one bucket stored here now (of its part, filtered by
+        hash when the part stands for several buckets)."""
+        keys = self.repos[bucket].key_snapshot()
+        if self.part_of.get(bucket, (self.bucket_count,))[0] == self.bucket_count:
+            return keys
+        return [key for key in keys if self.bucket_of(key) == bucket]
+
+    def regroup(self, count: int) -> Generator[None, None, dict[str, int]]:
+        """Make every repository here a part of ``count`` buckets (the DHT's
+        count, to split what a doubling left shared; half of it, to merge
+        before halving), while requests are served: a generator to run a
+        step per reactor turn (twisted.internet.task.cooperate), which
+        returns {"parts", "records"}.  Each group of buckets is regrouped
+        live, as a bucket moves: its records are copied page by page while
+        its buckets keep serving and their changes are noted, the changes
+        caught up round after round, and the last round, the switch to the
+        new parts and (disk) their sync happen in one step.  Closing the
+        generator (a re-registration, a deactivation) leaves each group as
+        it was before its switch.  StorageFault if a group is not wholly
+        stored here."""
+        if count > self.bucket_count or self.bucket_count % count:
+            raise StorageFault(f"{self.label}: cannot regroup {self.bucket_count} buckets "
+                               f"into parts of {count}")
+        factor = self.bucket_count // count
+        groups: dict[tuple[int, int], list[int]] = {}
+        for bucket in sorted(self.repos):
+            if bucket in self.frozen:
+                continue
+            if count < self.bucket_count:
+                groups.setdefault((count, bucket // factor), []).append(bucket)
+            elif self.part_of.get(bucket, (count, bucket)) != (count, bucket):
+                groups.setdefault(self.part_of[bucket], []).append(bucket)
+        if count < self.bucket_count:
+            for (_count, new), members in list(groups.items()):
+                if len(members) != factor:
+                    raise StorageFault(f"{self.label}: service {self.service_name} stores "
+                                       f"{len(members)} of the {factor} buckets that become "
+                                       f"bucket {new} of {count}; they must all be here")
+                if self.part_of.get(members[0]) == (count, new):
+                    del groups[(_count, new)]       # merged already
+        done = {"parts": 0, "records": 0}
+        try:
+            for part, members in groups.items():
+                done["records"] += yield from self._regroup_group(part, members, count)
+                done["parts"] += 1
+        finally:
+            self._regrouping = None
+        return done
+
+    def start_regroup(self, count: int) -> Generator[None, None, dict[str, int]]:
+        """``regroup(count)``, remembered as the one under way here (so
+        that ``abandon_moves`` can stop it)."""
+        if self._regrouping is not None:
+            raise StorageFault(f"{self.label}: service {self.service_name} is regrouping "
+                               f"already")
+        if self.store is None:
+            raise StorageFault(f"{self.label} is inactive on service {self.service_name}; "
+                               f"activate it to regroup its buckets")
+        steps = self._regrouping = self.regroup(count)
+        return steps
+
+    def _regroup_group(self, part: tuple[int, int], members: list[int],
+                       count: int) -> Generator[None, None, int]:
+        """One group of ``regroup``: ``members`` (buckets now) into parts of
+        ``count``; returns the records copied."""
+        assert self.store is not None
+        splitting = count == self.bucket_count
+        sources = {id(self.repos[bucket]): (self.repos[bucket], self.part_of.get(
+            bucket, (self.bucket_count, bucket))) for bucket in members}
+        before = {bucket: self.repos[bucket] for bucket in members}
+        tracked = {key: TrackedRepository(repo) for key, (repo, _part) in sources.items()}
+        if splitting:
+            targets = {bucket: self.store.open(bucket, count) for bucket in members}
+        else:
+            targets = {part[1]: self.store.open(part[1], count, temporary=True)}
+        factor = self.bucket_count // count
+
+        def target(key: bytes) -> Repository | None:
+            return targets.get(self.bucket_of(key) // factor)
+
+        def apply_changes(changes: list[bytes | None]) -> None:
+            for index in range(0, len(changes), 2):
+                key, value = changes[index], changes[index + 1]
+                into = target(key)              # type: ignore[arg-type]
+                if into is None:
+                    continue
+                if value is None:
+                    into.delete(key)            # type: ignore[arg-type]
+                else:
+                    into.put(key, value)        # type: ignore[arg-type]
+
+        switched = False
+        copied = 0
+        try:
+            for bucket in members:
+                self.repos[bucket] = tracked[id(before[bucket])]
+            for repo in targets.values():       # leftovers of a regroup cut short
+                for key in repo.key_snapshot():
+                    repo.delete(key)
+            for key_id, wrapper in tracked.items():
+                keys = wrapper.key_snapshot()
+                source = sources[key_id][0]
+                for start in range(0, len(keys), REGROUP_PAGE):
+                    for key in keys[start:start + REGROUP_PAGE]:
+                        value = source.get(key)
+                        into = target(key)
+                        if value is not None and into is not None:
+                            into.put(key, value)
+                            copied += 1
+                    yield None
+            for _round in range(REGROUP_ROUNDS):
+                changes = [item for wrapper in tracked.values()
+                           for item in wrapper.take_changes()]
+                apply_changes(changes)
+                if len(changes) // 2 <= REGROUP_SETTLED:
+                    break
+                yield None
+            # The switch, in one step: nothing is served meanwhile.
+            apply_changes([item for wrapper in tracked.values()
+                           for item in wrapper.take_changes()])
+            if splitting:
+                if self.medium == "disk":
+                    for repo in targets.values():
+                        repo.sync()             # type: ignore[attr-defined]
+                new_repos = targets
+            else:
+                merged = self.store.commit(part[1], count)
+                new_repos = {bucket: merged for bucket in members}
+            for bucket in members:
+                self.repos[bucket] = new_repos[bucket]
+                self.part_of[bucket] = (count, bucket) if splitting else (count, part[1])
+            switched = True
+            for _key, (_repo, (old_count, old_bucket)) in sources.items():
+                self.store.remove(old_bucket, old_count)
+            return copied
+        finally:
+            if not switched:
+                for bucket, repo in before.items():
+                    if self.repos.get(bucket) is not None:
+                        self.repos[bucket] = repo
+                if splitting:
+                    for bucket in targets:
+                        self.store.remove(bucket, count)
+                else:
+                    self.store.remove(part[1], count, temporary=True)
 
     def storage_service(self, bucket: int) -> str:
         """AS: the service storing a bucket routed here; KeyError if the
@@ -446,15 +769,25 @@ class HostedDht:
         that key ranges can be walked (the platform decides)."""
         return self._platform.ordered and all(repo.ordered for repo in self.repos.values())
 
+    def distinct_repos(self) -> list[Repository]:
+        """Each repository stored here once (a part shared by several
+        buckets during a resize is one repository)."""
+        return list({id(repo): repo for repo in self.repos.values()}.values())
+
     def records(self) -> int:
         """Records stored here, those of a bucket being moved away included."""
-        return (sum(len(repo) for repo in self.repos.values())
+        return (sum(len(repo) for repo in self.distinct_repos())
                 + sum(len(repo) for repo, _keys in self.frozen.values()))
 
     def bucket_records(self, limit: int = 1024) -> dict[int, int]:
         """bucket -> records, for the buckets stored here: every one, or the
-        ``limit`` that hold the most (what a heartbeat reports)."""
-        counts = {bucket: len(repo) for bucket, repo in self.repos.items()}
+        ``limit`` that hold the most (what a heartbeat reports; a part
+        shared by several buckets counts for the first of them)."""
+        counts: dict[int, int] = {}
+        seen: set[int] = set()
+        for bucket, repo in sorted(self.repos.items()):
+            counts[bucket] = 0 if id(repo) in seen else len(repo)
+            seen.add(id(repo))
         if len(counts) > limit:
             counts = dict(sorted(counts.items(), key=lambda item: -item[1])[:limit])
         return counts

@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 PURE_PYTHON = os.environ.get("DOMUS_PURE_PYTHON") == "1"
 
 FastPath: Any = None
+SAMPLE_EVERY = 16        # (the C path's own, when it is built)
 if not PURE_PYTHON:
     try:
-        from domus._hotpath import FastPath
+        from domus._hotpath import SAMPLE_EVERY, FastPath  # noqa: F401 (re-exported)
     except ImportError:  # not built: the Python path serves alone
         FastPath = None
 
@@ -43,9 +44,11 @@ def record_tree_type() -> type | None:
     return RecordTree  # type: ignore[no-any-return]
 
 
-def make_fast_path(dhts: dict[int, dict[int, Any]], reply_cache: ReplyCache) -> Any:
-    """A C FastPath over ``dhts`` (active DHT id -> bucket -> repository) and
-    ``reply_cache``; None when the Python path must serve alone."""
+def make_fast_path(dhts: dict[int, tuple[dict[int, Any], int]],
+                   reply_cache: ReplyCache) -> Any:
+    """A C FastPath over ``dhts`` (active DHT id -> (bucket -> repository,
+    numbering << 8 | layout tag)) and ``reply_cache``; None when the Python
+    path must serve alone."""
     if FastPath is None:
         return None
     return FastPath(dhts, reply_cache.generations, record_tree_type(),

@@ -14,12 +14,27 @@ from typing import Any
 import psutil
 
 
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity: all of the node's,
+    unless a batch system, ``taskset`` or ``--cpus`` narrowed it)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(psutil.cpu_count(logical=True) or 1))
+
+
+def pin_to_cpus(cpus: list[int]) -> None:
+    """Run this process on ``cpus`` only (``domus service --cpus``)."""
+    os.sched_setaffinity(0, cpus)
+
+
 def base_resources(data_dir: str, cores: float | None = None, ram: int | None = None,
                    disk: int | None = None) -> dict[str, Any]:
-    """cores, ram (bytes) and disk (free bytes under ``data_dir``)."""
+    """cores (the CPUs this process may use), ram (bytes) and disk (free
+    bytes under ``data_dir``)."""
     return {
         "hostname": socket.gethostname(),
-        "cores": cores if cores is not None else (psutil.cpu_count(logical=True) or 1),
+        "cores": cores if cores is not None else len(usable_cpus()),
         "ram": ram if ram is not None else psutil.virtual_memory().total,
         "disk": disk if disk is not None else psutil.disk_usage(data_dir).free,
     }
@@ -28,16 +43,19 @@ def base_resources(data_dir: str, cores: float | None = None, ram: int | None = 
 class LoadSampler:
     """What a service reports in each heartbeat of its process and node:
     smoothed CPU (``cpu``: this process, % of one core; ``node_cpu``: the
-    whole node, % of all cores), request and lookup rates, and network bytes
-    per second (sent and received, every interface); and as they are now,
-    its RSS, the node's free RAM and the free disk under its data dir."""
+    node's CPUs this process may run on, % of them: the whole node unless
+    its affinity is narrower, so that services pinned to different CPUs of
+    one node each see their own), request and lookup rates, and network
+    bytes per second (sent and received, every interface); and as they are
+    now, its RSS, the node's free RAM and the free disk under its data dir."""
 
     def __init__(self, alpha: float = 0.3, data_dir: str | None = None) -> None:
         self.alpha = alpha
         self.data_dir = data_dir
         self.process = psutil.Process(os.getpid())
         self.process.cpu_percent(None)
-        psutil.cpu_percent(None)
+        self.cpus = usable_cpus()
+        psutil.cpu_percent(None, percpu=True)
         self._last_requests: int | None = None
         self._last_lookups = 0
         self._last_time: float | None = None
@@ -59,7 +77,7 @@ class LoadSampler:
         self._last_net = net
         fresh = {
             "cpu": self.process.cpu_percent(None),
-            "node_cpu": psutil.cpu_percent(None),
+            "node_cpu": self._node_cpu(),
             "rss": float(self.process.memory_info().rss),
             "requests_per_s": rate,
             "lookups_per_s": lookup_rate,
@@ -75,6 +93,12 @@ class LoadSampler:
             except OSError:          # the data dir went away: say nothing of it
                 self.load.pop("free_disk", None)
         return dict(self.load)
+
+
+    def _node_cpu(self) -> float:
+        per_cpu = psutil.cpu_percent(None, percpu=True)
+        mine = [per_cpu[cpu] for cpu in self.cpus if cpu < len(per_cpu)]
+        return sum(mine) / len(mine) if mine else 0.0
 
 
 def _net_bytes() -> int:

@@ -19,7 +19,7 @@ from twisted.logger import Logger
 from domus._version import __version__
 from domus.service.handler import RequestHandler
 from domus.service.hosted import FREEZE_LEASE
-from domus.service.resources import LoadSampler, base_resources
+from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
 from domus.wire import address as addresses
@@ -40,7 +40,8 @@ EXPORT_PAGE_BYTES = 4 << 20    # records per export page, well under a TCP frame
 class DomusService(Service):
     def __init__(self, *, supervisor: str, listen: str, data_dir: str, name: str | None = None,
                  heartbeat: float = HEARTBEAT_INTERVAL,
-                 resources: dict[str, Any] | None = None) -> None:
+                 resources: dict[str, Any] | None = None,
+                 cpus: list[int] | None = None) -> None:
         self.supervisor_address = addresses.parse(supervisor)
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
@@ -48,9 +49,13 @@ class DomusService(Service):
         self.data_dir = os.path.abspath(data_dir)
         os.makedirs(data_dir, exist_ok=True)
         self.heartbeat_interval = heartbeat
+        if cpus:
+            pin_to_cpus(cpus)       # (before the resources count them)
         self.resources = base_resources(data_dir, **(resources or {}))
         declared = [argument for field, value in sorted((resources or {}).items())
                     for argument in (f"--{field}", str(value))]
+        if cpus:
+            declared += ["--cpus", ",".join(map(str, cpus))]
         self.launch = launch.record("service", self.address, [
             "service", "--name", self.service_name,
             "--supervisor", supervisor, "--listen", self.address,
@@ -58,6 +63,7 @@ class DomusService(Service):
             self.data_dir)
         self.handler = RequestHandler(self.service_name, data_dir=data_dir)
         self.sampler = LoadSampler(data_dir=self.data_dir)
+        self._sampled_since = time.monotonic()
         self.started = time.time()
         self.link: MessageProtocol | None = None
         self.registered = False
@@ -195,13 +201,17 @@ class DomusService(Service):
         if self.link is None or not self.registered:
             return
         stats = self.handler.stats()
+        now = time.monotonic()
+        hot = self.handler.bucket_load(now - self._sampled_since)
+        self._sampled_since = now
         beat = self.link.call("heartbeat", name=self.service_name, load=load,
                               stats={"requests": stats["requests"], "malformed": stats["malformed"],
                                      "errors": stats["errors"], "replayed": stats["replayed"],
                                      "dhts": stats["dhts"],
                                      "bucket_records": {
                                          hosted.name: hosted.bucket_records()
-                                         for hosted in self.handler.dhts.values()}},
+                                         for hosted in self.handler.dhts.values()},
+                                     "bucket_requests": hot},
                               timeout=max(5.0, 3 * self.heartbeat_interval))
         beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: {error}",
                                                  name=self.service_name,
@@ -229,7 +239,57 @@ class DomusService(Service):
             return self.handler.stats()
         if op in MOVE_OPS:
             return self._move_step(op, body)
+        if op == "regroup_buckets":
+            return self._regroup(body)
         raise ControlError("DomusError", f"unknown control op {op!r} for a service")
+
+    def _regroup(self, body: dict[str, Any]) -> defer.Deferred:
+        """Regroup a DHT's repositories into parts of ``count`` buckets
+        (domus.service.hosted, "Resizing"), a step per reactor turn so that
+        requests are served meanwhile; fires with {"parts", "records",
+        "seconds"} once done."""
+        from twisted.internet import reactor
+
+        hosted = self.handler.dhts.get(body.get("id"))
+        count = body.get("count")
+        if hosted is None or not isinstance(count, int) or isinstance(count, bool) \
+                or count < 1:
+            raise ControlError("DomusError", f"service {self.service_name}: regroup_buckets "
+                               f"needs the id of a DHT hosted here and a bucket count")
+        try:
+            steps = hosted.start_regroup(count)
+        except StorageFault as exc:
+            raise ControlError("StorageError", f"service {self.service_name}: {exc}") from None
+        started = time.monotonic()
+        finished: defer.Deferred = defer.Deferred()
+
+        def step() -> None:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                if stop.value is None:
+                    finished.errback(ControlError("StorageError", f"service "
+                                     f"{self.service_name}: regrouping DHT {hosted.name!r} "
+                                     f"was stopped (the DHT changed meanwhile)"))
+                else:
+                    self.handler.refresh_fast_table(hosted.id)
+                    finished.callback({**stop.value,
+                                       "seconds": round(time.monotonic() - started, 3)})
+                return
+            except StorageFault as exc:
+                finished.errback(ControlError("StorageError",
+                                              f"service {self.service_name}: {exc}"))
+                return
+            except Exception as exc:  # a bug: say so, keep serving
+                log.failure("service {name}: regrouping DHT {dht!r} failed",
+                            name=self.service_name, dht=hosted.name)
+                finished.errback(ControlError("DomusError", f"service {self.service_name}: "
+                                              f"regrouping failed: {exc!r}"))
+                return
+            reactor.callLater(0, step)
+
+        step()
+        return finished
 
     def _move_step(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """One step of moving a bucket (domus.service.hosted, "Moving a

@@ -5,8 +5,10 @@ store on, whether it keeps records in key order, and how to open the store
 of one DHT on one service (``open_store(medium, home, label, durability)``;
 ``home`` is a directory of the DHT's own under the service's data dir, used
 by disk media; ``label`` names the DHT in error messages; ``durability`` is
-the disk DHT's, see domus.wire.attributes).  Which platforms exist and on
-which media is ``domus.wire.attributes.PLATFORM_MEDIA``, shared with clients.
+the disk DHT's, see domus.wire.attributes; ``base_count``, the bucket count
+the DHT was created with, names its parts, see domus.storage.base.Store).
+Which platforms exist and on which media is
+``domus.wire.attributes.PLATFORM_MEDIA``, shared with clients.
 """
 
 from __future__ import annotations
@@ -36,24 +38,25 @@ class Platform:
 
 
 def _ram_store(factory: Callable[[], Repository], _medium: str, _home: str | None,
-               _label: str = "", _durability: str = "none") -> Store:
+               _label: str = "", _durability: str = "none",
+               base_count: int | None = None) -> Store:
     return RamStore(factory)
 
 
 def _record_store(_medium: str, _home: str | None, label: str = "DHT",
-                  _durability: str = "none") -> Store:
-    return RecordStore(label)
+                  _durability: str = "none", base_count: int | None = None) -> Store:
+    return RecordStore(label, base_count)
 
 
 def _berkeley_store(method: str, medium: str, home: str | None, label: str = "DHT",
-                    durability: str = "async") -> Store:
+                    durability: str = "async", base_count: int | None = None) -> Store:
     try:
         from domus.storage.bsddb import BerkeleyStore  # imports Berkeley DB only when used
     except ImportError as exc:
         return UnavailableStore(f"{label}: this service cannot store platform "
                                 f"'domus-bsddb-{method}' ({exc}); it needs "
                                 f"{PLATFORM_NEEDS['domus-bsddb-' + method]}")
-    return BerkeleyStore(method, medium, home, label, durability)
+    return BerkeleyStore(method, medium, home, label, durability, base_count)
 
 
 # platform -> (keeps key order, how to open a store); its media are the wire's.

@@ -144,15 +144,40 @@ class MappingRepository(Repository):
 
 class Store(ABC):
     """The repositories of one DHT on one service: opens a bucket's
-    repository, removes one (with its data), flushes and closes them all."""
+    repository, removes one (with its data), flushes and closes them all.
+
+    A repository is a *part*: bucket ``bucket`` of the DHT's hash range cut
+    into ``count`` buckets (None: the count the DHT was created with).  A
+    DHT that is resized (domus.service.hosted, "Resizing") keeps parts of
+    two counts for a while: a part of a coarser count holds the records of
+    several buckets of the finer one.  A *temporary* part (a merge under
+    way) is never taken for the part itself until ``commit``, so a crash
+    while it is filled leaves the parts it is made from as they were."""
 
     @abstractmethod
-    def open(self, bucket: int) -> Repository:
-        """The repository of ``bucket``, with whatever the medium kept of it."""
+    def open(self, bucket: int, count: int | None = None, *,
+             temporary: bool = False) -> Repository:
+        """The repository of the part, with whatever the medium kept of it."""
 
     @abstractmethod
-    def remove(self, bucket: int) -> None:
-        """Close ``bucket``'s repository and delete its data."""
+    def remove(self, bucket: int, count: int | None = None, *,
+               temporary: bool = False) -> None:
+        """Close the part's repository and delete its data."""
+
+    def commit(self, bucket: int, count: int) -> Repository:
+        """Make the open temporary part the part itself (its data durable
+        first), replacing whatever the medium held under that part; returns
+        the part's repository (the temporary one's handle is done with)."""
+        raise NotImplementedError(f"{type(self).__name__} has no temporary parts")
+
+    def parts(self) -> set[tuple[int, int]]:
+        """The (count, bucket) parts the medium holds, open or not (nothing,
+        for RAM platforms); temporary parts are not listed."""
+        return set()
+
+    def discard(self, bucket: int, count: int) -> None:
+        """Delete a part the medium holds that is not open (left over by a
+        resize that was cut short)."""
 
     def flush(self) -> None:
         """Write what is buffered to the medium (nothing, for RAM platforms)."""
@@ -214,10 +239,12 @@ class UnavailableStore(Store):
     def __init__(self, reason: str) -> None:
         self.reason = reason
 
-    def open(self, bucket: int) -> Repository:
+    def open(self, bucket: int, count: int | None = None, *,
+             temporary: bool = False) -> Repository:
         raise StorageFault(self.reason)
 
-    def remove(self, bucket: int) -> None:
+    def remove(self, bucket: int, count: int | None = None, *,
+               temporary: bool = False) -> None:
         pass
 
     def close(self) -> None:
@@ -226,22 +253,34 @@ class UnavailableStore(Store):
 
 class RamStore(Store):
     """Repositories that are Python objects in the service's memory: a
-    factory's instances, one per bucket."""
+    factory's instances, one per part."""
 
     def __init__(self, factory: Callable[[], Repository]) -> None:
         self._factory = factory
-        self._repos: dict[int, Repository] = {}
+        self._repos: dict[tuple[int | None, int, bool], Repository] = {}
 
-    def open(self, bucket: int) -> Repository:
-        if bucket in self._repos:
+    def open(self, bucket: int, count: int | None = None, *,
+             temporary: bool = False) -> Repository:
+        part = (count, bucket, temporary)
+        if part in self._repos:
             raise ValueError(f"bucket {bucket} is already open in this store")
-        repo = self._repos[bucket] = self._factory()
+        repo = self._repos[part] = self._new_repository(bucket, count)
         return repo
 
-    def remove(self, bucket: int) -> None:
-        repo = self._repos.pop(bucket, None)
+    def _new_repository(self, bucket: int, count: int | None) -> Repository:
+        """A new, empty repository for a part (the factory's)."""
+        return self._factory()
+
+    def remove(self, bucket: int, count: int | None = None, *,
+               temporary: bool = False) -> None:
+        repo = self._repos.pop((count, bucket, temporary), None)
         if repo is not None:
             repo.close()
+
+    def commit(self, bucket: int, count: int) -> Repository:
+        self.remove(bucket, count)
+        repo = self._repos[(count, bucket, False)] = self._repos.pop((count, bucket, True))
+        return repo
 
     def close(self) -> None:
         for repo in self._repos.values():

@@ -23,6 +23,7 @@ keep no order.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -71,8 +72,17 @@ def ram_cache_bytes() -> int:
     return max(256 << 20, min(RAM_CACHE_MAX, psutil.virtual_memory().total // 2))
 
 
-def _bucket_file(bucket: int) -> str:
-    return f"bucket-{bucket}.db"
+TEMPORARY = ".merging"
+_PART_FILE = re.compile(r"bucket-(\d+)(?:-of-(\d+))?\.db")
+
+
+def _part_file(bucket: int, count: int | None, base_count: int | None) -> str:
+    """A part's file (or in-memory database) name: ``bucket-<n>.db`` for a
+    bucket of the DHT's first count (as before resizing existed), else
+    ``bucket-<n>-of-<count>.db``."""
+    if count is None or count == base_count:
+        return f"bucket-{bucket}.db"
+    return f"bucket-{bucket}-of-{count}.db"
 
 
 class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
@@ -219,6 +229,14 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
             raise self._fault(exc) from exc
         return stat["pagecnt"] * stat["pagesize"]
 
+    def truncate(self) -> None:
+        """Delete every record at once."""
+        try:
+            self._db.truncate()
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
+        self.record_count = 0
+
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
@@ -229,7 +247,7 @@ class BerkeleyStore(Store):
     """A DHT's Berkeley DB environment on one service, and its databases."""
 
     def __init__(self, method: str, medium: str, home: str | None, label: str = "DHT",
-                 durability: str = "async") -> None:
+                 durability: str = "async", base_count: int | None = None) -> None:
         if method not in ("btree", "hash"):
             raise ValueError(f"Berkeley DB access method must be btree or hash, not {method!r}")
         if medium == "disk" and not home:
@@ -258,13 +276,37 @@ class BerkeleyStore(Store):
             self._env.log_set_config(db.DB_LOG_AUTO_REMOVE, 1)
         self._env.open(self.home, flags)
         self._open_flags = db.DB_CREATE | (db.DB_AUTO_COMMIT if self.transactional else 0)
+        self.base_count = base_count
+        if self.home is not None:
+            # A merge cut short by a crash: its parts are whole still.
+            for leftover in os.listdir(self.home):
+                if leftover.endswith(TEMPORARY):
+                    self._delete(leftover)
 
-    def open(self, bucket: int) -> BerkeleyRepository:
-        if bucket in self._repos:
+    def _flags(self) -> int:
+        return db.DB_AUTO_COMMIT if self.transactional else 0
+
+    def _delete(self, name: str) -> None:
+        """Delete a database file that is not open (disk only: berkeleydb
+        cannot name an in-memory database to remove)."""
+        if self.home is None:
+            return
+        try:
+            self._env.dbremove(name, None, None, self._flags())
+        except db.DBNoSuchFileError:
+            pass
+        except (db.DBError, MemoryError) as exc:
+            raise StorageFault(f"{self.label}: cannot delete {name}: {exc}") from exc
+
+    def open(self, bucket: int, count: int | None = None, *,
+             temporary: bool = False) -> BerkeleyRepository:
+        name = _part_file(bucket, count, self.base_count) + (TEMPORARY if temporary else "")
+        if name in self._repos:
             raise ValueError(f"bucket {bucket} is already open in this store")
         database = db.DB(self._env)
-        name = _bucket_file(bucket)
         label = f"{self.label} bucket {bucket}"
+        if count is not None and count != self.base_count:
+            label += f" (of {count})"
         try:
             if self.home is None:
                 database.open(None, name, self._type, self._open_flags)   # in memory
@@ -281,17 +323,67 @@ class BerkeleyStore(Store):
         except StorageFault:
             database.close()
             raise
-        self._repos[bucket] = repo
+        if temporary and len(repo):
+            # (A RAM database outlives its closing: one left by an earlier
+            # merge in this process is emptied.)
+            for key in repo.key_snapshot():
+                repo.delete(key)
+        self._repos[name] = repo
         return repo
 
-    def remove(self, bucket: int) -> None:
-        repo = self._repos.pop(bucket, None)
+    def remove(self, bucket: int, count: int | None = None, *, temporary: bool = False) -> None:
+        name = _part_file(bucket, count, self.base_count) + (TEMPORARY if temporary else "")
+        repo = self._repos.pop(name, None)
         if repo is None:
             return
+        if self.home is None:
+            repo.truncate()            # its pages go back to the cache's free list
         repo.close()
         if self.home is not None and os.path.exists(os.path.join(self.home, repo.name)):
-            self._env.dbremove(repo.name, None, None,
-                               db.DB_AUTO_COMMIT if self.transactional else 0)
+            self._env.dbremove(repo.name, None, None, self._flags())
+
+    def commit(self, bucket: int, count: int) -> BerkeleyRepository:
+        """The temporary part, synced, becomes the part: on disk a rename,
+        which is atomic, so a crash leaves one or the other; in RAM (where
+        nothing outlives the process) the temporary database is kept as the
+        part."""
+        name = _part_file(bucket, count, self.base_count)
+        if self.home is None:
+            self.remove(bucket, count)
+            repo = self._repos[name] = self._repos.pop(name + TEMPORARY)
+            return repo
+        repo = self._repos.pop(name + TEMPORARY)
+        try:
+            repo.sync()
+        finally:
+            repo.close()
+        self.remove(bucket, count)
+        self._delete(name)
+        try:
+            self._env.dbrename(name + TEMPORARY, None, name, None, self._flags())
+        except (db.DBError, MemoryError) as exc:
+            raise StorageFault(f"{self.label}: cannot rename {name + TEMPORARY} to {name}: "
+                               f"{exc}") from exc
+        return self.open(bucket, count)
+
+    def parts(self) -> set[tuple[int, int]]:
+        if self.home is None:
+            return set()
+        found = set()
+        for name in os.listdir(self.home):
+            match = _PART_FILE.fullmatch(name)
+            if match is not None:
+                count = int(match[2]) if match[2] is not None else self.base_count
+                if count is not None:
+                    found.add((count, int(match[1])))
+        return found
+
+    def discard(self, bucket: int, count: int) -> None:
+        name = _part_file(bucket, count, self.base_count)
+        if name in self._repos:
+            raise ValueError(f"{name} is open; remove it instead")
+        if self.home is not None:
+            self._delete(name)
 
     def flush(self) -> None:
         """Sync every bucket; one that fails does not keep the others from

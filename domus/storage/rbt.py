@@ -88,15 +88,16 @@ class RBTreeRepository(RecordTree, RecordMapping, Repository):  # type: ignore[m
 class RecordStore(RamStore):
     """The record trees of one domus-rbt DHT on one service, one per bucket."""
 
-    def __init__(self, label: str = "DHT") -> None:
+    def __init__(self, label: str = "DHT", base_count: int | None = None) -> None:
         super().__init__(RBTreeRepository)
         self.label = label
+        self.base_count = base_count
 
-    def open(self, bucket: int) -> Repository:
-        if bucket in self._repos:
-            raise ValueError(f"bucket {bucket} is already open in this store")
-        repo = self._repos[bucket] = RBTreeRepository(f"{self.label} bucket {bucket}")
-        return repo
+    def _new_repository(self, bucket: int, count: int | None) -> Repository:
+        label = f"{self.label} bucket {bucket}"
+        if count is not None and count != self.base_count:
+            label += f" (of {count})"
+        return RBTreeRepository(label)
 
     def storage_bytes(self) -> int | None:
         """The bytes the buckets' arenas hold, from the trees' allocator

@@ -4,11 +4,17 @@ Every message is a fixed header and a body.  All integers are big-endian.
 
 Request header, 16 bytes::
 
-    u8 magic 0xD0 | u8 version | u8 op | u8 flags | u32 request id | u64 client id
+    u8 magic 0xD0 | u8 version | u8 op | u8 numbering | u32 request id | u64 client id
 
 Reply header, 8 bytes::
 
-    u8 magic 0xD1 | u8 version | u8 status | u8 flags | u32 request id
+    u8 magic 0xD1 | u8 version | u8 status | u8 layout | u32 request id
+
+``numbering`` says how many buckets the client numbered the request's
+buckets with (``numbering(bucket_count)``: 1 + log2 of the count; 0: not
+said); ``layout`` is the tag of the layout version the answering service
+holds of the request's DHT (``layout_tag(version)``; 0: none), which tells
+a client whose layout is older to fetch it again.
 
 Over UDP one datagram carries one message; over TCP each message is preceded
 by its length as a u32.  This module encodes and decodes; it opens no socket.
@@ -68,6 +74,7 @@ ST_STORAGE_ERROR = 0x17
 ST_REPLY_TOO_LARGE = 0x18
 ST_UNSUPPORTED = 0x19
 ST_MOVING = 0x1A
+ST_STALE_LAYOUT = 0x1B
 ST_INTERNAL = 0x1F
 ST_CONTROL_ERROR = 0x20
 
@@ -79,6 +86,7 @@ STATUS_NAMES = {
     ST_STORAGE_ERROR: "storage error", ST_REPLY_TOO_LARGE: "reply too large for UDP",
     ST_UNSUPPORTED: "not supported by the DHT's storage platform",
     ST_MOVING: "bucket moving to another service; retry shortly",
+    ST_STALE_LAYOUT: "the request's bucket numbering is not the DHT's: fetch its layout",
     ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
 }
 
@@ -97,6 +105,41 @@ MAX_DEADLINE = REPLY_CACHE_TTL / 2
 # staged bucket only within FREEZE_LEASE / 2 of its last stage, so a target
 # never serves a bucket that its source may be serving again.
 FREEZE_LEASE = 30.0
+
+# Resizing.  A request carries in its header byte 3 the bucket count its
+# buckets are numbered with (NUMBERING); a service whose DHT has another
+# count translates, or answers STALE_LAYOUT where it cannot.  A reply
+# carries in its byte 3 the tag of the service's layout version of the
+# DHT (LAYOUT_TAGS values, cycling), so clients learn of a new layout from
+# any reply.
+LAYOUT_TAGS = 255
+
+
+def numbering(bucket_count: int) -> int:
+    """Request byte 3 for buckets numbered out of ``bucket_count`` (a power
+    of two): 1 + log2 of it."""
+    return bucket_count.bit_length()
+
+
+def numbered_count(numbering_byte: int) -> int:
+    """The bucket count a request's byte 3 says (0: not said)."""
+    return 1 << (numbering_byte - 1) if numbering_byte else 0
+
+
+def layout_tag(version: int) -> int:
+    """Reply byte 3 for a DHT whose layout version is ``version``: 1 to
+    255, cycling; 0 for version 0 (a layout that was never versioned)."""
+    return 1 + (version - 1) % LAYOUT_TAGS if version > 0 else 0
+
+
+def layout_newer(tag: int, mine: int) -> bool:
+    """Whether a reply's layout tag is newer than the client's own (within
+    half the cycle ahead of it)."""
+    if not tag or not mine:
+        return bool(tag) and not mine
+    ahead = (tag - mine) % LAYOUT_TAGS
+    return 0 < ahead < LAYOUT_TAGS // 2
+
 
 # Limits.  Keys are limited by domus.wire.keys.MAX_KEY_BYTES as well.
 MAX_KEY_BYTES = 8192
@@ -149,15 +192,17 @@ KEYED_END = REQUEST_HEADER_SIZE + KEYED.size
 
 # ---------------------------------------------------------------- requests
 
-def request_header(op: int, request_id: int, client_id: int) -> bytes:
-    return REQUEST_HEADER.pack(REQUEST_MAGIC, VERSION, op, 0, request_id, client_id)
+def request_header(op: int, request_id: int, client_id: int, numbered: int = 0) -> bytes:
+    """``numbered``: the request's NUMBERING byte (0: none said)."""
+    return REQUEST_HEADER.pack(REQUEST_MAGIC, VERSION, op, numbered, request_id, client_id)
 
 
 def encode_keyed(op: int, request_id: int, client_id: int, dht_id: int,
-                 bucket: int, key: bytes, value: bytes = b"") -> bytes:
+                 bucket: int, key: bytes, value: bytes = b"", numbered: int = 0) -> bytes:
     """PUT (its value goes after the key, preceded by its u32 length), GET,
     DELETE or CONTAINS (no value)."""
-    message = (REQUEST_HEADER.pack(REQUEST_MAGIC, VERSION, op, 0, request_id, client_id)
+    message = (REQUEST_HEADER.pack(REQUEST_MAGIC, VERSION, op, numbered, request_id,
+                                   client_id)
                + KEYED.pack(dht_id, bucket, len(key)) + key)
     if op == OP_PUT:
         return message + U32.pack(len(value)) + value
@@ -167,8 +212,8 @@ def encode_keyed(op: int, request_id: int, client_id: int, dht_id: int,
 
 
 def encode_put_many(request_id: int, client_id: int, dht_id: int,
-                    entries: Sequence[tuple[int, bytes, bytes]]) -> bytes:
-    parts = [request_header(OP_PUT_MANY, request_id, client_id),
+                    entries: Sequence[tuple[int, bytes, bytes]], numbered: int = 0) -> bytes:
+    parts = [request_header(OP_PUT_MANY, request_id, client_id, numbered),
              BATCH.pack(dht_id, len(entries))]
     for bucket, key, value in entries:
         parts.append(PUT_ENTRY.pack(bucket, len(key), len(value)))
@@ -178,8 +223,8 @@ def encode_put_many(request_id: int, client_id: int, dht_id: int,
 
 
 def encode_get_many(request_id: int, client_id: int, dht_id: int,
-                    entries: Sequence[tuple[int, bytes]]) -> bytes:
-    parts = [request_header(OP_GET_MANY, request_id, client_id),
+                    entries: Sequence[tuple[int, bytes]], numbered: int = 0) -> bytes:
+    parts = [request_header(OP_GET_MANY, request_id, client_id, numbered),
              BATCH.pack(dht_id, len(entries))]
     for bucket, key in entries:
         parts.append(GET_ENTRY.pack(bucket, len(key)))
@@ -192,8 +237,8 @@ def encode_length(request_id: int, client_id: int, dht_id: int) -> bytes:
 
 
 def encode_scan(request_id: int, client_id: int, dht_id: int, bucket: int,
-                scan_id: int, offset: int) -> bytes:
-    return (request_header(OP_SCAN, request_id, client_id)
+                scan_id: int, offset: int, numbered: int = 0) -> bytes:
+    return (request_header(OP_SCAN, request_id, client_id, numbered)
             + SCAN.pack(dht_id, bucket, scan_id, offset))
 
 
@@ -229,10 +274,10 @@ def encode_range(request_id: int, client_id: int, query: RangeQuery) -> bytes:
 
 
 def encode_lookup(request_id: int, client_id: int, dht_id: int, target: int,
-                  current: int | None = None) -> bytes:
+                  current: int | None = None, numbered: int = 0) -> bytes:
     """A LOOKUP for bucket ``target``, addressed to the routing service of
     bucket ``current`` (None: to the service as a whole)."""
-    return (request_header(OP_LOOKUP, request_id, client_id)
+    return (request_header(OP_LOOKUP, request_id, client_id, numbered)
             + LOOKUP.pack(dht_id, target, NO_BUCKET if current is None else current))
 
 

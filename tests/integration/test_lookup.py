@@ -126,10 +126,13 @@ def test_open_dht_refuses_a_bad_strategy_or_cache(cluster):
 
 
 # ------------------------------------------------------------ after moves
-def test_after_moves_every_strategy_is_right_and_dcr_drops_direct(cluster):
+def test_after_moves_every_strategy_is_right_and_direct_learns_the_moves(cluster):
     """Move storage and routing of several buckets by hand; then every
-    strategy, on handles opened before and after, reads back every record,
-    and D,C,R stops using direct once its misses pass the cut-off."""
+    strategy, on handles opened before and after, reads back every record.
+    A handle opened after the moves looks them up directly with no miss (its
+    direct table is the layout, moves included); one opened before misses
+    once or twice, learns from its replies' layout tags that the layout is
+    newer, and fetches it."""
     cluster.create_dht("moved", buckets=64)
     writer = cluster.open_dht("moved")
     records = {key: f"v{key}" for key in range(2_000)}
@@ -164,12 +167,15 @@ def test_after_moves_every_strategy_is_right_and_dcr_drops_direct(cluster):
     assert writer.get_many(list(expected)) == expected
     assert len(writer) == len(expected)
     fresh = after["D,C,R"].stats()
-    assert fresh["in_use"] == "C,R" and fresh["direct_misses"] == 4, fresh
-    assert fresh["lookups"]["D"]["misses"] == 4 and fresh["lookups"]["D"]["fallbacks"] >= 4
-    assert fresh["lookups"]["C"]["lookups"] > 0
-    # Direct alone keeps working, through the services' redirects.
-    direct = after["D"].stats()
-    assert direct["in_use"] == "D" and direct["redirects"] > 0, direct
+    assert fresh["in_use"] == "D,C,R" and fresh["direct_misses"] == 0, fresh
+    assert fresh["lookups"]["D"]["misses"] == 0 and fresh["lookups"]["D"]["hits"] > 4_000
+    assert fresh["hops"]["mean"] == 1.0                 # one message per request
+    assert after["D"].stats()["redirects"] == 0
+    for strategy in ("D", "D,C,R"):
+        stale = before[strategy].stats()
+        assert stale["refreshes"] >= 1, (strategy, stale)
+        assert stale["lookups"]["D"]["misses"] <= 3, (strategy, stale)
+        assert stale["in_use"] == strategy
     # The stale cached entries were corrected, never trusted twice.
     cached = before["C,R"].stats()["lookups"]["C"]
     assert cached["misses"] > 0, cached

@@ -101,14 +101,19 @@ def test_storage_moves_with_every_record_and_back(deployment, cluster, platform,
 
 
 def test_a_fresh_client_finds_the_records_at_the_new_owner(cluster):
-    """Direct lookups rebuild the placement from the counts, which a move
-    leaves alone: a fresh client misses on the moved bucket (s2 redirects
-    it), and finds every record."""
+    """A move leaves the counts alone and lists the moved bucket in the
+    descriptor: a fresh client's direct lookups know it (no miss), a client
+    opened before the move misses at most once and learns the new layout
+    from its replies' tags, and both find every record."""
     dht, records = filled(cluster, "fresh", platform="domus-rbt")
     cluster.move_bucket("fresh", 12, storage="s3")             # s2's, by the placement
     reopened = cluster.open_dht("fresh")
     assert reopened.get_many(list(records)) == records
-    assert reopened.stats()["lookups"]["D"]["misses"] >= 1
+    assert reopened.stats()["lookups"]["D"]["misses"] == 0
+    for key, value in records.items():
+        assert dht[key] == value
+    assert dht.stats()["lookups"]["D"]["misses"] <= 1
+    assert dht.layout_version == reopened.layout_version
     for key, value in records.items():
         assert reopened[key] == value
     # Key ranges ask every service that stores a bucket now: s3 too.

@@ -100,12 +100,12 @@ def test_records_land_only_on_the_storage_set(shared_cluster):
     assert records_held(stats["s1"], "alpha") == 0
     # (Direct lookups only: no LOOKUP reached any service.)
     unasked = {"found": 0, "forwarded": 0}
-    assert stats["s1"]["dhts"]["alpha"] == {"records": 0, "active": True,
+    assert stats["s1"]["dhts"]["alpha"] == {"records": 0, "active": True, "buckets": 64,
                                             "storage_buckets": 0, "routing_buckets": 64,
-                                            "lookups": unasked}
-    assert stats["s1"]["dhts"]["beta"] == {"records": 300, "active": True,
+                                            "lookups": unasked, "layout_version": 1}
+    assert stats["s1"]["dhts"]["beta"] == {"records": 300, "active": True, "buckets": 32,
                                            "storage_buckets": 32, "routing_buckets": 0,
-                                           "lookups": unasked}
+                                           "lookups": unasked, "layout_version": 1}
     for name in ("s2", "s3"):
         assert records_held(stats[name], "beta") == 0
         assert stats[name]["dhts"]["beta"]["storage_buckets"] == 0

@@ -206,3 +206,43 @@ def test_a_service_forced_out_leaves_the_lists_and_its_buckets_go_to_the_targets
             else:
                 assert owners.owner(bucket) in ("s1", "s3")
         assert held(gone, role) == {"s1": 30, "s3": 30}
+
+
+def test_a_hot_bucket_moves_off_a_busy_service_and_stays_pinned_there():
+    """s1 is busy and one of its buckets carries half its requests: that
+    bucket goes to s2 (which has room) and stays there while the pin lasts,
+    though the counts' placement would give it back to s1; then it returns."""
+    dht = descriptor(buckets=16)                       # s1 holds 0..7, s2 8..15
+    services = {"s1": service(cpu=97.0), "s2": service(cpu=10.0)}
+    for name, rate in (("s1", 6000.0), ("s2", 500.0)):
+        services[name]["load"]["requests_per_s"] = rate
+    heat = {"s1": {3: 3000.0, 4: 400.0, 5: 300.0}, "s2": {9: 200.0}}
+    memory = Memory()
+    settings = Settings(settle=0, cooldown=0, pin_time=100.0)
+    moves = balancer.plan(dht, services, memory, settings, now=0.0, heat=heat)
+    hot = [move for move in moves if move.bucket == 3]
+    assert [(move.source, move.target, move.role) for move in hot] == [("s1", "s2", "storage")]
+    assert "3000" in hot[0].why and "busy s1" in hot[0].why
+    for move in moves:
+        dht = layout.move(dht, move.role, move.bucket, move.target, "127.0.0.1:1")
+    # Calm now: the pin keeps it on s2 (no move back), round after round.
+    calm = {"s1": service(cpu=20.0), "s2": service(cpu=20.0)}
+    for now in (1.0, 2.0, 50.0):
+        assert [move for move in balancer.plan(dht, calm, memory, settings, now=now)
+                if move.bucket == 3] == []
+    assert layout.owners(dht, "storage").owner(3) == "s2"
+    # The pin ends: the counts' placement takes it back.
+    back = balancer.plan(dht, calm, memory, settings, now=200.0)
+    assert [(move.bucket, move.target) for move in back if move.role == "storage"] == [(3, "s1")]
+
+
+def test_no_hot_move_without_a_busy_service_or_a_bucket_that_stands_out():
+    dht = descriptor(buckets=16)
+    settings = Settings(settle=0, cooldown=0)
+    for cpus, heat in (((97.0, 96.0), {"s1": {3: 3000.0}}),       # nobody has room
+                       ((40.0, 10.0), {"s1": {3: 3000.0}}),       # s1 is not busy
+                       ((97.0, 10.0), {"s1": {3: 500.0, 4: 480.0}})):  # nothing stands out
+        services = {"s1": service(cpu=cpus[0]), "s2": service(cpu=cpus[1])}
+        services["s1"]["load"]["requests_per_s"] = 6000.0
+        moves = balancer.plan(dht, services, Memory(), settings, now=0.0, heat=heat)
+        assert [move for move in moves if "requests/s" in move.why] == [], (cpus, heat)

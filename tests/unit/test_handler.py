@@ -730,9 +730,10 @@ def test_stats_report_requests_records_and_counters():
     assert stats["requests"] == 4
     assert stats["by_op"] == {"put": 1, "get": 1, "stats": 1}
     assert stats["malformed"] == 1
-    assert stats["dhts"] == {"t": {"records": 1, "active": True, "storage_buckets": 4,
-                                   "routing_buckets": 8,
-                                   "lookups": {"found": 0, "forwarded": 0}}}
+    assert stats["dhts"] == {"t": {"records": 1, "active": True, "buckets": 8,
+                                   "storage_buckets": 4, "routing_buckets": 8,
+                                   "lookups": {"found": 0, "forwarded": 0},
+                                   "layout_version": 0}}
 
 
 @pytest.mark.parametrize("platform", ["domus-bsddb-btree", "domus-bsddb-hash", "domus-rbt"])
@@ -801,12 +802,27 @@ def expected_changes(data, seen_tokens):
         return []
     if dht_id != DHT_ID:
         return []
+    numbered, here = data[3], wire.numbering(BUCKETS)
+    if numbered > 33:
+        return []                       # no bucket count says that: malformed
+    local = []
     for bucket, key, value in entries:
+        # A request numbered out of another bucket count is translated
+        # (docs/protocol.md, "Resizing"): a finer bucket is the one it is
+        # part of; a coarser one is the key's own, if the key is in it.
+        if numbered and numbered > here:
+            bucket >>= numbered - here
+        elif numbered and numbered < here:
+            mine = bucket_of(key, "xxh3", BUCKETS)
+            if mine >> (here - numbered) != bucket:
+                return []
+            bucket = mine
         if bucket not in HELD or len(key) > wire.MAX_KEY_BYTES:
             return []
         if value is not None and len(value) > wire.MAX_VALUE_BYTES:
             return []
-    return entries
+        local.append((bucket, key, value))
+    return local
 
 
 def apply_changes(model, changes):
@@ -1018,3 +1034,21 @@ def test_hostile_request_sequences_match_the_protocol_model(rng):
     for _ in range(6):
         check_hostile_request(handler, hostile_request(rng, existing, history), model,
                               seen_tokens)
+
+
+def test_bucket_load_finds_the_hot_buckets_from_samples():
+    """One request in SAMPLE_EVERY is sampled; bucket_load turns the samples
+    into requests per second per bucket, busiest first, and starts again."""
+    from domus.service.handler import SAMPLE_EVERY
+
+    handler = make_handler()
+    hot, warm = key_in(1), key_in(2)
+    rng = random.Random(4)
+    for _ in range(SAMPLE_EVERY * 200):
+        get(handler, hot if rng.random() < 0.75 else warm)
+    load = handler.bucket_load(2.0)["t"]
+    assert list(load) == [1, 2]                            # the hottest first
+    total = SAMPLE_EVERY * 200 / 2.0                       # requests per second
+    assert abs(load[1] - 0.75 * total) < 0.1 * total
+    assert abs(load[2] - 0.25 * total) < 0.1 * total
+    assert handler.bucket_load(1.0) == {}                  # taken: afresh

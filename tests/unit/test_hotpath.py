@@ -118,11 +118,11 @@ TECHNOLOGIES = {
 BERKELEY = [name for name in TECHNOLOGIES if name.startswith("bsddb")]
 
 
-def descriptor(dht_id, platform, state="active", storage="ram", durability=None):
+def descriptor(dht_id, platform, state="active", storage="ram", durability=None, version=0):
     return {
         "id": dht_id, "name": f"t{dht_id}", "buckets": BUCKETS, "hash": "xxh3",
         "storage": storage, "platform": platform, "routing": "chord", "lookup": "D",
-        "state": state, "durability": durability,
+        "state": state, "durability": durability, "version": version,
         "routing_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 8}],
         "storage_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 4},
                              {"name": "s2", "address": "127.0.0.1:2", "count": 4}],
@@ -134,7 +134,7 @@ def descriptor(dht_id, platform, state="active", storage="ram", durability=None)
 OPEN_HANDLERS = []
 
 
-def make_handler(platform="python-dict", max_entries=DEFAULT_MAX_ENTRIES):
+def make_handler(platform="python-dict", max_entries=DEFAULT_MAX_ENTRIES, version=0):
     platform_name, medium, durability = TECHNOLOGIES[platform]
     clock = FakeClock()
     data_dir = tempfile.mkdtemp(prefix="domus-hotpath-") if medium == "disk" else None
@@ -142,7 +142,8 @@ def make_handler(platform="python-dict", max_entries=DEFAULT_MAX_ENTRIES):
                              clock=clock, data_dir=data_dir)
     OPEN_HANDLERS.append((handler, data_dir))
     for dht_id, dht_state in ((DHT_ID, "active"), (INACTIVE_ID, "inactive"), (ODD_ID, "active")):
-        handler.assign(descriptor(dht_id, platform_name, dht_state, medium, durability))
+        handler.assign(descriptor(dht_id, platform_name, dht_state, medium, durability,
+                                  version))
     odd = handler.dhts[ODD_ID].repos
     odd[0] = ListRepository()
     odd[1] = CountingRepository()
@@ -208,9 +209,9 @@ def counters(handler):
 class Pair:
     """A reference handler and an accelerated one, fed the same requests."""
 
-    def __init__(self, platform="python-dict", max_entries=DEFAULT_MAX_ENTRIES):
-        self.reference = make_handler(platform, max_entries)
-        self.accelerated = make_handler(platform, max_entries)
+    def __init__(self, platform="python-dict", max_entries=DEFAULT_MAX_ENTRIES, version=0):
+        self.reference = make_handler(platform, max_entries, version)
+        self.accelerated = make_handler(platform, max_entries, version)
         assert self.accelerated.fast is not None
         self.handled_in_c = 0
 
@@ -533,12 +534,14 @@ def test_declines_of_every_kind_change_nothing(platform):
 def test_a_malformed_cache_list_makes_c_decline_changes_but_not_reads():
     repos = {0: {b"k": b"v"}}
     for generations in ([{}], [{}, {}, {}], ["current", {}], [{}, []]):
-        fast = _hotpath.FastPath({DHT_ID: repos}, generations)
+        fast = _hotpath.FastPath({DHT_ID: (repos, 0)}, generations)
         assert fast.handle(keyed(wire.OP_PUT, b"k", b"w")) is None
         assert fast.handle(keyed(wire.OP_GET, b"k")) == wire.reply(wire.ST_OK, 1, b"v")
     assert repos == {0: {b"k": b"v"}}
-    table = {DHT_ID: ["not a dict"]}
-    assert _hotpath.FastPath(table, [{}, {}]).handle(keyed(wire.OP_GET, b"k")) is None
+    for entry in (["not a dict"], ("not a dict", 0), (repos,), (repos, "0"), (repos, -1),
+                  (repos, 1 << 16), [repos, 0], repos):
+        table = {DHT_ID: entry}
+        assert _hotpath.FastPath(table, [{}, {}]).handle(keyed(wire.OP_GET, b"k")) is None
 
 
 # ------------------------------------------------------------ Berkeley DB
@@ -667,8 +670,8 @@ def test_database_repositories_need_c_methods_and_their_conventions():
         repo = _hotpath.DatabaseRepository(database, **conventions)
         assert repo.record_count == 0
         # One whose __init__ never ran is declined, not driven.
-        table = {DHT_ID: {0: repo, 1: _hotpath.DatabaseRepository.__new__(
-            _hotpath.DatabaseRepository)}}
+        table = {DHT_ID: ({0: repo, 1: _hotpath.DatabaseRepository.__new__(
+            _hotpath.DatabaseRepository)}, 0)}
         fast = _hotpath.FastPath(table, [{}, {}])
         assert fast.handle(keyed(wire.OP_PUT, b"k", b"v", bucket=0)) == \
             wire.reply(wire.ST_OK, 1, b"\x01")
@@ -695,6 +698,13 @@ values = st.one_of(st.binary(max_size=16), st.binary(min_size=150, max_size=400)
 limits = st.sampled_from([0, 8, 9, 30, 200, 1000, wire.MAX_UDP_PAYLOAD, wire.MAX_FRAME_BYTES])
 
 
+# The bucket numbering a request says: none, the DHT's own (8 buckets), a
+# coarser and a finer one (a resize the client or the service has not
+# heard of: C leaves both to Python, which translates), and nonsense.
+numberings = st.sampled_from([0, 0, wire.numbering(BUCKETS), wire.numbering(BUCKETS),
+                              wire.numbering(BUCKETS // 2), wire.numbering(BUCKETS * 4), 200])
+
+
 @st.composite
 def well_formed(draw):
     """A request that follows the protocol; a small request id range and three
@@ -703,19 +713,21 @@ def well_formed(draw):
     request_id = draw(st.integers(0, 30))
     client = draw(st.sampled_from([CLIENT_A, CLIENT_B, 0xC]))
     dht = draw(dht_ids)
+    numbered = draw(numberings)
     if op in (wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS):
         value = draw(values) if op == wire.OP_PUT else b""
-        return wire.encode_keyed(op, request_id, client, dht, draw(buckets), draw(keys), value)
+        return wire.encode_keyed(op, request_id, client, dht, draw(buckets), draw(keys), value,
+                                 numbered)
     if op == wire.OP_PUT_MANY:
         entries = draw(st.lists(st.tuples(buckets, keys, values), max_size=6))
-        return wire.encode_put_many(request_id, client, dht, entries)
+        return wire.encode_put_many(request_id, client, dht, entries, numbered)
     if op == wire.OP_GET_MANY:
         entries = draw(st.lists(st.tuples(buckets, keys), max_size=6))
-        return wire.encode_get_many(request_id, client, dht, entries)
+        return wire.encode_get_many(request_id, client, dht, entries, numbered)
     if op == wire.OP_LENGTH:
         return wire.encode_length(request_id, client, dht)
     if op == wire.OP_SCAN:
-        return wire.encode_scan(request_id, client, dht, draw(buckets), 0, 0)
+        return wire.encode_scan(request_id, client, dht, draw(buckets), 0, 0, numbered)
     if op == wire.OP_RANGE:
         bound = st.one_of(st.none(), keys)
         return wire.encode_range(request_id, client, wire.RangeQuery(
@@ -787,7 +799,9 @@ def test_random_requests_on_berkeley_db_repositories(platform):
 
 
 def run_random_requests(data, platform):
-    pair = Pair(platform, max_entries=data.draw(st.sampled_from([8, DEFAULT_MAX_ENTRIES])))
+    # (A layout version, so that replies carry a layout tag: 300 is tag 45.)
+    pair = Pair(platform, max_entries=data.draw(st.sampled_from([8, DEFAULT_MAX_ENTRIES])),
+                version=data.draw(st.sampled_from([0, 300])))
     try:
         history = []
         for _ in range(data.draw(st.integers(1, 30))):
@@ -808,7 +822,7 @@ def run_random_requests(data, platform):
 @pytest.mark.parametrize("platform", ["python-dict", "domus-rbt", "bsddb-btree-disk"])
 def test_10000_seeded_requests_get_identical_replies_and_effects(platform):
     rng = random.Random(0xD0D0)
-    pair = Pair(platform)
+    pair = Pair(platform, version=300)
     history = []
     for _ in range(10_000):
         if history and rng.random() < 0.1:
@@ -841,6 +855,11 @@ def seeded_request(rng):
     else:
         value = rng.randbytes(rng.choice([0, 5, 180])) if op == wire.OP_PUT else b""
         data = wire.encode_keyed(op, request_id, client, DHT_ID, bucket, key, value)
+    if rng.random() < 0.5:        # numbered as the DHT is, or (rarely) otherwise
+        data = bytearray(data)
+        data[3] = rng.choice([wire.numbering(BUCKETS)] * 8 + [wire.numbering(BUCKETS // 2),
+                                                               wire.numbering(BUCKETS * 2)])
+        data = bytes(data)
     if rng.random() < 0.25:
         data = bytearray(data)
         position = rng.randrange(len(data))
@@ -1069,3 +1088,64 @@ def test_serve_reports_what_it_cannot_go_past():
         time.sleep(0.05)
         with pytest.raises(RuntimeError, match="broke"):
             handler.fast.serve(server.fileno(), broken)
+
+
+# ------------------------------------------------------------ numbering and layout tags
+
+def test_c_serves_requests_numbered_as_the_dht_and_tags_replies_with_its_layout():
+    pair = Pair(version=300)
+    numbered = wire.numbering(BUCKETS)
+    put = wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, DHT_ID, 0, b"\x03k", b"v", numbered)
+    handled = pair.handled_in_c
+    answer = pair.send(put)
+    assert pair.handled_in_c == handled + 1
+    assert answer[3] == wire.layout_tag(300) == 45
+    get = wire.encode_keyed(wire.OP_GET, 2, CLIENT_A, DHT_ID, 0, b"\x03k", b"", numbered)
+    assert pair.send(get) == wire.reply(wire.ST_OK, 2, b"v")[:3] + bytes((45,)) + \
+        wire.reply(wire.ST_OK, 2, b"v")[4:]
+    pair.check()
+    pair.close()
+
+
+def test_requests_numbered_otherwise_are_left_to_python_which_translates_them():
+    pair = Pair(version=300)
+    key = next(key for key in KEYS if bucket_of_key(key) == 1)    # bucket 1 of 8
+    # Finer (32 buckets): bucket 1 of 8 is buckets 4..7 of 32.
+    finer = wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, DHT_ID, 5, key, b"v",
+                              wire.numbering(BUCKETS * 4))
+    # Coarser (4 buckets): bucket 1 of 8 is in bucket 0 of 4; the key says which.
+    coarser = wire.encode_keyed(wire.OP_GET, 2, CLIENT_A, DHT_ID, 0, key, b"",
+                                wire.numbering(BUCKETS // 2))
+    wrong = wire.encode_keyed(wire.OP_GET, 3, CLIENT_A, DHT_ID, 1, key, b"",
+                              wire.numbering(BUCKETS // 2))
+    handled = pair.handled_in_c
+    assert pair.send(finer)[2] == wire.ST_OK
+    assert pair.send(coarser) == wire.reply(wire.ST_OK, 2, b"v")[:3] + bytes((45,)) + \
+        wire.reply(wire.ST_OK, 2, b"v")[4:]
+    assert pair.send(wrong)[2] == wire.ST_MALFORMED       # the key is not in that bucket
+    assert pair.handled_in_c == handled
+    assert bucket_records(pair.reference, DHT_ID, 1) == {key: b"v"}
+    pair.check()
+    pair.close()
+
+
+def bucket_of_key(key):
+    from domus.wire.keys import bucket_of
+    return bucket_of(key, "xxh3", BUCKETS)
+
+
+def test_c_samples_one_request_in_sample_every_for_the_hot_bucket_report():
+    handler = make_handler()
+    put = keyed(wire.OP_PUT, b"\x03k", b"v", bucket=2)
+    for number in range(_hotpath.SAMPLE_EVERY * 10):
+        assert handler.fast.handle(wire.encode_keyed(wire.OP_GET, number, CLIENT_A, DHT_ID, 3,
+                                                     b"\x03k")) is not None
+    assert handler.fast.handle(put) is not None
+    samples, taken = handler.fast.take_samples()
+    assert taken == len(samples) == 11 and set(samples) == {DHT_ID << 32 | 3, DHT_ID << 32 | 2}
+    assert handler.fast.take_samples() == ([], 0)
+    for number in range(_hotpath.SAMPLE_EVERY * (_hotpath.SAMPLE_RING + 5)):
+        handler.fast.handle(wire.encode_keyed(wire.OP_GET, number, CLIENT_A, DHT_ID, 1, b"\x03k"))
+    samples, taken = handler.fast.take_samples()             # the ring went round
+    assert len(samples) == _hotpath.SAMPLE_RING and taken == _hotpath.SAMPLE_RING + 5
+    assert handler.bucket_load(1.0) == {}                    # (taken already)

@@ -225,7 +225,8 @@ def test_a_move_lists_the_bucket_and_a_new_service_with_count_0():
     plain = descriptor()
     moved_once = layout.move(plain, "storage", 2, "s3", "127.0.0.1:3")
     assert plain == descriptor()                              # a copy
-    assert moved_once == moved(storage={2: "s3"})
+    assert moved_once == moved(storage={2: "s3"}) | {"version": 1}     # a new layout
+    assert layout.move(moved_once, "storage", 3, "s3", "127.0.0.1:3")["version"] == 2
     assert [entry["count"] for entry in moved_once["storage_services"]] == [4, 4, 0]
     assert layout.owners(moved_once, "storage").owner(2) == "s3"
     assert layout.initial(moved_once, "storage") == layout.initial(plain, "storage")

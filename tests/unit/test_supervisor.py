@@ -444,9 +444,9 @@ def test_a_disk_bucket_is_on_the_targets_disk_before_the_source_deletes_it(deplo
         events.append(("flush", store.home))
         return flush(store)
 
-    def removing(store, bucket):
+    def removing(store, bucket, count=None, **kwargs):
         events.append(("remove", store.home, bucket))
-        return remove(store, bucket)
+        return remove(store, bucket, count, **kwargs)
 
     monkeypatch.setattr(bsddb.BerkeleyStore, "flush", flushing)
     monkeypatch.setattr(bsddb.BerkeleyStore, "remove", removing)

@@ -309,7 +309,8 @@ def test_put_sends_the_sync_clients_message(cluster) -> None:
     op, request_id, client_id = wire.decode_request_header(message)
     assert (op, client_id) == (wire.OP_PUT, cluster.ids.client_id)
     assert message == wire.encode_keyed(wire.OP_PUT, request_id, client_id, 5, bucket, key,
-                                        msgpack.packb([3, "x"], use_bin_type=True))
+                                        msgpack.packb([3, "x"], use_bin_type=True),
+                                        wire.numbering(8))
     assert address == (S1 if bucket < 4 else S2)
     cluster.requests.datagramReceived(reply_to(message, wire.ST_OK, b"\x01"), address)
     assert created == [True]
