@@ -499,7 +499,7 @@ def _version_line() -> str:
     from domus._version import __version__
 
     try:
-        from domus import _codec, _hotpath, _rbtree  # noqa: F401
+        from domus import _codec, _hotpath, _rbtree, _recordtree  # noqa: F401
         paths = "C extensions built"
     except ImportError:
         paths = "C extensions not built: pure-Python paths (slower)"
