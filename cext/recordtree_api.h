@@ -36,6 +36,17 @@ typedef struct {
     int (*remove)(PyObject *tree, const char *key, Py_ssize_t key_size);
     /* Number of records. */
     Py_ssize_t (*size)(PyObject *tree);
+    /* A hint before `count` finds or puts (a batch): walks the descents of
+     * all the keys at once, each step prefetching the next node of every
+     * walk, so that their cache misses overlap instead of following one
+     * another; the finds and puts that follow then find those nodes in
+     * the cache.  trees[i] is key i's tree (already checked).  Changes
+     * nothing, never fails; count at most DOMUS_RECORDTREE_PREFETCH. */
+    void (*prefetch)(PyObject *const *trees, const char *const *keys,
+                     const Py_ssize_t *key_sizes, Py_ssize_t count);
 } DomusRecordTreeAPI;
+
+/* How many descents prefetch walks at once. */
+#define DOMUS_RECORDTREE_PREFETCH 16
 
 #endif

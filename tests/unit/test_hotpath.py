@@ -1149,3 +1149,34 @@ def test_c_samples_one_request_in_sample_every_for_the_hot_bucket_report():
     samples, taken = handler.fast.take_samples()             # the ring went round
     assert len(samples) == _hotpath.SAMPLE_RING and taken == _hotpath.SAMPLE_RING + 5
     assert handler.bucket_load(1.0) == {}                    # (taken already)
+
+
+def test_big_batches_on_record_trees_get_identical_replies_and_effects():
+    """Batches of many entries: C walks the record trees' descents of 16
+    entries at a time together (prefetching) before applying them, which
+    must change nothing but the speed."""
+    if hotpath.record_tree_type() is None:
+        pytest.skip("domus._recordtree (the C RecordTree) is not built")
+    pair = Pair("domus-rbt")
+    rng = random.Random(24)
+    keys = [b"\x01" + rng.randbytes(8) for _ in range(4000)]
+
+    def bucket(key):
+        return key[1] % len(HELD)
+
+    request_id = 0
+    for start in range(0, len(keys), 500):
+        request_id += 1
+        entries = [(bucket(key), key, rng.randbytes(rng.choice([3, 30, 300])))
+                   for key in keys[start:start + 500]]
+        entries += entries[:20]                                 # keys put twice
+        pair.send(wire.encode_put_many(request_id, CLIENT_A, DHT_ID, entries),
+                  wire.MAX_FRAME_BYTES)
+    wanted = rng.sample(keys, 700) + [b"\x01absent%d" % n for n in range(50)]
+    rng.shuffle(wanted)
+    for limit in (wire.MAX_FRAME_BYTES, wire.MAX_UDP_PAYLOAD, 2000):
+        request_id += 1
+        pair.send(wire.encode_get_many(request_id, CLIENT_A, DHT_ID,
+                                       [(bucket(key), key) for key in wanted]), limit)
+    assert pair.handled_in_c == request_id
+    pair.check()
