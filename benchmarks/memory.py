@@ -18,11 +18,17 @@ technology (64 buckets), and ``--records`` records go in with ``put_many``
   not show them all); ``python-dict`` cannot tell;
 - ``files``: for disk media, what the DHT's files take once flushed.
 
+Then every record is read back with ``get_many`` and checked.  The
+service's CPU time (user + system) per record over the fill and over the
+read-back is printed too: what a batch costs the service on each platform
+(it moves less than wall time on a shared machine).
+
 Redis gets the same records, byte for byte (each key as Domus encodes it,
 each value as msgpack packs it: what a Domus service stores), in a fresh
 ``redis-server`` of its own on a free loopback port (no persistence),
-loaded with pipelined MSETs of 10,000; per record: the growth of its
-``used_memory`` (what its allocator counts) and of its RSS.
+loaded with MSETs of 10,000 and read back with MGETs; per record: the
+growth of its ``used_memory`` (what its allocator counts) and of its RSS,
+and its CPU time for the fill and the read-back.
 
 Shapes (key as the client gives it -> bytes stored):
   small   random 64-bit int key (9 bytes), 8 random bytes (10 bytes)
@@ -90,6 +96,11 @@ def stored_sizes(shape: str) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------ Domus
+def _cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
 def measure_domus(name: str, medium: str, shape: str, records: int) -> dict[str, Any]:
     """One technology, one shape, in a fresh deployment of one service."""
     import domus
@@ -104,20 +115,29 @@ def measure_domus(name: str, medium: str, shape: str, records: int) -> dict[str,
                 dht.put(0, b"warm")             # the data path's first allocations
                 dht.delete(0)
                 before = service.memory_info().rss
+                cpu = _cpu(service)
                 started = time.perf_counter()
                 for batch in batches(shape, records):
                     dht.put_many(batch)
                 seconds = time.perf_counter() - started
+                fill_cpu = _cpu(service) - cpu
                 rss = service.memory_info().rss - before
                 stats = _service_stats(deployment.service_address(0))["dhts"]["memory"]
                 if stats["records"] != records:
                     raise RuntimeError(f"{medium} {name}: the service holds "
                                        f"{stats['records']} records, not {records}")
+                cpu = _cpu(service)
+                for batch in batches(shape, records):
+                    if dht.get_many(list(batch)) != batch:
+                        raise RuntimeError(f"{medium} {name}: records read back differ")
+                read_cpu = _cpu(service) - cpu
                 row: dict[str, Any] = {
                     "rss": rss / records,
                     "counted": (stats["storage_bytes"] / records
                                 if stats.get("storage_bytes") is not None else None),
-                    "fill_s": seconds}
+                    "fill_s": seconds,
+                    "put_many_cpu_ns": fill_cpu / records * 1e9,
+                    "get_many_cpu_ns": read_cpu / records * 1e9}
                 if medium == "disk":
                     row["files"] = _flushed_files(dht_home(os.path.join(data_dir, "s1"),
                                                            dht.id)) / records
@@ -168,15 +188,26 @@ def measure_redis(shape: str, records: int) -> dict[str, Any] | None:
         process = psutil.Process(server.pid)
         info = client.info("memory")
         used, rss = info["used_memory"], process.memory_info().rss
+        cpu = _cpu(process)
         for batch in batches(shape, records):
             client.mset({wire_keys.encode_key(key): wire_values.pack_value(value)
                          for key, value in batch.items()})
+        fill_cpu = _cpu(process) - cpu
         if client.dbsize() != records:
             raise RuntimeError(f"Redis holds {client.dbsize()} keys, not {records}")
         info = client.info("memory")
-        return {"used_memory": (info["used_memory"] - used) / records,
-                "rss": (process.memory_info().rss - rss) / records,
-                "version": client.info("server")["redis_version"]}
+        row = {"used_memory": (info["used_memory"] - used) / records,
+               "rss": (process.memory_info().rss - rss) / records,
+               "version": client.info("server")["redis_version"]}
+        cpu = _cpu(process)
+        for batch in batches(shape, records):
+            stored = [wire_keys.encode_key(key) for key in batch]
+            if client.mget(stored) != [wire_values.pack_value(value)
+                                       for value in batch.values()]:
+                raise RuntimeError("Redis: records read back differ")
+        row["put_many_cpu_ns"] = fill_cpu / records * 1e9
+        row["get_many_cpu_ns"] = (_cpu(process) - cpu) / records * 1e9
+        return row
     finally:
         server.terminate()
         server.wait(10)
@@ -205,9 +236,7 @@ def _cell(value: float | None) -> str:
 def table(result: dict[str, Any]) -> list[str]:
     """The results as the README's table (Markdown)."""
     shapes = result["shapes"]
-    head = "| store | " + " | ".join(
-        f"{shape} ({result['stored'][shape][0]} + {result['stored'][shape][1]} B) "
-        f"RSS | counted" for shape in shapes) + " |"
+    head = "| store | " + " | ".join(f"{shape} RSS | {shape} counted" for shape in shapes) + " |"
     lines = [head, "|---|" + "---:|---:|" * len(shapes)]
     for store in result["stores"]:
         cells = []
@@ -228,6 +257,20 @@ def table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def cpu_table(result: dict[str, Any]) -> list[str]:
+    """The server's CPU time per record of a batch fill and read-back."""
+    shapes = result["shapes"]
+    lines = ["| store | " + " | ".join(f"{shape} fill | {shape} read" for shape in shapes)
+             + " |", "|---|" + "---:|---:|" * len(shapes)]
+    for store in result["stores"]:
+        cells = []
+        for shape in shapes:
+            row = result["results"][shape].get(store) or {}
+            cells += [_cell(row.get("put_many_cpu_ns")), _cell(row.get("get_many_cpu_ns"))]
+        lines.append(f"| {store} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def plot(result: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -244,9 +287,14 @@ def plot(result: dict[str, Any], path: str) -> None:
         counted = [rows[store].get("used_memory") if store == "redis"
                    else rows[store].get("counted") for store in names]
         positions = range(len(names))
-        axis.barh([p + 0.2 for p in positions], rss, height=0.4, label="RSS growth")
-        axis.barh([p - 0.2 for p in positions], [c or 0 for c in counted], height=0.4,
-                  label="counted (storage_bytes; Redis used_memory)")
+        bars = axis.barh([p + 0.2 for p in positions], rss, height=0.4,
+                         label="RSS growth")
+        axis.bar_label(bars, fmt="%.0f", fontsize=7, padding=2)
+        bars = axis.barh([p - 0.2 for p in positions], [c or 0 for c in counted], height=0.4,
+                         label="counted: storage_bytes (arenas, pages); Redis: used_memory")
+        axis.bar_label(bars, labels=["-" if c is None else f"{c:.0f}" for c in counted],
+                       fontsize=7, padding=2)
+        axis.margins(x=0.15)
         axis.set_yticks(list(positions), names, fontsize=8)
         axis.invert_yaxis()
         key, value = result["stored"][shape]
@@ -254,10 +302,11 @@ def plot(result: dict[str, Any], path: str) -> None:
                        fontsize=9)
         axis.set_xlabel("bytes per record")
         axis.grid(axis="x", alpha=0.3)
-    axes[0][0].legend(fontsize=7, loc="lower right")
-    figure.suptitle(f"{result['records']:,} records per store, each in a fresh process "
-                    f"({result['commit']}, {result['date']})", fontsize=9)
-    figure.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
+    figure.suptitle(f"bytes per record, {result['records']:,} records per store, each in a "
+                    f"fresh process ({result['commit']}, {result['date']})", fontsize=9)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(path, dpi=110)
 
 
@@ -296,10 +345,15 @@ def main(argv: list[str] | None = None) -> int:
           f"process (one Domus service, {BUCKETS} buckets; Redis "
           f"{result.get('redis_version', 'not run')}); the machine may be shared, and RSS "
           f"moves with what else the process allocates")
+    print("; ".join(f"{shape}: {SHAPES[shape][0]} ({key} + {value} bytes stored)"
+                    for shape, (key, value) in result["stored"].items()))
     print("\n".join(table(result)))
     print("RSS: growth of the process's resident memory.  counted: the service's "
           "storage_bytes (record-tree arenas; Berkeley DB pages), Redis's used_memory.  "
           "files: a disk DHT's files once flushed.")
+    print("server CPU time (user + system) per record, in ns: the fill (put_many of "
+          f"{BATCH:,}; Redis MSET) and the read-back (get_many; Redis MGET)")
+    print("\n".join(cpu_table(result)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as target:
             json.dump(result, target, indent=1)
