@@ -1754,6 +1754,36 @@ Tree_stats(TreeObject *t, PyObject *Py_UNUSED(ignored))
         "bytes_held", (Py_ssize_t)tree_bytes_held(t));
 }
 
+PyDoc_STRVAR(Tree_reduce_doc,
+"__reduce__($self, /)\n--\n\n"
+"Pickling and copying: a new tree of the same type, the instance's\n"
+"__dict__ if it has one, then every record.");
+
+static PyObject *
+Tree_reduce(TreeObject *t, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *state = PyObject_GetAttrString((PyObject *)t, "__dict__");
+    if (state == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+    }
+    if (state == NULL || (PyDict_Check(state) && PyDict_GET_SIZE(state) == 0)) {
+        Py_XSETREF(state, Py_NewRef(Py_None));
+    }
+    PyObject *items = iter_new(t, NULL, NULL, 1, 1, 0, MODE_ITEMS);
+    if (items == NULL) {
+        Py_DECREF(state);
+        return NULL;
+    }
+    PyObject *result = Py_BuildValue("(O()OOO)", (PyObject *)Py_TYPE(t), state,
+                                     Py_None, items);
+    Py_DECREF(state);
+    Py_DECREF(items);
+    return result;
+}
+
 static PyObject *
 Tree_sizeof(TreeObject *t, PyObject *Py_UNUSED(ignored))
 {
@@ -1786,6 +1816,7 @@ static PyMethodDef Tree_methods[] = {
      METH_VARARGS | METH_KEYWORDS, Tree_values_iter_doc},
     {"__reversed__", (PyCFunction)Tree_reversed, METH_NOARGS, NULL},
     {"__sizeof__", (PyCFunction)Tree_sizeof, METH_NOARGS, NULL},
+    {"__reduce__", (PyCFunction)Tree_reduce, METH_NOARGS, Tree_reduce_doc},
     {"_check", (PyCFunction)Tree_check, METH_NOARGS, Tree_check_doc},
     {"_stats", (PyCFunction)Tree_stats, METH_NOARGS, Tree_stats_doc},
     {NULL, NULL, 0, NULL},

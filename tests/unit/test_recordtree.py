@@ -527,3 +527,16 @@ def test_no_leaks():
         churn()
     gc.collect()
     assert sys.getallocatedblocks() - before < 50
+
+
+@pytest.mark.parametrize("tree_type", IMPLEMENTATIONS + [
+    pytest.param(getattr(_recordtree, "RecordTree", None), id="c-core", marks=needs_c)])
+def test_pickling_and_copying_keep_every_record(tree_type: Any) -> None:
+    tree = tree_type()
+    for number in range(300):
+        tree.put(b"%03d" % number, b"v" * number)
+    for clone in (pickle.loads(pickle.dumps(tree)), copy.copy(tree), copy.deepcopy(tree)):
+        assert type(clone) is tree_type
+        assert list(clone.irange(items=True)) == list(tree.irange(items=True))
+        clone.put(b"new", b"")
+        assert len(clone) == len(tree) + 1
