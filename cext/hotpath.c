@@ -16,7 +16,9 @@
  * The state is owned by Python and shared, not copied:
  *   dhts         dict: DHT id -> (dict: bucket -> repository, layout), holding
  *                only the active DHTs (the handler keeps it up to date);
- *                `layout` is an int, numbering << 8 | tag: the request
+ *                `layout` is an int, replicated << 16 | numbering << 8 | tag:
+ *                whether changes go to Python (a replicated DHT, whose
+ *                primary writes to the bucket's backups first), the request
  *                header byte 3 that numbers buckets as this service does
  *                (a request that says another numbering is declined, and
  *                the Python handler translates it), and the reply header
@@ -253,13 +255,14 @@ repo_kind(FastPath *self, PyObject *repo)
 }
 
 /* The bucket table of an active DHT, for a request whose header byte 3
- * (its bucket numbering) is `numbering`: a borrowed reference in *buckets,
- * and the DHT's layout tag in self->layout_tag.  HANDLED; DECLINED (no such
- * DHT here, an entry of another shape, or a request numbered otherwise
- * than the DHT: the Python handler translates it); or -1. */
+ * (its bucket numbering) is `numbering` and which changes records if
+ * `changing`: a borrowed reference in *buckets, and the DHT's layout tag in
+ * self->layout_tag.  HANDLED; DECLINED (no such DHT here, an entry of
+ * another shape, a request numbered otherwise than the DHT -- the Python
+ * handler translates it --, or a change to a replicated DHT); or -1. */
 static int
 find_buckets(FastPath *self, uint32_t dht_id, unsigned char numbering,
-             PyObject **buckets)
+             int changing, PyObject **buckets)
 {
     if (self->dhts == NULL) {
         return DECLINED;
@@ -279,11 +282,14 @@ find_buckets(FastPath *self, uint32_t dht_id, unsigned char numbering,
         return DECLINED;
     }
     long layout = PyLong_AsLong(PyTuple_GET_ITEM(found, 1));
-    if (layout < 0 || layout > 0xFFFF) {
+    if (layout < 0 || layout > 0x1FFFF) {
         PyErr_Clear();
         return DECLINED;
     }
     if (numbering != 0 && numbering != (unsigned char)(layout >> 8)) {
+        return DECLINED;
+    }
+    if (changing && (layout >> 16)) {
         return DECLINED;
     }
     self->layout_tag = (unsigned char)(layout & 0xFF);
@@ -630,7 +636,7 @@ uncache(PyObject *current, PyObject *token)
  * (truncated, empty or oversized key, unknown DHT or bucket); or -1. */
 static int
 parse_keyed(FastPath *self, const unsigned char *data, Py_ssize_t size,
-            Repo *repo, Py_ssize_t *key_end)
+            int changing, Repo *repo, Py_ssize_t *key_end)
 {
     if (size < KEYED_END) {
         return DECLINED;
@@ -643,7 +649,7 @@ parse_keyed(FastPath *self, const unsigned char *data, Py_ssize_t size,
         return DECLINED;
     }
     PyObject *buckets;
-    int found = find_buckets(self, dht_id, data[3], &buckets);
+    int found = find_buckets(self, dht_id, data[3], changing, &buckets);
     if (found != HANDLED) {
         return found;
     }
@@ -689,7 +695,7 @@ handle_read(FastPath *self, int op, const unsigned char *data,
 {
     Repo repo;
     Py_ssize_t key_end;
-    int result = parse_keyed(self, data, size, &repo, &key_end);
+    int result = parse_keyed(self, data, size, 0, &repo, &key_end);
     if (result != HANDLED) {
         return result;
     }
@@ -733,7 +739,7 @@ change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
 {
     Repo repo;
     Py_ssize_t key_end;
-    int result = parse_keyed(self, data, size, &repo, &key_end);
+    int result = parse_keyed(self, data, size, 1, &repo, &key_end);
     if (result != HANDLED) {
         return result;
     }
@@ -781,7 +787,7 @@ change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
 {
     Repo repo;
     Py_ssize_t key_end;
-    int result = parse_keyed(self, data, size, &repo, &key_end);
+    int result = parse_keyed(self, data, size, 1, &repo, &key_end);
     if (result != HANDLED) {
         return result;
     }
@@ -882,7 +888,7 @@ parse_batch(FastPath *self, const unsigned char *data, Py_ssize_t size,
         return DECLINED;        /* cannot hold that many non-empty keys */
     }
     PyObject *buckets;
-    int result = find_buckets(self, dht_id, data[3], &buckets);
+    int result = find_buckets(self, dht_id, data[3], put, &buckets);
     if (result != HANDLED) {
         return result;
     }

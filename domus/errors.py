@@ -88,6 +88,14 @@ class DhtInactive(RemoteError):
     ``domus dht activate NAME``)."""
 
 
+class DataLost(RemoteError):
+    """Every copy of a bucket was lost (its service died, and the DHT kept
+    fewer copies than that): requests on it, ``len()`` and iteration raise
+    this, naming the DHT, the bucket and the service, until an operator
+    accepts the loss (``Cluster.accept_loss`` or ``domus dht accept-loss
+    NAME``); the bucket then serves again, empty.  Never a silent KeyError."""
+
+
 class KeyTypeError(DomusError, TypeError):
     """Keys must be int, str or bytes."""
 

@@ -54,7 +54,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from domus.placement import layout
+from domus.placement import layout, replicas
 from domus.placement.assignment import proportional_counts
 from domus.placement.bucketmap import BucketMap
 
@@ -304,9 +304,12 @@ def plan(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]
             memory.active.discard(key)              # there: wait for the next imbalance
             memory.imbalanced_since.pop(key, None)
             continue
+        copies = replicas.backups(descriptor) if role == "storage" else []
         for bucket, owner, goal in _differences(current, wanted):
             if any(move.bucket == bucket and move.role == role for move in moves):
                 continue                            # (a hot move already)
+            if any(copy.get(bucket) == goal for copy in copies):
+                continue        # (it holds a backup of it: two copies would share a service)
             must = owner in leaving
             if not must and now - memory.moved_at.get((name, role, bucket), -1e18) \
                     < settings.cooldown:

@@ -27,7 +27,7 @@ from twisted.logger import Logger
 
 from domus._version import __version__
 from domus.errors import InvalidAttribute, SupervisorError
-from domus.placement import assignment, layout
+from domus.placement import assignment, layout, replicas
 from domus.wire import address as addresses
 from domus.wire import launch
 from domus.wire import protocol as wire
@@ -53,6 +53,10 @@ SHUTDOWN_WAIT = 30.0   # seconds a service has to stop when the deployment shuts
 CATCH_UP_ROUNDS = 20
 FREEZE_AFTER_CHANGES = 500
 BALANCE_INTERVAL = 2.0  # seconds between two rounds of the balancer (--balance auto)
+# A service whose link drops is failed over (its primaries promoted) unless
+# it is back within this; a hung one, once it is unresponsive (--down-after).
+FAILOVER_GRACE = 0.5
+REPAIRS_PER_ROUND = 32  # backups copied per round of repair
 BALANCE_MODES = ("auto", "manual")
 
 
@@ -98,6 +102,9 @@ class SupervisorService(Service):
         self.links: dict[str, MessageProtocol] = {}
         self.live: dict[str, dict[str, Any]] = {}   # name -> last_seen, load, stats
         self._creating: set[str] = set()
+        # service -> DHTs it must be taken out of (it came back without what
+        # it held) once they are not being changed
+        self._taking_out: dict[str, set[str]] = {}
         # DHT name -> what is being done to it ("being activated", ...): one
         # change at a time (activation, deactivation, a bucket move).
         self._changing: dict[str, str] = {}
@@ -193,6 +200,7 @@ class SupervisorService(Service):
                                f"{exc}") from None
         known = self.state.services.get(name)
         old = self.links.get(name)
+        held_dhts = {str(key) for key in (held or {})}
         if old is not None and old is not link and old.connected:
             # A different address under a live name is a second service
             # misconfigured with the same --name, unless the old holder has
@@ -215,6 +223,8 @@ class SupervisorService(Service):
         moved = known is not None and known["address"] != address
         if moved:
             self._readdress(name, address)
+        if known is not None:
+            self._returning(name, held_dhts)
         self.state.save()
         self.links[name] = link
         link.peer_name = f"service {name}"
@@ -240,6 +250,14 @@ class SupervisorService(Service):
         if self.links.get(name) is link:
             del self.links[name]
             log.warn("service {name} disconnected", name=name)
+            if not self._shutting_down:
+                from twisted.internet import reactor
+
+                reactor.callLater(FAILOVER_GRACE, self._fail_over_if_gone, name)
+
+    def _fail_over_if_gone(self, name: str) -> None:
+        if self.service_state(name) == "down" and name in self.state.services:
+            self._fail_over(name, "its link to the supervisor dropped")
 
     def op_heartbeat(self, link: MessageProtocol, *, name: str, load: dict[str, Any],
                      stats: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -252,9 +270,21 @@ class SupervisorService(Service):
     def _watch_services(self) -> None:
         for name in list(self.links):
             if self.service_state(name) == "unresponsive":
+                silent = time.monotonic() - self.live.get(name, {}).get("last_seen", 0)
                 log.warn("service {name} has sent no heartbeat for {seconds:.1f}s",
-                         name=name,
-                         seconds=time.monotonic() - self.live.get(name, {}).get("last_seen", 0))
+                         name=name, seconds=silent)
+                self._fail_over(name, f"it sent no heartbeat for {silent:.0f}s")
+        # (A failover or a take-out that met a DHT being changed is done now.)
+        for name in list(self.state.services):
+            if self.service_state(name) == "down" and name not in self.links:
+                self._fail_over(name, "it is down")
+        for name, dhts in list(self._taking_out.items()):
+            for dht in sorted(dhts):
+                if dht not in self._changing:
+                    dhts.discard(dht)
+                    self._take_out(name, dht)
+            if not dhts:
+                del self._taking_out[name]
         self._resume_dhts()
 
     def _resume_dhts(self) -> None:
@@ -346,7 +376,10 @@ class SupervisorService(Service):
 
     # -------------------------------------------------------------- DHTs
     def _descriptors_for(self, name: str) -> list[dict[str, Any]]:
-        return [descriptor for descriptor in self.state.dhts.values()
+        taking_out = self._taking_out.get(name, set())
+        return [self._without(descriptor, name, restarted=True)
+                if descriptor["name"] in taking_out else descriptor
+                for descriptor in self.state.dhts.values()
                 if any(entry["name"] == name
                        for role in ("routing_services", "storage_services")
                        for entry in descriptor[role])]
@@ -371,6 +404,7 @@ class SupervisorService(Service):
             records[entry["name"]] = held["records"] if held else None
         descriptor["records_reported"] = records
         descriptor["hot_buckets"] = self._hot_buckets(name)
+        descriptor["replication"] = self._replica_view(descriptor)
         return descriptor
 
     def _hot_buckets(self, name: str, top: int = 10) -> list[dict[str, Any]]:
@@ -398,7 +432,10 @@ class SupervisorService(Service):
             "routing_degree": descriptor.get("routing_degree"),
             "routing_algorithm": descriptor.get("routing_algorithm") or "fewest-hops",
             "routing_services": [entry["name"] for entry in descriptor["routing_services"]],
-            "storage_services": [entry["name"] for entry in descriptor["storage_services"]]}
+            "storage_services": [entry["name"] for entry in descriptor["storage_services"]],
+            "replicas": descriptor.get("replicas") or 1,
+            "degraded": bool(replicas.missing(descriptor)),
+            "lost_buckets": len(descriptor.get("storage_lost") or {})}
 
     @defer.inlineCallbacks
     def op_create_dht(self, link: MessageProtocol, *, name: str,
@@ -491,6 +528,18 @@ class SupervisorService(Service):
             counts = assignment.proportional_counts(buckets, weights)
             descriptor[role] = [{"name": s, "address": self.state.services[s]["address"],
                                  "count": count} for s, count in zip(services, counts)]
+        copies = wanted.get("replicas") or 1
+        descriptor["replicas"] = copies
+        if copies > 1:
+            storage = sets["storage_services"]
+            hosts = {name: self.state.services[name]["resources"].get("hostname", name)
+                     for name in storage}
+            try:
+                backups = replicas.place_backups(layout.initial(descriptor, "storage"),
+                                                 storage, hosts, copies)
+            except ValueError as exc:
+                raise ControlError("InvalidAttribute", f"DHT {name!r}: {exc}") from None
+            descriptor["storage_backups"] = [replicas.encode(copy) for copy in backups]
         return descriptor
 
     @staticmethod
@@ -716,6 +765,8 @@ class SupervisorService(Service):
         if self._balancing or self._shutting_down:
             return
         self._regroup_round()
+        if self._repair_round() is not None:
+            return
         services = self._balancer_view()
         now = time.monotonic()
         balancer.adjust_for_load(services, self.memory, self.balancer_settings, now)
@@ -918,8 +969,11 @@ class SupervisorService(Service):
 
     @defer.inlineCallbacks
     def _force_out(self, name: str, held: dict[str, dict[str, int]], records: int) -> Any:
-        """``remove --force``: every bucket ``name`` holds goes, empty, to
-        the service the balancer's targets give it to; then it is removed."""
+        """``remove --force``: every bucket ``name`` is the primary of goes
+        to a live backup of it where there is one, else, empty, to the
+        service the balancer's targets give it to, and is *lost* (requests
+        on it get DATA_LOST until the loss is accepted); its backups are
+        missing (and repaired); then it is removed."""
         busy = [dht for dht in held if dht in self._changing]
         if busy:
             raise ControlError("SupervisorError", f"DHT(s) {busy} are being changed; try "
@@ -928,14 +982,25 @@ class SupervisorService(Service):
         self._balancing = f"removing service {name} by force"
         try:
             view = self._balancer_view()
+            reported = (self.live.get(name, {}).get("stats") or {}).get("bucket_records") or {}
+            records = 0
             for dht in sorted(held):
                 descriptor = self.state.dhts[dht]
+                promoted = self._without(descriptor, name, restarted=False)
+                left = list(layout.buckets_in(layout.ranges_of(
+                    layout.owners(promoted, "storage"), name)))
                 try:
-                    changed = balancer.force_out(descriptor, name, view, self.memory,
+                    changed = balancer.force_out(promoted, name, view, self.memory,
                                                  self.draining)
                 except ValueError as exc:
                     raise ControlError("SupervisorError", f"cannot remove service {name!r}: "
                                        f"{exc}") from None
+                if left:
+                    changed["storage_lost"] = {**(promoted.get("storage_lost") or {}),
+                                               **{str(bucket): name for bucket in left}}
+                    counts = reported.get(dht) or {}
+                    records += sum(int(counts.get(bucket, counts.get(str(bucket), 0)) or 0)
+                                   for bucket in left)
                 changed["version"] = layout.next_version(descriptor)
                 self.state.dhts[dht] = changed
                 self.state.save()
@@ -948,21 +1013,25 @@ class SupervisorService(Service):
             log.warn("service {name} removed by force: {records} records of {dhts} lost",
                      name=name, records=records, dhts=sorted(held))
             self.memory.note(time.monotonic(), f"service {name} removed by force; its buckets "
-                             f"of {sorted(held)} went, empty, to the others: {records} records "
-                             f"lost", service=name)
+                             f"of {sorted(held)} went to their backups, or empty to the "
+                             f"others: {records} records lost", service=name)
         finally:
             self._balancing = None
         answer = yield self.op_remove_service(None, name=name)
         return answer | {"lost_records": records, "dhts": sorted(held)}
 
     def _held_by(self, service: str) -> dict[str, dict[str, int]]:
-        """DHT -> role -> buckets that ``service`` holds now."""
+        """DHT -> role ("routing", "storage", "backup") -> buckets that
+        ``service`` holds now."""
         held: dict[str, dict[str, int]] = {}
         for name, descriptor in self.state.dhts.items():
             for role in layout.ROLES:
                 count = layout.owners(descriptor, role).buckets(service)
                 if count:
                     held.setdefault(name, {})[role] = count
+            backups = sum(copy.buckets(service) for copy in replicas.backups(descriptor))
+            if backups:
+                held.setdefault(name, {})["backup"] = backups
         return held
 
     def op_drain_service(self, link: MessageProtocol, *, name: str) -> Any:
@@ -982,6 +1051,9 @@ class SupervisorService(Service):
                 if dht in self.state.dhts:
                     planned = self._whole_plan(dht)
                     moved += (yield self._carry_out(planned, f"drain of {name}"))
+            for dht in sorted(self._held_by(name)):
+                if (self.state.dhts.get(dht) or {}).get("replicas", 1) > 1:
+                    moved += (yield self._drain_copies(dht, name))
         finally:
             self._balancing = None
         left = self._held_by(name)
@@ -993,6 +1065,58 @@ class SupervisorService(Service):
                                f"{left} after the drain: {why}")
         records = sum(move["records"] or 0 for move in moved if move["role"] == "storage")
         return {"drained": name, "moves": len(moved), "records": records}
+
+    @defer.inlineCallbacks
+    def _drain_copies(self, dht: str, name: str) -> Any:
+        """A drain's copies of a replicated DHT: each bucket ``name`` is
+        still the primary of (the balancer moves none onto a service that
+        backs it up) goes to a live backup of it, ``name`` taking that
+        backup's place; then each backup ``name`` holds is copied to another
+        service, which takes its place."""
+        moved: list[dict[str, Any]] = []
+        descriptor = self.state.dhts[dht]
+        primary = layout.owners(descriptor, "storage")
+        copies = replicas.backups(descriptor)
+        swapped = False
+        for bucket in list(layout.buckets_in(layout.ranges_of(primary, name))):
+            for copy in copies:
+                holder = copy.get(bucket)
+                if holder and self.service_state(holder) == "up":
+                    primary.assign(bucket, bucket + 1, holder)
+                    copy.assign(bucket, bucket + 1, name)
+                    swapped = True
+                    moved.append({"dht": dht, "bucket": bucket, "role": "storage",
+                                  "source": name, "target": holder, "records": 0,
+                                  "why": f"{name} is draining; {holder} has a copy"})
+                    break
+        if swapped:
+            changed = replicas.with_backups(balancer.describe(
+                descriptor, "storage", primary,
+                [dict(entry) for entry in descriptor["storage_services"]]), copies)
+            yield self._take_layout(dht, descriptor, changed, "promote the backups of")
+        for rank, copy in enumerate(replicas.backups(self.state.dhts[dht]), start=1):
+            for bucket in list(layout.buckets_in(layout.ranges_of(copy, name))):
+                descriptor = self.state.dhts[dht]
+                source = layout.owners(descriptor, "storage").get(bucket)
+                candidates = [service for service in self.live_services()
+                              if descriptor["platform"] in self._platforms_of(service)
+                              and service not in self.draining]
+                taken = set(replicas.holders(descriptor, bucket))
+                if source is None or not set(candidates) - taken:
+                    continue
+                hosts = {service: self.state.services[service]["resources"].get(
+                    "hostname", service) for service in candidates}
+                target = replicas.choose(candidates, hosts, taken,
+                                         replicas.copies_held(descriptor))
+                changed_copies = replicas.backups(descriptor)
+                changed_copies[rank - 1].assign(bucket, bucket + 1, target)
+                changed = replicas.with_backups(descriptor, changed_copies, {
+                    service: self.state.services[service]["address"] for service in candidates})
+                result = yield self._copy_replica(descriptor, changed, bucket, source, target)
+                moved.append({"dht": dht, "bucket": bucket, "role": "backup", "source": name,
+                              "target": target, "records": result["records"],
+                              "why": f"{name} is draining"})
+        return moved
 
     # -------------------------------------------------------------- resizing
     # A DHT's bucket count doubles or halves, one step at a time, while its
@@ -1023,6 +1147,11 @@ class SupervisorService(Service):
         if descriptor.get("state", "active") != "active":
             raise ControlError("SupervisorError", f"DHT {name!r} is inactive; activate it "
                                f"(`domus dht activate {name}`) before resizing it")
+        if (descriptor.get("replicas") or 1) > 1:
+            raise ControlError("SupervisorError", f"DHT {name!r} keeps {descriptor['replicas']} "
+                               f"copies of each bucket; resizing a replicated DHT is not "
+                               f"supported yet (create one of the bucket count you want and "
+                               f"copy the records over)")
         self._refuse_while_changing(name, "resize")
         down = [service for service in self._involved(descriptor)
                 if self.service_state(service) != "up"]
@@ -1161,6 +1290,275 @@ class SupervisorService(Service):
                         lambda _, dht=name: self._changing.pop(dht, None))
                     return
 
+    # -------------------------------------------------------------- replication
+    # A replicated DHT (``replicas`` R > 1) keeps each bucket on R services
+    # (domus.placement.replicas): its primary, which clients use and which
+    # writes to the others first (domus.service.handler), and its backups.
+    #   Failover: a service whose link drops (and is not back within
+    #     FAILOVER_GRACE), or that goes silent past --down-after, is taken
+    #     out of every DHT's copies: for each bucket it was the primary of,
+    #     its first backup on a live service becomes the primary (a layout
+    #     change only: that service has every acknowledged write of the
+    #     bucket); its backups are left missing.  Clients learn the new
+    #     layout from their failed requests and replies.
+    #   Repair: missing backups are copied live from their primary to a
+    #     service that holds no copy of the bucket (on another host where
+    #     there is one), a round of them at a time (``_repair_round``).
+    #   Returning: a service that registers again having lost what it held
+    #     (its process restarted) is no copy of anything any more; a bucket
+    #     whose only copies were there, in RAM, is *lost*: requests on it
+    #     get DATA_LOST until ``accept_loss``.  A disk service's files are
+    #     its copies: a bucket only it holds stays its.
+    #   A backup that fails to take a change is reported by its primary
+    #     (``copy_failed``) and taken off that primary's buckets.
+    def _fail_over(self, service: str, why: str) -> None:
+        changed_dhts = []
+        for name, descriptor in list(self.state.dhts.items()):
+            if (descriptor.get("replicas") or 1) < 2 or name in self._changing:
+                continue
+            changed = self._without(descriptor, service, restarted=False)
+            if changed is not descriptor:
+                self.state.dhts[name] = changed
+                changed_dhts.append(changed)
+        if not changed_dhts:
+            return
+        self.state.save()
+        log.warn("failover: service {service} is out ({why}); DHTs {dhts} promote its "
+                 "buckets' backups", service=service, why=why,
+                 dhts=[descriptor["name"] for descriptor in changed_dhts])
+        self.memory.note(time.monotonic(), f"failover: service {service} is out ({why}); "
+                         f"its buckets of {[d['name'] for d in changed_dhts]} are served by "
+                         f"their backups", service=service)
+        for descriptor in changed_dhts:
+            self._push([peer for peer in self._involved(descriptor) if peer != service
+                        and self.service_state(peer) == "up"], descriptor,
+                       self.push_timeout).addCallback(self._log_lagging, descriptor["name"])
+
+    def _log_lagging(self, lagging: dict[str, str], name: str) -> None:
+        for service, error in sorted(lagging.items()):
+            log.warn("DHT {name!r}: service {service} did not take the layout after a "
+                     "failover: {error}; it will when it next registers", name=name,
+                     service=service, error=error)
+
+    def _without(self, descriptor: dict[str, Any], service: str, *,
+                 restarted: bool) -> dict[str, Any]:
+        """``descriptor`` with ``service`` holding no copy: its primaries
+        promoted to live backups where there is one; else they stay its
+        (``restarted`` and in RAM: lost).  The same object if nothing
+        changes."""
+        copies = replicas.backups(descriptor)
+        primary = layout.owners(descriptor, "storage")
+        lost = dict(descriptor.get("storage_lost") or {})
+        changed = False
+        ram = descriptor["storage"] == "ram"
+        for first, end, owner in list(primary.ranges()):
+            if owner != service:
+                continue
+            for bucket in range(first, end):
+                for copy in copies:
+                    holder = copy.get(bucket)
+                    if holder and holder != service and self.service_state(holder) == "up":
+                        primary.assign(bucket, bucket + 1, holder)
+                        copy.assign(bucket, bucket + 1, None)
+                        changed = True
+                        break
+                else:
+                    if restarted and ram and str(bucket) not in lost:
+                        lost[str(bucket)] = service
+                        changed = True
+        for copy in copies:
+            for first, end, owner in list(copy.ranges()):
+                if owner == service:
+                    copy.assign(first, end, None)
+                    changed = True
+        if not changed:
+            return descriptor
+        result = balancer.describe(descriptor, "storage", primary,
+                                   [dict(entry) for entry in descriptor["storage_services"]])
+        if copies:
+            result = replicas.with_backups(result, copies)
+        else:
+            result["version"] = layout.next_version(descriptor)
+        result.pop("storage_lost", None)
+        if lost:
+            result["storage_lost"] = lost
+        return result
+
+    def _returning(self, name: str, held: set[str]) -> None:
+        """A known service registers again: for each DHT it is a copy of but
+        holds nothing of (its process restarted), it is a copy of nothing
+        any more (see above).  Runs before it is told its DHTs."""
+        for dht, descriptor in list(self.state.dhts.items()):
+            if str(descriptor["id"]) in held or descriptor.get("state") == "inactive":
+                continue
+            holding = name in layout.owners(descriptor, "storage").owners() or any(
+                name in copy.owners() for copy in replicas.backups(descriptor))
+            if not holding:
+                continue
+            if (descriptor.get("replicas") or 1) < 2 and descriptor["storage"] != "ram":
+                continue            # its files are the DHT's only copy: still its
+            if dht in self._changing:
+                # (Done once the change is over; meanwhile it is told a layout
+                # in which it holds nothing of the DHT: see _descriptors_for.)
+                self._taking_out.setdefault(name, set()).add(dht)
+                continue
+            self._take_out(name, dht)
+
+    def _take_out(self, name: str, dht: str) -> None:
+        """Service ``name`` came back without what it held of DHT ``dht``."""
+        descriptor = self.state.dhts.get(dht)
+        if descriptor is not None:
+            changed = self._without(descriptor, name, restarted=True)
+            if changed is not descriptor:
+                self.state.dhts[dht] = changed
+                lost = sorted(set(changed.get("storage_lost") or {})
+                              - set(descriptor.get("storage_lost") or {}), key=int)
+                if lost:
+                    log.error("DHT {dht!r}: service {name} restarted without the records of "
+                              "buckets {buckets}, which had no other copy: they are lost; "
+                              "`domus dht accept-loss {dht}` serves them again, empty",
+                              dht=dht, name=name, buckets=lost)
+                    self.memory.note(time.monotonic(), f"DHT {dht!r}: buckets {lost} lost "
+                                     f"with service {name}", dht=dht, service=name)
+                self.state.save()
+                peers = [peer for peer in self._involved(changed)
+                         if self.service_state(peer) == "up"]
+                self._push(peers, changed, self.push_timeout).addCallback(
+                    self._log_lagging, dht)
+
+    def op_copy_failed(self, link: MessageProtocol, *, name: str, dht: str, holder: str,
+                       why: str = "") -> dict[str, Any]:
+        """A primary could not write to a backup: that backup is taken off
+        every bucket whose primary is ``name`` (it is missing, and repaired
+        later), unless the layout has already moved on."""
+        descriptor = self.state.dhts.get(dht)
+        if descriptor is None or self.links.get(name) is not link or dht in self._changing:
+            return {"changed": False}
+        primary = layout.owners(descriptor, "storage")
+        copies = replicas.backups(descriptor)
+        changed = False
+        for first, end, owner in list(primary.ranges()):
+            if owner != name:
+                continue
+            for copy in copies:
+                for low, high, backup in list(copy.ranges(first, end)):
+                    if backup == holder:
+                        copy.assign(low, high, None)
+                        changed = True
+        if not changed:
+            return {"changed": False}
+        updated = replicas.with_backups(descriptor, copies)
+        self.state.dhts[dht] = updated
+        self.state.save()
+        log.warn("DHT {dht!r}: the backups on {holder} of {name}'s buckets are dropped: "
+                 "{why}", dht=dht, holder=holder, name=name, why=why)
+        self.memory.note(time.monotonic(), f"DHT {dht!r}: the backups on {holder} of "
+                         f"{name}'s buckets failed ({why}); they will be copied again",
+                         dht=dht, service=holder)
+        self._push([peer for peer in self._involved(updated)
+                    if self.service_state(peer) == "up"], updated, self.push_timeout
+                   ).addCallback(self._log_lagging, dht)
+        return {"changed": True}
+
+    def op_accept_loss(self, link: MessageProtocol, *, name: str) -> Any:
+        descriptor = self._find(name)
+        lost = sorted((descriptor.get("storage_lost") or {}), key=int)
+        if not lost:
+            return {"name": name, "accepted": []}
+        self._refuse_while_changing(name, "accept the loss of")
+        changed = dict(descriptor, version=layout.next_version(descriptor))
+        changed.pop("storage_lost")
+        self.state.dhts[name] = changed
+        self.state.save()
+        log.warn("DHT {name!r}: the loss of buckets {buckets} accepted; they serve again, "
+                 "empty", name=name, buckets=lost)
+        self.memory.note(time.monotonic(), f"DHT {name!r}: the loss of buckets {lost} "
+                         f"accepted", dht=name)
+        return self._push([peer for peer in self._involved(changed)
+                           if self.service_state(peer) == "up"], changed, self.push_timeout
+                          ).addCallback(lambda lagging: {"name": name,
+                                                         "accepted": [int(b) for b in lost],
+                                                         "lagging": lagging})
+
+    def _repair_round(self) -> Any:
+        """Copy missing backups (at most REPAIRS_PER_ROUND), the DHT with
+        the most first; None when there is nothing to do."""
+        for name, descriptor in sorted(self.state.dhts.items()):
+            if ((descriptor.get("replicas") or 1) < 2 or name in self._changing
+                    or descriptor.get("state", "active") != "active"):
+                continue
+            gaps = replicas.missing(descriptor)
+            if gaps:
+                self._balancing = f"copying missing backups of DHT {name!r}"
+                return self._repair(name, gaps).addErrback(
+                    lambda failure: log.failure("repairing failed", failure)
+                ).addBoth(lambda _: setattr(self, "_balancing", None))
+        return None
+
+    @defer.inlineCallbacks
+    def _repair(self, name: str, gaps: list[tuple[int, int, int]]) -> Any:
+        done = 0
+        for rank, first, end in gaps:
+            for bucket in range(first, end):
+                if done >= REPAIRS_PER_ROUND or name not in self.state.dhts:
+                    return done
+                descriptor = self.state.dhts[name]
+                source = layout.owners(descriptor, "storage").get(bucket)
+                if (source is None or self.service_state(source) != "up"
+                        or str(bucket) in (descriptor.get("storage_lost") or {})):
+                    continue
+                taken = set(replicas.holders(descriptor, bucket))
+                candidates = [service for service in self.live_services()
+                              if descriptor["platform"] in self._platforms_of(service)
+                              and service not in self.draining]
+                if not set(candidates) - taken:
+                    continue            # (no service left to hold another copy)
+                hosts = {service: self.state.services[service]["resources"].get(
+                    "hostname", service) for service in candidates}
+                target = replicas.choose(candidates, hosts, taken,
+                                         replicas.copies_held(descriptor))
+                copies = replicas.backups(descriptor)
+                copies[rank - 1].assign(bucket, bucket + 1, target)
+                changed = replicas.with_backups(descriptor, copies, {
+                    service: self.state.services[service]["address"] for service in candidates})
+                self._changing[name] = f"having a copy of bucket {bucket} made on {target}"
+                try:
+                    result = yield self._copy_replica(descriptor, changed, bucket, source,
+                                                      target)
+                except Exception as exc:  # reported; the next round tries again
+                    self.memory.note(time.monotonic(), f"repair: copying bucket {bucket} of "
+                                     f"DHT {name!r} to {target} failed: {_describe(exc)}",
+                                     dht=name, bucket=bucket)
+                    return done
+                finally:
+                    self._changing.pop(name, None)
+                done += 1
+                self.memory.note(time.monotonic(), f"repair: bucket {bucket} of DHT {name!r} "
+                                 f"copied to {target} ({result['records']} records)",
+                                 dht=name, bucket=bucket, role="backup", source=source,
+                                 target=target, records=result["records"])
+        return done
+
+    def _replica_view(self, descriptor: dict[str, Any]) -> dict[str, Any]:
+        """Where each bucket's copies are, as ranges of buckets with the
+        same holders (primary first; None: a copy missing), and which
+        buckets are lost."""
+        copies = [layout.owners(descriptor, "storage"), *replicas.backups(descriptor)]
+        cuts = sorted({0, descriptor["buckets"]} | {point for copy in copies
+                                                    for first, end, _ in copy.ranges()
+                                                    for point in (first, end)})
+        ranges = []
+        for first, end in zip(cuts, cuts[1:]):
+            holders = [copy.get(first) for copy in copies]
+            if ranges and ranges[-1]["holders"] == holders and ranges[-1]["end"] == first:
+                ranges[-1]["end"] = end
+            else:
+                ranges.append({"first": first, "end": end, "holders": holders})
+        missing = sum(end - first for _rank, first, end in replicas.missing(descriptor))
+        return {"replicas": descriptor.get("replicas") or 1, "copies": ranges,
+                "missing_copies": missing,
+                "lost_buckets": sorted(int(b) for b in descriptor.get("storage_lost") or {})}
+
     def op_balancer_status(self, link: MessageProtocol) -> dict[str, Any]:
         return {"mode": self.balance, "settings": dataclasses.asdict(self.balancer_settings),
                 "doing": self._balancing, "draining": sorted(self.draining),
@@ -1190,6 +1588,51 @@ class SupervisorService(Service):
     def _move_storage(self, descriptor: dict[str, Any], moved: dict[str, Any], bucket: int,
                       source: str, target: str) -> Any:
         """Steps 1 to 4 of domus.service.hosted, "Moving a bucket"."""
+        frozen = yield self._copy_bucket(descriptor, moved, bucket, source, target, "move")
+        # The target serves the bucket now: the move is done (see above).
+        name = descriptor["name"]
+        self.state.dhts[name] = moved
+        self.state.save()
+        lagging = yield self._push([service for service in self._involved(moved)
+                                    if service != target], moved, self.push_timeout)
+        for service, error in sorted(lagging.items()):
+            log.warn("DHT {name!r}: service {service} did not take the layout with bucket "
+                     "{bucket} moved to {target}: {error}; it will when it next registers",
+                     name=name, service=service, bucket=bucket, target=target, error=error)
+        return {"records": frozen, "lagging": lagging}
+
+    @defer.inlineCallbacks
+    def _copy_replica(self, descriptor: dict[str, Any], changed: dict[str, Any], bucket: int,
+                      source: str, target: str) -> Any:
+        """A new backup of ``bucket`` on ``target``, copied live from its
+        primary ``source`` as a move copies it: ``changed`` names it.  Once
+        the target holds the copy, the primary (frozen for the last catch-up
+        meanwhile) takes the layout and sends it every change from then on,
+        and thaws."""
+        frozen = yield self._copy_bucket(descriptor, changed, bucket, source, target, "copy")
+        name = descriptor["name"]
+        self.state.dhts[name] = changed
+        self.state.save()
+        lagging = yield self._push([service for service in self._involved(changed)
+                                    if service != target], changed, self.push_timeout)
+        try:
+            yield self._call(source, "thaw_bucket", self.push_timeout, id=descriptor["id"],
+                             bucket=bucket)
+        except Exception as exc:  # it thaws by itself when its lease ends
+            lagging[source] = f"thawing: {_describe(exc)}"
+        for service, error in sorted(lagging.items()):
+            log.warn("DHT {name!r}: service {service} did not take the layout with a copy of "
+                     "bucket {bucket} on {target}: {error}", name=name, service=service,
+                     bucket=bucket, target=target, error=error)
+        return {"records": frozen, "lagging": lagging}
+
+    @defer.inlineCallbacks
+    def _copy_bucket(self, descriptor: dict[str, Any], moved: dict[str, Any], bucket: int,
+                     source: str, target: str, what: str) -> Any:
+        """Copy ``bucket`` from ``source`` to ``target`` live, and have the
+        target take ``moved`` (which makes its copy the bucket, or a backup
+        of it); fires with the records copied.  On any failure before the
+        target took it, everything is undone and ControlError says why."""
         name, dht_id = descriptor["name"], descriptor["id"]
         before = self._involved(descriptor)
         newcomer = target not in before       # hosts nothing of the DHT yet
@@ -1262,19 +1705,10 @@ class SupervisorService(Service):
             outcome = ("nothing changed: the bucket is served by "
                        f"{source} as before" if not problems else
                        f"undoing it failed too ({'; '.join(problems)})")
-            raise ControlError("SupervisorError", f"could not move storage of bucket "
+            raise ControlError("SupervisorError", f"could not {what} storage of bucket "
                                f"{bucket} of DHT {name!r} from {source} to {target}: "
                                f"{step} failed: {cause}; {outcome}") from None
-        # The target serves the bucket now: the move is done (see above).
-        self.state.dhts[name] = moved
-        self.state.save()
-        lagging = yield self._push([service for service in self._involved(moved)
-                                    if service != target], moved, self.push_timeout)
-        for service, error in sorted(lagging.items()):
-            log.warn("DHT {name!r}: service {service} did not take the layout with bucket "
-                     "{bucket} moved to {target}: {error}; it will when it next registers",
-                     name=name, service=service, bucket=bucket, target=target, error=error)
-        return {"records": frozen, "lagging": lagging}
+        return frozen
 
     @defer.inlineCallbacks
     def _undo_move(self, descriptor: dict[str, Any], bucket: int, source: str, target: str,

@@ -53,6 +53,7 @@ from domus.wire.attributes import check_strategy, create_request
 from domus.wire.keys import decode_key
 
 DEFAULT_TIMEOUT = 5.0
+FAILOVER_POLL = 0.1      # seconds between asking the supervisor who took over a bucket
 # Deactivation saves every record of a RAM DHT, activation loads them: the
 # supervisor gives the services 600 s; the client waits a little longer.
 STATE_CHANGE_TIMEOUT = 620.0
@@ -128,7 +129,7 @@ class Cluster:
                    storage: str | None = None, platform: str | None = None,
                    routing: str | None = None, routing_degree: int | None = None,
                    routing_algorithm: str | None = None, lookup: str | None = None,
-                   durability: str | None = None,
+                   durability: str | None = None, replicas: int | None = None,
                    routing_services: Iterable[str] | None = None,
                    storage_services: Iterable[str] | None = None) -> Dht:
         """Create a DHT and open it.  Attributes left out take their
@@ -138,7 +139,8 @@ class Cluster:
                                     platform=platform, routing=routing,
                                     routing_degree=routing_degree,
                                     routing_algorithm=routing_algorithm, lookup=lookup,
-                                    durability=durability, routing_services=routing_services,
+                                    durability=durability, replicas=replicas,
+                                    routing_services=routing_services,
                                     storage_services=storage_services)
         descriptor = self.supervisor.call("create_dht", name=name, attributes=attributes,
                                           timeout=max(self.timeout, 15.0))
@@ -245,6 +247,12 @@ class Cluster:
         return self.supervisor.call("remove_service", name=name, force=force,
                                     timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
 
+    def accept_loss(self, name: str) -> list[int]:
+        """Accept that DHT ``name``'s lost buckets (every copy gone with a
+        service) lost their records: they serve again, empty, instead of
+        raising DataLost.  Returns the buckets accepted."""
+        return self.supervisor.call("accept_loss", name=name)["accepted"]
+
     def balancer_status(self) -> dict[str, Any]:
         """The balancer's mode, knobs, what it is doing, and its last
         decisions with their reasons."""
@@ -294,24 +302,30 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                                  self._shift, key, value)
         first = None
         skip = 0
+        unsent = None
         channel = self._first_channel(bucket)
         if channel is None:
             walk = self._first_walk(bucket)
             if walk is not None:
                 channel = self._first_walked(self._drive(walk))
                 skip = channel is None
-        if channel is not None:
+        if channel is None:
+            unsent = message
+        else:
             self._counters["messages"] += 1
             try:
                 reply = channel.request(message, self.name, bucket)
             except ServiceUnavailable:
                 if not self._owner_moved(bucket, channel):
                     raise
+                # Sent again as it was: a copy that took it from the dead
+                # primary answers it from its reply cache, applying it once.
+                unsent = message
             else:
                 if self._first_answer(channel, reply, bucket):
                     return reply
                 first = (channel, reply)
-        encode = self._encoder(op, key, value, message if channel is None else None)
+        encode = self._encoder(op, key, value, unsent)
         try:
             return self._drive(self._course(encode, bucket, first, skip=skip))
         except Renumbered:          # the DHT was resized: hash the key anew
@@ -379,13 +393,22 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     def _owner_moved(self, bucket: int, channel: ServiceChannel) -> bool:
         """After a service failed to answer: ask the supervisor whether the
-        bucket's owner is now elsewhere (e.g. the service re-registered at a
-        new address).  False if not, or if the supervisor cannot say."""
-        try:
-            self.refresh()
-        except DomusError:
-            return False
-        return self._owners[bucket] is not channel
+        bucket's owner is now elsewhere (the service re-registered at a new
+        address; a replicated DHT's backup took over from it, which the
+        supervisor decides within seconds: asked again until the client's
+        deadline).  False if not, or if the supervisor cannot say."""
+        patience = channel.deadline if self.replicated else 0.0
+        started = time.monotonic()
+        while True:
+            try:
+                self.refresh()
+            except DomusError:
+                return False
+            if self._owners[bucket] is not channel:
+                return True
+            if time.monotonic() - started >= patience:
+                return False
+            time.sleep(FAILOVER_POLL)
 
     def put(self, key: Any, value: Any) -> bool:
         """Store ``value`` under ``key``; True if the key was new."""

@@ -55,6 +55,7 @@ from typing import Any, Generic, TypeVar
 
 from domus.client import codec
 from domus.errors import (
+    DataLost,
     DhtInactive,
     DomusError,
     InvalidAttribute,
@@ -215,6 +216,7 @@ class DirectLookup(Generic[Channel]):
         self._owners: Any = self._dense(self.layout)
         self._direct: Any = self._owners
         self.layout_version: int = descriptor.get("version", 0)
+        self.replicated = (descriptor.get("replicas") or 1) > 1
         self._layout_tag = wire.layout_tag(self.layout_version)
         self._numbered = wire.numbering(self.bucket_count)
         routers = {entry["name"]: self.cluster.channel(entry["name"], entry["address"])
@@ -716,6 +718,8 @@ def reply_error(dht: str, reply: bytes, channel: Any, bucket: int | None) -> Dom
         return WrongService(f"{where}: {text}", status)
     if status == wire.ST_STORAGE_ERROR:
         return StorageError(f"{where}, bucket {bucket}: {text}", status)
+    if status == wire.ST_DATA_LOST:
+        return DataLost(f"{text} (answered by {where})", status)
     if status == wire.ST_INACTIVE:
         return DhtInactive(f"DHT {dht!r} is inactive: its records are kept, and served again "
                            f"once it is activated (cluster.activate_dht({dht!r}) or "

@@ -585,7 +585,7 @@ class TxCluster:
                    storage: str | None = None, platform: str | None = None,
                    routing: str | None = None, routing_degree: int | None = None,
                    routing_algorithm: str | None = None, lookup: str | None = None,
-                   durability: str | None = None,
+                   durability: str | None = None, replicas: int | None = None,
                    routing_services: Iterable[str] | None = None,
                    storage_services: Iterable[str] | None = None) -> defer.Deferred:
         """Create a DHT and open it: fires with a TxDht.  Attributes left out
@@ -595,7 +595,7 @@ class TxCluster:
                                         platform=platform, routing=routing,
                                         routing_degree=routing_degree,
                                         routing_algorithm=routing_algorithm, lookup=lookup,
-                                        durability=durability,
+                                        durability=durability, replicas=replicas,
                                         routing_services=routing_services,
                                         storage_services=storage_services)
         except Exception:
@@ -656,6 +656,10 @@ class TxCluster:
         """As Cluster.rebalance: fires with the moves."""
         return self.call("rebalance", name=name, dry_run=dry_run,
                          timeout=STATE_CHANGE_TIMEOUT).addCallback(lambda answer: answer["moves"])
+
+    def accept_loss(self, name: str) -> defer.Deferred:
+        """As Cluster.accept_loss: fires with the buckets accepted."""
+        return self.call("accept_loss", name=name).addCallback(lambda answer: answer["accepted"])
 
     def resize_dht(self, name: str, buckets: int) -> defer.Deferred:
         """As Cluster.resize_dht: fires with ``name, from, buckets, steps,
@@ -745,6 +749,7 @@ class TxDht(DirectLookup[TxChannel]):
                                       self._shift, key, value)
         first = None
         skip = 0
+        unsent = None
         mark = self._fetches
         channel = self._first_channel(bucket)
         if channel is None:
@@ -752,18 +757,21 @@ class TxDht(DirectLookup[TxChannel]):
             if walk is not None:
                 channel = self._first_walked(await self._drive(walk))
                 skip = channel is None
-        if channel is not None:
+        if channel is None:
+            unsent = message
+        else:
             self._counters["messages"] += 1
             try:
                 reply = await channel.request(message, self.name, bucket)
             except ServiceUnavailable:
                 if not await self._owner_moved(mark, bucket, channel):
                     raise
+                unsent = message        # (as the synchronous client: sent again as it was)
             else:
                 if self._first_answer(channel, reply, bucket):
                     return reply
                 first = (channel, reply)
-        encode = self._encoder(op, key, value, message if channel is None else None)
+        encode = self._encoder(op, key, value, unsent)
         try:
             return await self._drive(self._course(encode, bucket, first, mark, skip))
         except Renumbered:          # the DHT was resized: hash the key anew
@@ -798,11 +806,19 @@ class TxDht(DirectLookup[TxChannel]):
         whether the bucket is stored elsewhere now (e.g. the service
         re-registered at a new address).  False if not, or if the supervisor
         cannot say."""
-        try:
-            await self._layout_after(mark)
-        except DomusError:
-            return False
-        return self._owners[bucket] is not channel
+        patience = min(self.cluster.timeout, MAX_DEADLINE) if self.replicated else 0.0
+        started = self.cluster.reactor.seconds()
+        while True:
+            try:
+                await self._layout_after(mark)
+            except DomusError:
+                return False
+            if self._owners[bucket] is not channel:
+                return True
+            if self.cluster.reactor.seconds() - started >= patience:
+                return False
+            mark = self._fetches
+            await task.deferLater(self.cluster.reactor, 0.1, lambda: None)
 
     def put(self, key: Any, value: Any) -> defer.Deferred:
         """Store ``value`` under ``key``; fires with True if the key was new."""

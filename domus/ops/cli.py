@@ -330,7 +330,8 @@ def cmd_dht(args: argparse.Namespace) -> int:
                 platform=args.platform, routing=args.routing,
                 routing_degree=args.routing_degree, routing_algorithm=args.routing_algorithm,
                 lookup=args.lookup,
-                durability=args.durability, routing_services=_names(args.routing_services),
+                durability=args.durability, replicas=args.replicas,
+                routing_services=_names(args.routing_services),
                 storage_services=_names(args.storage_services))
             print(f"created DHT {dht.name!r} (id {dht.id}, {dht.bucket_count} buckets)")
         elif args.action == "list":
@@ -365,6 +366,11 @@ def cmd_dht(args: argparse.Namespace) -> int:
             if moves:
                 print(f"{'would move' if args.dry_run else 'moved'} {len(moves)} bucket(s) of "
                       f"DHT {args.name!r}")
+        elif args.action == "accept-loss":
+            accepted = cluster.accept_loss(args.name)
+            print(f"DHT {args.name!r}: the loss of {len(accepted)} bucket(s) accepted"
+                  + (f" ({', '.join(map(str, accepted))}); they serve again, empty"
+                     if accepted else ": none was lost"))
         elif args.action == "resize":
             answer = cluster.resize_dht(args.name, args.buckets)
             print(f"resized DHT {args.name!r} from {answer['from']} to {answer['buckets']} "
@@ -604,6 +610,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--lookup", help="default lookup strategy of clients: D, D,C,R, "
                         "C,R or R")
     create.add_argument("--durability", help="disk DHTs: async (default) or sync")
+    create.add_argument("--replicas", type=int, help="copies of each bucket, on distinct "
+                        "services (distinct hosts where there are enough): 1 (default) to 3")
     create.add_argument("--routing-services", help="comma-separated service names")
     create.add_argument("--storage-services", help="comma-separated service names")
     listing = talks(actions.add_parser("list"))
@@ -633,6 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "balancer's targets now (or --dry-run: say which)"))
     rebalance.add_argument("name")
     rebalance.add_argument("--dry-run", action="store_true", help="print the plan, move nothing")
+    accept = talks(actions.add_parser("accept-loss", help="serve a DHT's lost buckets again, "
+                                      "empty (they raise DataLost until then)"))
+    accept.add_argument("name")
     resize = talks(actions.add_parser("resize", help="double or halve a DHT's bucket count "
                                       "(any power of two, a step at a time) while it serves"))
     resize.add_argument("name")

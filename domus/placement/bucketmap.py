@@ -18,7 +18,7 @@ have the same ranges.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from domus.rbtree import RBTree
@@ -118,6 +118,16 @@ class BucketMap(Generic[Owner]):
     def __repr__(self) -> str:
         shown = ", ".join(f"[{first}, {end}): {owner!r}" for first, end, owner in self.ranges())
         return f"BucketMap({self.bucket_count}, {{{shown}}})"
+
+    def copy_without(self, buckets: Iterable[int]) -> BucketMap[Owner]:
+        """A copy of this map in which ``buckets`` have no owner."""
+        copied: BucketMap[Owner] = BucketMap(self.bucket_count)
+        for first, end, owner in self.ranges():
+            copied.assign(first, end, owner)
+        for bucket in buckets:
+            if 0 <= bucket < self.bucket_count:
+                copied.assign(bucket, bucket + 1, None)
+        return copied
 
     # ------------------------------------------------------------ changes
     def assign(self, first: int, end: int, owner: Owner | None) -> None:

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from twisted.internet import defer
 from twisted.logger import Logger
 
 from domus.errors import ProtocolError
@@ -41,6 +42,7 @@ from domus.service import hotpath
 from domus.service.hosted import HostedDht
 from domus.service.replycache import ReplyCache
 from domus.storage import Repository, StorageFault
+from domus.storage.base import apply_batch
 from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
@@ -78,6 +80,13 @@ class RequestFailed(Exception):
         self.prefix = prefix      # what goes before the message (a NOT_OWNER's redirect)
 
 
+# A replicated write's primary forwards it to each backup of its bucket(s)
+# with ``replicator(service, address, request) -> Deferred[reply bytes]``
+# (the service's links to its peers; tests give their own), and tells the
+# supervisor of a backup that failed with ``copy_failed(dht, service, why)``.
+Replicator = Callable[[str, str, bytes], defer.Deferred]
+
+
 class RequestHandler:
     def __init__(self, service_name: str, reply_cache: ReplyCache | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -93,7 +102,8 @@ class RequestHandler:
         self._sampled = 0
         self.by_op = [0] * 256
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
-                                         "internal_errors": 0, "storage_errors": 0}
+                                         "internal_errors": 0, "storage_errors": 0,
+                                         "replicated": 0, "replication_failures": 0}
         # scan id -> (expiry, dht id, bucket, key snapshot, bucket count then)
         self._scans: OrderedDict[int, tuple[float, int, int, list[bytes], int]] = OrderedDict()
         self._scan_ids = itertools.count(1)
@@ -110,10 +120,22 @@ class RequestHandler:
             wire.OP_STATS: self._stats,
             wire.OP_RANGE: self._range,
             wire.OP_LOOKUP: self._lookup,
+            wire.OP_REPLICATE: self._replicate_in,
         }
         # What the C path serves from: the repositories of active DHTs only.
         self.fast_table: dict[int, tuple[dict[int, Repository], int]] = {}
         self.fast = hotpath.make_fast_path(self.fast_table, self.reply_cache)
+        # Replication: the backup copies held here, which only REPLICATE
+        # changes (a C path of their own, sharing the reply cache, so that
+        # a client's retry at a promoted backup is answered from it); the
+        # primary's side (see Replicator); the writes waiting for their
+        # backups, by token.
+        self.backup_table: dict[int, tuple[dict[int, Repository], int]] = {}
+        self.backup_fast = hotpath.make_fast_path(self.backup_table, self.reply_cache)
+        self.replicator: Replicator | None = None
+        self.copy_failed: Callable[[HostedDht, str, str], None] | None = None
+        self._in_flight: dict[bytes, list[defer.Deferred]] = {}
+        self._as_backup = False
 
     @property
     def requests(self) -> int:
@@ -121,9 +143,13 @@ class RequestHandler:
         return self._requests + (self.fast.requests if self.fast is not None else 0)
 
     # ------------------------------------------------------------ dispatch
-    def handle(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD) -> bytes | None:
+    def handle(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD,
+               forward: bool = True) -> bytes | defer.Deferred | None:
         """Answer one request.  ``reply_limit`` is the largest reply the
-        transport can carry (a datagram, or a TCP frame)."""
+        transport can carry (a datagram, or a TCP frame).  A change to a
+        replicated bucket is answered later: a Deferred that fires with the
+        reply once every backup has taken it (``forward`` False: applied
+        here at once, as its backups have it)."""
         self._requests += 1
         if len(data) < wire.REQUEST_HEADER_SIZE or data[0] != wire.REQUEST_MAGIC:
             self.counters["malformed"] += 1
@@ -145,6 +171,12 @@ class RequestHandler:
             if cached is not None:
                 self.counters["replayed"] += 1
                 return cached
+            if forward and self.replicator is not None and len(data) >= 20:
+                hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
+                if hosted is not None and hosted.replicated and hosted.active:
+                    waiting = self._replicate_out(hosted, data, token, reply_limit)
+                    if waiting is not None:
+                        return waiting
         operation = self._ops.get(op)
         if operation is None:
             self.counters["malformed"] += 1
@@ -178,6 +210,132 @@ class RequestHandler:
             # again, not told MOVING from the cache once the move is done.)
             self.reply_cache.put(token, answer)
         return answer
+
+    # ------------------------------------------------------------ replication
+    # A replicated DHT's bucket has a primary (which clients talk to) and
+    # backups.  A change reaches the primary; before applying it, the
+    # primary sends the request, as it came, to every backup of the
+    # bucket(s) it changes (REPLICATE, over one TCP link per backup, so
+    # each backup applies them in the primary's order); only once every
+    # backup has applied it does the primary apply it, cache the reply and
+    # answer.  So an acknowledged write is on every copy, and a read at the
+    # primary after it sees it.  A backup that fails to answer makes the
+    # write fail with MOVING (the client retries: nothing was acknowledged)
+    # and is reported to the supervisor, which takes it off the bucket.  A
+    # retry that comes while its first try waits for the backups waits with
+    # it.  A backup caches its reply under the client's own request id, so a
+    # client that retries at a backup promoted meanwhile gets that reply,
+    # and the change is not applied twice.
+    def _replicate_out(self, hosted: HostedDht, data: bytes, token: bytes,
+                       limit: int) -> defer.Deferred | None:
+        """The Deferred reply of a change to replicated buckets, or None to
+        answer it here at once (its buckets have no backup left, or it is
+        refused: the ordinary path says why)."""
+        waiters = self._in_flight.get(token)
+        if waiters is not None:
+            waiting: defer.Deferred = defer.Deferred()
+            waiters.append(waiting)
+            return waiting
+        try:
+            buckets = self._changed_buckets(hosted, data)
+        except (ProtocolError, RequestFailed, StorageFault):
+            return None
+        holders = list(dict.fromkeys(holder for bucket in buckets
+                                     for holder in hosted.backups_of(bucket)))
+        if not holders:
+            return None                     # (degraded: this copy alone)
+        assert self.replicator is not None
+        self._in_flight[token] = []
+        forwards = [self.replicator(holder, hosted.addresses.get(holder, ""), data)
+                    for holder in holders]
+        answer = defer.DeferredList(forwards, consumeErrors=True)
+        answer.addCallback(self._replicated, hosted, holders, data, token, limit)
+        answer.addErrback(self._replication_broke, data, token)
+        return answer
+
+    def _replicated(self, results: list[tuple[bool, Any]], hosted: HostedDht,
+                    holders: list[str], data: bytes, token: bytes, limit: int) -> bytes:
+        failed = {}
+        for holder, (ok, reply) in zip(holders, results):
+            if not ok:
+                failed[holder] = getattr(reply, "value", reply)
+            elif len(reply) < wire.REPLY_HEADER_SIZE or reply[2] not in (wire.ST_OK,
+                                                                          wire.ST_NOT_FOUND):
+                failed[holder] = (wire.STATUS_NAMES.get(reply[2], "bad reply") + ": "
+                                  + reply[wire.REPLY_HEADER_SIZE:].decode("utf-8", "replace")
+                                  if len(reply) >= wire.REPLY_HEADER_SIZE else "a short reply")
+        if failed:
+            self.counters["replication_failures"] += 1
+            for holder, why in sorted(failed.items()):
+                log.warn("service {service}: DHT {dht!r}: the backup on {holder} did not take "
+                         "a change: {why}", service=self.service_name, dht=hosted.name,
+                         holder=holder, why=str(why))
+                if self.copy_failed is not None:
+                    self.copy_failed(hosted, holder, str(why))
+            answer = self._error(wire.ST_MOVING, data[4:8],
+                                 f"a backup of DHT {hosted.name!r} on {sorted(failed)} did not "
+                                 f"take the change; retry shortly (it was not acknowledged)")
+            if hosted.layout_tag:
+                answer = answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
+        else:
+            answer = self.handle(data, limit, forward=False)     # applied and cached here
+        self._settle(token, answer)
+        return answer       # type: ignore[return-value]
+
+    def _replication_broke(self, failure: Any, data: bytes, token: bytes) -> bytes:
+        self.counters["internal_errors"] += 1
+        log.failure("service {service}: replicating a change failed", failure,
+                    service=self.service_name)
+        answer = self._error(wire.ST_INTERNAL, data[4:8], f"internal error replicating a "
+                             f"change: {failure.getErrorMessage()}")
+        self._settle(token, answer)
+        return answer
+
+    def _settle(self, token: bytes, answer: bytes) -> None:
+        for waiting in self._in_flight.pop(token, []):
+            waiting.callback(answer)
+
+    def _changed_buckets(self, hosted: HostedDht, data: bytes) -> list[int]:
+        """The buckets (this DHT's numbering) a change writes to, each one
+        a primary here; raises as the change itself would be refused."""
+        op = data[2]
+        if op == wire.OP_PUT_MANY:
+            dht_id, entries = wire.decode_put_many(data)
+            buckets = [self._local(hosted, data[3], bucket, key) for bucket, key, _ in entries]
+        else:
+            dht_id, bucket, key, _rest = wire.decode_keyed(data)
+            buckets = [self._local(hosted, data[3], bucket, key)]
+        for bucket in buckets:
+            if bucket not in hosted.repos:
+                raise RequestFailed(wire.ST_NOT_OWNER, "not a primary here")
+        return list(dict.fromkeys(buckets))
+
+    def _local(self, hosted: HostedDht, numbered: int, bucket: int, key: bytes) -> int:
+        return self._local_bucket(hosted, numbered, bucket, key) if numbered else bucket
+
+    def _replicate_in(self, data: bytes, request_id: bytes, limit: int) -> bytes:
+        """REPLICATE: a change from the primary of buckets backed up here:
+        applied to the backups (entries of buckets not backed up here are
+        left out), cached under the client's own request id; the reply is
+        the change's own, after this request's header."""
+        inner = data[wire.REQUEST_HEADER_SIZE:]
+        if (len(inner) < 20 or inner[0] != wire.REQUEST_MAGIC or inner[1] != wire.VERSION
+                or inner[2] not in _CHANGING):
+            raise ProtocolError("replicate must carry a put, delete or put_many request")
+        hosted = self._hosted(wire.U32.unpack_from(inner, 16)[0])
+        answer = self.backup_fast.handle(inner, limit) if self.backup_fast is not None else None
+        if answer is None:
+            token = inner[4:16]
+            answer = self.reply_cache.get(token)
+            if answer is None:
+                self._as_backup = True
+                try:
+                    answer = self.handle(inner, limit, forward=False)
+                finally:
+                    self._as_backup = False
+        self.counters["replicated"] += 1
+        del hosted
+        return _OK + request_id + answer            # type: ignore[operator]
 
     def _sample(self, op: int, data: bytes) -> None:
         at = _SAMPLED_AT.get(op)
@@ -214,7 +372,8 @@ class RequestHandler:
                 buckets[sample & 0xFFFFFFFF] = round(rate, 1)
         return by_dht
 
-    def handle_fast(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD) -> bytes | None:
+    def handle_fast(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD
+                    ) -> bytes | defer.Deferred | None:
         """``handle``, with the C path answering what it can."""
         fast = self.fast
         if fast is not None:
@@ -256,10 +415,14 @@ class RequestHandler:
         if hosted is not None and hosted.active:
             if numbered:
                 bucket = self._local_bucket(hosted, numbered, bucket, key)
-            repo = hosted.repos.get(bucket)
+            repo = (hosted.backups if self._as_backup else hosted.repos).get(bucket)
             if repo is not None:
                 return repo
         hosted = self._hosted(dht_id)
+        if bucket in hosted.lost:
+            raise RequestFailed(wire.ST_DATA_LOST, hosted.loss_message(bucket))
+        if self._as_backup:
+            return None         # type: ignore[return-value]  (a put_many entry not backed here)
         if bucket in hosted.frozen:
             raise RequestFailed(wire.ST_MOVING, f"bucket {bucket} of DHT {hosted.name!r} is "
                                 f"moving to another service; retry shortly")
@@ -333,6 +496,9 @@ class RequestHandler:
 
     def _put(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
         repo, key, rest = self._keyed(data)
+        if repo is None:
+            raise RequestFailed(wire.ST_NOT_OWNER, f"service {self.service_name} has no "
+                                f"backup of that bucket", wire.service_ref("", ""))
         value = wire.put_value(rest)
         if len(value) > wire.MAX_VALUE_BYTES:
             raise RequestFailed(wire.ST_TOO_LARGE, f"value of {len(value)} bytes is over "
@@ -354,6 +520,9 @@ class RequestHandler:
 
     def _delete(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
         repo, key, rest = self._keyed(data)
+        if repo is None:
+            raise RequestFailed(wire.ST_NOT_OWNER, f"service {self.service_name} has no "
+                                f"backup of that bucket", wire.service_ref("", ""))
         if rest:
             raise ProtocolError("delete carries bytes after its key")
         return (_OK if repo.delete(key) else _NOT_FOUND) + request_id
@@ -368,16 +537,21 @@ class RequestHandler:
     def _put_many(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
         dht_id, entries = wire.decode_put_many(data)
         # Check every entry before changing anything.
-        targets = []
+        groups: dict[int, tuple[Repository, list[tuple[bytes, bytes | None]]]] = {}
+        applied = 0
         for bucket, key, value in entries:
             if len(key) > wire.MAX_KEY_BYTES or len(value) > wire.MAX_VALUE_BYTES:
                 raise RequestFailed(wire.ST_TOO_LARGE, "an entry of put_many is over the "
                                     "key or value limit")
-            targets.append(self._repo(dht_id, bucket, data[3], key))
-        created = 0
-        for repo, (_bucket, key, value) in zip(targets, entries):
-            created += repo.put(key, value)
-        return _OK + request_id + wire.U16X2.pack(len(entries), created)
+            repo = self._repo(dht_id, bucket, data[3], key)
+            if repo is None:
+                continue            # (a backup: an entry of a bucket not backed up here)
+            groups.setdefault(id(repo), (repo, []))[1].append((key, value))
+            applied += 1
+        # All or nothing, a storage fault included (one transaction on a
+        # sync Berkeley DB store).
+        created = apply_batch(list(groups.values()))
+        return _OK + request_id + wire.U16X2.pack(applied, created)
 
     def _get_many(self, data: bytes, request_id: bytes, limit: int) -> bytes:
         dht_id, entries = wire.decode_get_many(data)
@@ -398,6 +572,9 @@ class RequestHandler:
 
     def _length(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
         hosted = self._hosted(wire.decode_length(data))
+        if hosted.lost:
+            bucket = min(hosted.lost)
+            raise RequestFailed(wire.ST_DATA_LOST, hosted.loss_message(bucket))
         return _OK + request_id + wire.U64.pack(hosted.records())
 
     # ------------------------------------------------------------ scans
@@ -587,9 +764,12 @@ class RequestHandler:
         is hosted here and active (an inactive one gets INACTIVE from Python)."""
         hosted = self.dhts.get(dht_id)
         if hosted is not None and hosted.active:
-            self.fast_table[dht_id] = (hosted.repos, hosted.numbering << 8 | hosted.layout_tag)
+            layout = hosted.numbering << 8 | hosted.layout_tag
+            self.fast_table[dht_id] = (hosted.repos, layout | hosted.replicated << 16)
+            self.backup_table[dht_id] = (hosted.backups, layout)
         else:
             self.fast_table.pop(dht_id, None)
+            self.backup_table.pop(dht_id, None)
 
     def drop(self, dht_id: int) -> bool:
         hosted = self.dhts.pop(dht_id, None)

@@ -13,7 +13,7 @@ from typing import Any
 
 from twisted.logger import Logger
 
-from domus.placement import layout
+from domus.placement import layout, replicas
 from domus.placement.bucketmap import BucketMap
 from domus.routing import FEWEST_HOPS, RoutingGraph, make_graph
 from domus.routing.base import contains
@@ -71,6 +71,16 @@ class HostedDht:
         self.store: Store | None = None
         self.active = False
         self.repos: dict[int, Repository] = {}
+        # Replication (domus.placement.replicas): the buckets this service
+        # keeps a backup copy of (written only by their primary's REPLICATE
+        # messages, never served to clients); for each bucket, the services
+        # holding its backups, which a write here must reach first; and the
+        # buckets whose every copy was lost, which answer DATA_LOST until
+        # the loss is accepted.
+        self.backups: dict[int, Repository] = {}
+        self.copies: list[BucketMap[str]] = replicas.backups(descriptor)
+        self.lost: dict[int, str] = {}
+        self.replicated = (descriptor.get("replicas") or 1) > 1
         # Numbering (see "Resizing" below): the bucket count, the request
         # header byte that says it, the layout version's reply tag, and the
         # part (count, bucket) of the medium that holds each stored bucket.
@@ -118,15 +128,20 @@ class HostedDht:
             self._renumber(descriptor["buckets"])
             self.graph = routing_graph(descriptor)
         storage = layout.owners(descriptor, "storage")
+        self.copies = replicas.backups(descriptor)
+        self.lost = {int(bucket): service
+                     for bucket, service in (descriptor.get("storage_lost") or {}).items()}
+        # (A lost bucket is stored nowhere until its loss is accepted.)
+        placed = storage.copy_without(self.lost) if self.lost else storage
         wanted = descriptor.get("state", "active") == "active"
         if wanted and not self.active:
             try:
-                moved = self._activate(descriptor, storage)
+                moved = self._activate(descriptor, placed)
             except StorageFault as exc:
                 self.problem = str(exc)
                 raise
         elif wanted:
-            self._place(storage)
+            self._place(placed)
         elif self.active:
             moved = self._deactivate()
         self.problem = None
@@ -152,8 +167,15 @@ class HostedDht:
                                    f"serve bucket {bucket}: its copy was staged "
                                    f"{waited:.0f}s ago, and its source may serve it "
                                    f"again by now; move it again")
+        backed = {bucket for copy in self.copies
+                  for bucket in layout.buckets_in(layout.ranges_of(copy, self.service_name))}
+        for bucket in sorted(stored & self.backups.keys()):      # promoted to primary
+            self.repos[bucket] = self.backups.pop(bucket)
+        for bucket in sorted((self.repos.keys() & backed) - stored):   # now a backup
+            self.backups[bucket] = self.repos.pop(bucket)
         opening = sorted(stored - self.repos.keys() - self.frozen.keys())
-        on_medium = self.store.parts() if opening else set()
+        new_backups = sorted(backed - self.backups.keys())
+        on_medium = self.store.parts() if opening or new_backups else set()
         for bucket in opening:
             staged = self.staged.get(bucket)
             if staged is not None:          # moved here: its records came first
@@ -170,6 +192,22 @@ class HostedDht:
                 log.error("service {service}: {problem}", service=self.service_name,
                           problem=str(exc))
                 self.repos[bucket] = FailedRepository(str(exc))
+        for bucket in new_backups:
+            staged = self.staged.pop(bucket, None)
+            if staged is not None:          # copied here from its primary
+                self.staged_at.pop(bucket, None)
+                self.backups[bucket] = staged
+                adopted = True
+                continue
+            # (At creation: an empty bucket.  The supervisor names a service
+            # as a backup of a bucket with records only once it has a copy.)
+            self._open_bucket(bucket, on_medium)
+            self.backups[bucket] = self.repos.pop(bucket)
+            self.part_of.pop(bucket, None)
+        for bucket in sorted(self.backups.keys() - backed):
+            dropped = self.backups.pop(bucket)
+            if not isinstance(dropped, FailedRepository):
+                self.store.remove(bucket, self.bucket_count)
         if adopted and self.medium == "disk":
             # A moved bucket is as durable here as the DHT promises before
             # this service acknowledges the layout that makes it the owner:
@@ -300,6 +338,7 @@ class HostedDht:
     def _release(self) -> None:
         self.abandon_moves()
         self.repos.clear()
+        self.backups.clear()
         self.part_of.clear()
         if self.store is not None:
             self.store.close()
@@ -447,12 +486,9 @@ class HostedDht:
                                f"bucket {bucket} to add records to (the move was abandoned); "
                                f"start it again")
         self.staged_at[bucket] = time.monotonic()
-        for index in range(0, len(records), 2):
-            key, value = records[index], records[index + 1]
-            if value is None:                   # deleted since it was sent
-                repo.delete(key)
-            else:
-                repo.put(key, value)
+        # (a value None: deleted since it was sent; durable once adopted)
+        repo.apply([(records[index], records[index + 1])
+                    for index in range(0, len(records), 2)], durable=False)
         return len(repo)
 
     def discard(self, bucket: int) -> None:
@@ -693,16 +729,22 @@ class HostedDht:
         def target(key: bytes) -> Repository | None:
             return targets.get(self.bucket_of(key) // factor)
 
+        def copy(records: list[tuple[bytes, bytes | None]]) -> int:
+            """Into each target its records (a value None: deleted), one
+            transaction per target where the platform has them; durable at
+            the switch."""
+            by_target: dict[int, list[tuple[bytes, bytes | None]]] = {}
+            for key, value in records:
+                into = target(key)
+                if into is not None:
+                    by_target.setdefault(id(into), []).append((key, value))
+            for part_records in by_target.values():
+                target(part_records[0][0]).apply(part_records, durable=False)  # type: ignore
+            return sum(len(part_records) for part_records in by_target.values())
+
         def apply_changes(changes: list[bytes | None]) -> None:
-            for index in range(0, len(changes), 2):
-                key, value = changes[index], changes[index + 1]
-                into = target(key)              # type: ignore[arg-type]
-                if into is None:
-                    continue
-                if value is None:
-                    into.delete(key)            # type: ignore[arg-type]
-                else:
-                    into.put(key, value)        # type: ignore[arg-type]
+            copy([(changes[index], changes[index + 1])            # type: ignore[misc]
+                  for index in range(0, len(changes), 2)])
 
         switched = False
         copied = 0
@@ -716,12 +758,8 @@ class HostedDht:
                 keys = wrapper.key_snapshot()
                 source = sources[key_id][0]
                 for start in range(0, len(keys), REGROUP_PAGE):
-                    for key in keys[start:start + REGROUP_PAGE]:
-                        value = source.get(key)
-                        into = target(key)
-                        if value is not None and into is not None:
-                            into.put(key, value)
-                            copied += 1
+                    page = [(key, source.get(key)) for key in keys[start:start + REGROUP_PAGE]]
+                    copied += copy([(key, value) for key, value in page if value is not None])
                     yield None
             for _round in range(REGROUP_ROUNDS):
                 changes = [item for wrapper in tracked.values()
@@ -734,7 +772,7 @@ class HostedDht:
             apply_changes([item for wrapper in tracked.values()
                            for item in wrapper.take_changes()])
             if splitting:
-                if self.medium == "disk":
+                if self.medium == "disk":       # (the copies, durable before the switch)
                     for repo in targets.values():
                         repo.sync()             # type: ignore[attr-defined]
                 new_repos = targets
@@ -763,6 +801,16 @@ class HostedDht:
         """AS: the service storing a bucket routed here; KeyError if the
         bucket is not routed here."""
         return self.storage_refs.owner(bucket)
+
+    def loss_message(self, bucket: int) -> str:
+        return (f"bucket {bucket} of DHT {self.name!r} lost its records with service "
+                f"{self.lost.get(bucket, '?')} (every copy was there); `domus dht accept-loss "
+                f"{self.name}` (cluster.accept_loss) serves it again, empty")
+
+    def backups_of(self, bucket: int) -> list[str]:
+        """The services holding the backups of a bucket (its primary here
+        writes to them first), by rank; the missing ones left out."""
+        return [holder for copy in self.copies if (holder := copy.get(bucket))]
 
     def ordered(self) -> bool:
         """Whether every repository here keeps its records in key order, so

@@ -8,6 +8,7 @@ domus.service.udp (a socket read straight from the reactor, drained in C).
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from domus._version import __version__
 from domus.service.handler import RequestHandler
@@ -30,6 +32,10 @@ from domus.wire.control import ControlError, MessageProtocol, RemoteControlError
 log = Logger(namespace="domus.service")
 
 HEARTBEAT_INTERVAL = 1.0
+# A backup has this long to take a change from its primary; past it the
+# change fails (the client retries) and the backup is reported.
+REPLICATE_TIMEOUT = 2.0
+COPY_FAILED_REPORT_INTERVAL = 1.0   # at most one report per backup and DHT a second
 FLUSH_INTERVAL = 1.0
 RECONNECT_MAX_DELAY = 2.0
 MOVE_OPS = frozenset({"track_bucket", "catch_up_bucket", "freeze_bucket", "export_bucket",
@@ -62,6 +68,10 @@ class DomusService(Service):
             "--data-dir", self.data_dir, "--heartbeat", str(heartbeat), *declared],
             self.data_dir)
         self.handler = RequestHandler(self.service_name, data_dir=data_dir)
+        self.peers = PeerLinks(self.service_name)
+        self.handler.replicator = self.peers.forward
+        self.handler.copy_failed = self._copy_failed
+        self._reported: dict[tuple[int, str], float] = {}
         self.sampler = LoadSampler(data_dir=self.data_dir)
         self._sampled_since = time.monotonic()
         self.started = time.time()
@@ -113,6 +123,7 @@ class DomusService(Service):
 
     def stopService(self) -> defer.Deferred:
         self._stopping = True
+        self.peers.close()
         for timer in self._timers:
             if timer.running:
                 timer.stop()
@@ -321,11 +332,102 @@ class DomusService(Service):
         except StorageFault as exc:
             raise ControlError("StorageError", f"service {self.service_name}: {exc}") from None
 
+    def _copy_failed(self, hosted: Any, holder: str, why: str) -> None:
+        """Tell the supervisor that the backup on ``holder`` did not take a
+        change of DHT ``hosted`` (at most once a second per backup)."""
+        key = (hosted.id, holder)
+        now = time.monotonic()
+        if now - self._reported.get(key, -1e9) < COPY_FAILED_REPORT_INTERVAL:
+            return
+        self._reported[key] = now
+        if self.link is not None and self.registered:
+            self.link.call("copy_failed", name=self.service_name, dht=hosted.name,
+                           holder=holder, why=why[:500]).addErrback(
+                lambda failure: log.warn("service {name}: could not report the failed backup "
+                                         "on {holder}: {error}", name=self.service_name,
+                                         holder=holder, error=failure.getErrorMessage()))
+
     def _client_control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
         if body["op"] == "stats":
             return self.handler.stats()
         raise ControlError("DomusError", f"service {self.service_name} takes control op "
                            f"{body['op']!r} only from the supervisor")
+
+
+class PeerLinks:
+    """This service's TCP links to the services that back up its buckets,
+    one per peer, made when first needed: a change goes down the one link to
+    a backup, so the backup applies its primary's changes in order."""
+
+    def __init__(self, service_name: str) -> None:
+        self.service_name = service_name
+        self._links: dict[str, MessageProtocol] = {}
+        self._connecting: dict[str, list[defer.Deferred]] = {}
+        self._ids = itertools.count(1)
+
+    def forward(self, peer: str, address: str, request: bytes) -> defer.Deferred:
+        """Send ``request`` to ``peer`` as a REPLICATE; fires with the
+        change's own reply (or fails: no link, a timeout, an error)."""
+        link = self._links.get(peer)
+        if link is not None and link.connected:
+            return self._send(link, request)
+        return self._connect(peer, address).addCallback(self._send, request)
+
+    def _send(self, link: MessageProtocol, request: bytes) -> defer.Deferred:
+        request_id = next(self._ids) & 0xFFFFFFFF
+        message = wire.encode_replicate(request_id, link.client_id, request)
+        return link.request(message, request_id, REPLICATE_TIMEOUT).addCallback(_inner_reply)
+
+    def _connect(self, peer: str, address: str) -> defer.Deferred:
+        """A Deferred link to ``peer``; callers asking while it is being
+        made share the one connection."""
+        from twisted.internet import reactor
+        from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+
+        mine: defer.Deferred = defer.Deferred()
+        waiters = self._connecting.get(peer)
+        if waiters is not None:
+            waiters.append(mine)
+            return mine
+        self._connecting[peer] = [mine]
+        host, port = addresses.parse(address)
+        link = MessageProtocol()
+        link.peer_name = f"service {peer} (a backup)"
+
+        def made(made_link: MessageProtocol) -> MessageProtocol:
+            self._links[peer] = made_link
+            made_link.lost.addCallback(lambda _: self._forget(peer, made_link))
+            return made_link
+
+        def settle(result: Any) -> None:
+            for waiter in self._connecting.pop(peer, []):
+                if isinstance(result, Failure):
+                    waiter.errback(result)
+                else:
+                    waiter.callback(result)
+
+        connectProtocol(TCP4ClientEndpoint(reactor, host, port, timeout=REPLICATE_TIMEOUT),
+                        link).addCallback(made).addBoth(settle)
+        return mine
+
+    def _forget(self, peer: str, link: MessageProtocol) -> None:
+        if self._links.get(peer) is link:
+            del self._links[peer]
+
+    def close(self) -> None:
+        for link in list(self._links.values()):
+            if link.transport is not None:
+                link.transport.loseConnection()
+        self._links.clear()
+
+
+def _inner_reply(answer: tuple[int, bytes]) -> bytes:
+    status, frame = answer
+    if status != wire.ST_OK:
+        raise ConnectionError(f"the backup refused the change: "
+                              f"{wire.STATUS_NAMES.get(status, hex(status))}: "
+                              f"{frame[wire.REPLY_HEADER_SIZE:].decode('utf-8', 'replace')}")
+    return frame[wire.REPLY_HEADER_SIZE:]
 
 
 class _SupervisorLinkFactory(protocol.ReconnectingClientFactory):
@@ -341,7 +443,8 @@ class _SupervisorLinkFactory(protocol.ReconnectingClientFactory):
         self.resetDelay()
         link = MessageProtocol()
         link.factory = self
-        link.connectionMade = lambda: self.service.link_made(link)  # type: ignore[method-assign]
+        link.connectionMade = lambda: (MessageProtocol.connectionMade(link),  # type: ignore[method-assign]
+                                       self.service.link_made(link))
         link.lost.addCallback(lambda _: self.service.link_lost())
         return link
 

@@ -20,6 +20,7 @@ import errno
 import socket
 from typing import Any
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReadDescriptor
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -136,11 +137,18 @@ class UdpServer:
     # ------------------------------------------------------------ the Python path
     def _answer_in_python(self, data: bytes, peer: Any) -> None:
         answer = self.handler.handle(data, wire.MAX_UDP_PAYLOAD)
-        if answer is not None:
-            try:
-                self.socket.sendto(answer, peer)
-            except OSError:
-                self.send_errors += 1  # the client retries
+        if isinstance(answer, Deferred):        # (a replicated change: later)
+            answer.addCallback(self._send_later, peer)
+        elif answer is not None:
+            self._send_later(answer, peer)
+
+    def _send_later(self, answer: bytes, peer: Any) -> None:
+        if self._fd == -1:
+            return
+        try:
+            self.socket.sendto(answer, peer)
+        except OSError:
+            self.send_errors += 1  # the client retries
 
     def _drain_in_python(self) -> None:
         recvfrom = self.socket.recvfrom
@@ -157,7 +165,9 @@ class UdpServer:
                 self.recv_errors += 1
                 continue
             answer = handle(data, wire.MAX_UDP_PAYLOAD)
-            if answer is not None:
+            if isinstance(answer, Deferred):
+                answer.addCallback(self._send_later, peer)
+            elif answer is not None:
                 try:
                     sendto(answer, peer)
                 except OSError:

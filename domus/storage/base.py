@@ -50,6 +50,19 @@ class Repository(ABC):
         """Every (key, value) pair, for saving the bucket; the iterator must
         not outlive a change to the repository."""
 
+    def apply(self, changes: list[tuple[bytes, bytes | None]], durable: bool = True) -> int:
+        """Apply (key, value) puts and (key, None) deletes in order; returns
+        the keys created.  Platforms with transactions apply them as one
+        (all or none, one log flush; ``durable=False``: not even that, for
+        copies that are made durable as a whole later)."""
+        created = 0
+        for key, value in changes:
+            if value is None:
+                self.delete(key)
+            else:
+                created += self.put(key, value)
+        return created
+
     def key_range(self, low: bytes | None, high: bytes | None, *,
                   inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
                   items: bool = False) -> Iterator[bytes] | Iterator[tuple[bytes, bytes]]:
@@ -93,6 +106,11 @@ class TrackedRepository(Repository):
     def contains(self, key: bytes) -> bool:
         return self.inner.contains(key)
 
+    def apply(self, changes: list[tuple[bytes, bytes | None]], durable: bool = True) -> int:
+        created = self.inner.apply(changes, durable)
+        self.changed.update(key for key, _value in changes)
+        return created
+
     def __len__(self) -> int:
         return len(self.inner)
 
@@ -119,6 +137,37 @@ class TrackedRepository(Repository):
         for key in sorted(changed):
             flat += (key, self.inner.get(key))
         return flat
+
+
+def apply_batch(groups: list[tuple[Repository, list[tuple[bytes, bytes | None]]]]) -> int:
+    """Apply each repository's changes (puts, and deletes as value None),
+    all or nothing: one transaction where the repositories share one
+    (``apply_together``, Berkeley DB on a ``sync`` store), else repository
+    by repository with what they held noted first and put back if one
+    fails.  Returns the keys created; the StorageFault of the one that
+    failed is raised once the others are undone."""
+    if not groups:
+        return 0
+    together = getattr(groups[0][0], "apply_together", None)
+    if together is not None and len(groups) > 1:
+        created = together(groups)
+        if created is not NotImplemented:
+            return created
+    created = 0
+    done: list[tuple[Repository, list[tuple[bytes, bytes | None]]]] = []
+    try:
+        for repo, changes in groups:
+            before = [(key, repo.get(key)) for key, _value in changes]
+            created += repo.apply(changes)
+            done.append((repo, before[::-1]))
+    except StorageFault:
+        for repo, before in reversed(done):
+            try:
+                repo.apply(before)
+            except StorageFault:
+                pass            # (it keeps what it has; the fault is reported)
+        raise
+    return created
 
 
 class MappingRepository(Repository):

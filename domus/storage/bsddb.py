@@ -97,10 +97,12 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
     key, then one that replaces it; NOTFOUND from delete for an absent key;
     ``record_count`` changed by whoever created or deleted a key."""
 
-    def __init__(self, database: db.DB, ordered: bool, name: str, label: str) -> None:
+    def __init__(self, database: db.DB, ordered: bool, name: str, label: str,
+                 environment: db.DBEnv | None = None) -> None:
         super().__init__(database, no_overwrite=db.DB_NOOVERWRITE,
                          key_exists=db.DBKeyExistError, not_found=db.DBNotFoundError)
         self._db = database
+        self._env = environment      # a transactional one, or None
         self.ordered = ordered
         self.name = name
         self.label = label
@@ -138,6 +140,65 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
             raise self._fault(exc) from exc
         self.record_count -= 1
         return True
+
+    def apply(self, changes: list[tuple[bytes, bytes | None]], durable: bool = True) -> int:
+        """In a transactional (``sync``) store: one transaction, committed
+        with one log flush (none if not ``durable``), all or nothing."""
+        if self._env is None or not changes:
+            return super().apply(changes, durable)
+        try:
+            txn = self._env.txn_begin()
+            try:
+                created, deleted = self._apply_in(txn, changes)
+            except BaseException:
+                txn.abort()
+                raise
+            txn.commit(0 if durable else db.DB_TXN_NOSYNC)
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
+        self.record_count += created - deleted
+        return created
+
+    def apply_together(self, groups: list[tuple[Repository, list[tuple[bytes, bytes | None]]]]
+                       ) -> int:
+        """``apply_batch`` of repositories of this store's transactional
+        environment: one transaction for them all (NotImplemented for any
+        other mix)."""
+        if self._env is None or any(getattr(repo, "_env", None) is not self._env
+                                    for repo, _changes in groups):
+            return NotImplemented
+        counts = []
+        try:
+            txn = self._env.txn_begin()
+            try:
+                for repo, changes in groups:
+                    counts.append(repo._apply_in(txn, changes))    # type: ignore[attr-defined]
+            except BaseException:
+                txn.abort()
+                raise
+            txn.commit()
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
+        for (repo, _changes), (created, deleted) in zip(groups, counts):
+            repo.record_count += created - deleted                 # type: ignore[attr-defined]
+        return sum(created for created, _deleted in counts)
+
+    def _apply_in(self, txn: Any, changes: list[tuple[bytes, bytes | None]]) -> tuple[int, int]:
+        created = deleted = 0
+        for key, value in changes:
+            if value is None:
+                try:
+                    self._db.delete(key, txn=txn)
+                    deleted += 1
+                except db.DBNotFoundError:
+                    pass
+                continue
+            try:
+                self._db.put(key, value, txn=txn, flags=db.DB_NOOVERWRITE)
+                created += 1
+            except db.DBKeyExistError:
+                self._db.put(key, value, txn=txn)
+        return created, deleted
 
     def contains(self, key: bytes) -> bool:
         try:
@@ -319,7 +380,8 @@ class BerkeleyStore(Store):
             raise StorageFault(f"{label}: cannot open its Berkeley DB database "
                                f"({where}): {detail}") from exc
         try:
-            repo = BerkeleyRepository(database, self.method == "btree", name, label)
+            repo = BerkeleyRepository(database, self.method == "btree", name, label,
+                                      self._env if self.transactional else None)
         except StorageFault:
             database.close()
             raise

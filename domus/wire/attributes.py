@@ -21,6 +21,7 @@ LOOKUP_STRATEGIES = ("D", "D,C,R", "C,R", "R")
 MIN_BUCKETS = 1
 MAX_BUCKETS = 1 << 24
 BUCKETS_PER_SERVICE = 64
+MAX_REPLICAS = 3
 
 # Storage technologies: each platform and the media it can store on.  The
 # service side implements each of them (domus.storage.PLATFORMS, built from
@@ -48,9 +49,11 @@ DEFAULTS: dict[str, Any] = {
     "routing": "chord",
     "routing_algorithm": "fewest-hops",
     "lookup": "D",
+    "replicas": 1,
 }
 KNOWN = {"name", "buckets", "hash", "storage", "platform", "routing", "routing_degree",
-         "routing_algorithm", "lookup", "durability", "routing_services", "storage_services"}
+         "routing_algorithm", "lookup", "durability", "routing_services", "storage_services",
+         "replicas"}
 # Disk DHTs: "async" (the default) acknowledges a write once it is in the
 # cache and flushes every second and on a clean stop; "sync" acknowledges it
 # once the Berkeley DB log holding it is on stable storage.  RAM DHTs have
@@ -160,6 +163,11 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
         raise InvalidAttribute(f"routing algorithm {merged['routing_algorithm']!r} is unknown; "
                                f"choose one of {list(ROUTING_ALGORITHMS)}")
     merged["lookup"] = check_strategy(merged["lookup"])
+    replicas = merged["replicas"]
+    if isinstance(replicas, bool) or not isinstance(replicas, int) \
+            or not 1 <= replicas <= MAX_REPLICAS:
+        raise InvalidAttribute(f"replicas must be an int from 1 to {MAX_REPLICAS} (copies of "
+                               f"each bucket, on distinct services), not {replicas!r}")
     buckets = merged.get("buckets")
     if buckets is not None:
         if isinstance(buckets, bool) or not isinstance(buckets, int):

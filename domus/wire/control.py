@@ -31,7 +31,7 @@ from domus.wire import protocol as wire
 log = Logger(namespace="domus.wire.control")
 
 ControlHandler = Callable[[dict[str, Any], "MessageProtocol"], Any]
-DataHandler = Callable[[bytes, int], "bytes | None"]
+DataHandler = Callable[[bytes, int], "bytes | defer.Deferred | None"]
 
 
 class ControlError(Exception):
@@ -68,6 +68,13 @@ class MessageProtocol(Int32StringReceiver):
         self.peer_name = ""
         self.lost = defer.Deferred()  # fires when the connection goes away
 
+    def connectionMade(self) -> None:
+        # Requests wait for their replies: no Nagle delay on either.
+        try:
+            self.transport.setTcpNoDelay(True)
+        except (AttributeError, OSError):
+            pass
+
     # -- incoming
     def stringReceived(self, frame: bytes) -> None:
         if not frame:
@@ -89,12 +96,18 @@ class MessageProtocol(Int32StringReceiver):
             self._control_received(frame, request_id)
         elif self.data_handler is not None:
             answer = self.data_handler(frame, wire.MAX_FRAME_BYTES)
-            if answer is not None:
+            if isinstance(answer, defer.Deferred):      # (answered later)
+                answer.addCallback(self._send_if_connected)
+            elif answer is not None:
                 self.sendString(answer)
         else:
             self.sendString(wire.error_reply(
                 wire.ST_UNKNOWN_OP, request_id,
                 f"op 0x{op:02x} is not served on this connection"))
+
+    def _send_if_connected(self, frame: bytes) -> None:
+        if self.transport is not None and self.connected:
+            self.sendString(frame)
 
     def _control_received(self, frame: bytes, request_id: int) -> None:
         try:

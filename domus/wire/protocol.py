@@ -48,13 +48,14 @@ OP_PING = 0x09
 OP_STATS = 0x0A
 OP_RANGE = 0x0B
 OP_LOOKUP = 0x0C
+OP_REPLICATE = 0x0D
 OP_CONTROL = 0x20
 
 OP_NAMES = {
     OP_PUT: "put", OP_GET: "get", OP_DELETE: "delete", OP_CONTAINS: "contains",
     OP_PUT_MANY: "put_many", OP_GET_MANY: "get_many", OP_LENGTH: "length",
     OP_SCAN: "scan", OP_PING: "ping", OP_STATS: "stats", OP_RANGE: "range",
-    OP_LOOKUP: "lookup", OP_CONTROL: "control",
+    OP_LOOKUP: "lookup", OP_REPLICATE: "replicate", OP_CONTROL: "control",
 }
 # Operations that change stored data: a service answers a retry of one of
 # these from its reply cache instead of applying it again.
@@ -75,6 +76,7 @@ ST_REPLY_TOO_LARGE = 0x18
 ST_UNSUPPORTED = 0x19
 ST_MOVING = 0x1A
 ST_STALE_LAYOUT = 0x1B
+ST_DATA_LOST = 0x1C
 ST_INTERNAL = 0x1F
 ST_CONTROL_ERROR = 0x20
 
@@ -87,6 +89,7 @@ STATUS_NAMES = {
     ST_UNSUPPORTED: "not supported by the DHT's storage platform",
     ST_MOVING: "bucket moving to another service; retry shortly",
     ST_STALE_LAYOUT: "the request's bucket numbering is not the DHT's: fetch its layout",
+    ST_DATA_LOST: "every copy of the bucket was lost",
     ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
 }
 
@@ -279,6 +282,13 @@ def encode_lookup(request_id: int, client_id: int, dht_id: int, target: int,
     bucket ``current`` (None: to the service as a whole)."""
     return (request_header(OP_LOOKUP, request_id, client_id, numbered)
             + LOOKUP.pack(dht_id, target, NO_BUCKET if current is None else current))
+
+
+def encode_replicate(request_id: int, client_id: int, request: bytes) -> bytes:
+    """A REPLICATE: a change a bucket's primary sends to its backups, the
+    client's request as it came (its request and client ids, so that the
+    backup's reply cache knows a retry of it)."""
+    return request_header(OP_REPLICATE, request_id, client_id) + request
 
 
 def encode_control(request_id: int, client_id: int, body: dict[str, Any]) -> bytes:

@@ -109,6 +109,9 @@ def pinned(tmp_path) -> Iterator[tuple[TrackedDeployment, domus.Cluster]]:
         deployment.stop_everything()
 
 
+# (serial: it watches the balancer follow the CPU another process takes,
+# which other tests running beside it would blur)
+@pytest.mark.serial
 @pytest.mark.timeout(420)
 def test_writes_go_on_through_joins_a_drain_resizes_and_a_busy_node(pinned):
     deployment, cluster = pinned

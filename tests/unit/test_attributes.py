@@ -17,8 +17,15 @@ def test_defaults_are_filled_in():
     assert check_request("words", {}) == {
         "hash": "xxh3", "storage": "ram", "platform": "python-dict",
         "routing": "chord", "routing_degree": None, "routing_algorithm": "fewest-hops",
-        "lookup": "D", "durability": "none",
+        "lookup": "D", "durability": "none", "replicas": 1,
     }
+
+
+@pytest.mark.parametrize("replicas", [0, 4, "2", 2.0, True, None.__class__])
+def test_replicas_are_one_to_three(replicas):
+    with pytest.raises(InvalidAttribute, match="replicas must be an int from 1 to 3"):
+        check_request("words", {"replicas": replicas})
+    assert check_request("words", {"replicas": 3})["replicas"] == 3
 
 
 def test_none_means_use_the_default():

@@ -354,7 +354,7 @@ def test_a_bad_version_is_answered_with_bad_version():
     assert handler.counters["malformed"] == 1
 
 
-@pytest.mark.parametrize("op", [0x00, 0x0D, wire.OP_CONTROL, 0xFF])
+@pytest.mark.parametrize("op", [0x00, 0x0E, wire.OP_CONTROL, 0xFF])
 def test_an_unknown_op_is_answered_with_unknown_op(op):
     handler = make_handler()
     status, message = call(handler, wire.request_header(op, next_id(), CLIENT_A) + b"xx")
