@@ -56,6 +56,7 @@ BALANCE_INTERVAL = 2.0  # seconds between two rounds of the balancer (--balance 
 # A service whose link drops is failed over (its primaries promoted) unless
 # it is back within this; a hung one, once it is unresponsive (--down-after).
 FAILOVER_GRACE = 0.5
+AUTOMATIC = "balancer: "    # what the balancer does by itself (``_balancing`` starts so)
 REPAIRS_PER_ROUND = 32  # backups copied per round of repair
 BALANCE_MODES = ("auto", "manual")
 
@@ -105,6 +106,10 @@ class SupervisorService(Service):
         # service -> DHTs it must be taken out of (it came back without what
         # it held) once they are not being changed
         self._taking_out: dict[str, set[str]] = {}
+        self._failing_over: set[str] = set()    # DHTs a failover waits for
+        # service -> when its link dropped (failover waits FAILOVER_GRACE)
+        self._down_since: dict[str, float] = {}
+        self._started_at = time.monotonic()
         # DHT name -> what is being done to it ("being activated", ...): one
         # change at a time (activation, deactivation, a bucket move).
         self._changing: dict[str, str] = {}
@@ -227,6 +232,7 @@ class SupervisorService(Service):
             self._returning(name, held_dhts)
         self.state.save()
         self.links[name] = link
+        self._down_since.pop(name, None)
         link.peer_name = f"service {name}"
         self.live[name] = {"last_seen": time.monotonic(), "load": {}, "stats": {}}
         link.lost.addCallback(lambda _: self._link_lost(name, link))
@@ -250,14 +256,27 @@ class SupervisorService(Service):
         if self.links.get(name) is link:
             del self.links[name]
             log.warn("service {name} disconnected", name=name)
+            since = self._down_since[name] = time.monotonic()
             if not self._shutting_down:
                 from twisted.internet import reactor
 
-                reactor.callLater(FAILOVER_GRACE, self._fail_over_if_gone, name)
+                reactor.callLater(FAILOVER_GRACE, self._fail_over_if_gone, name, since)
 
-    def _fail_over_if_gone(self, name: str) -> None:
-        if self.service_state(name) == "down" and name in self.state.services:
+    def _fail_over_if_gone(self, name: str, since: float) -> None:
+        """The grace after a link dropped at ``since`` is over: fail the
+        service over unless it is back (or dropped again since)."""
+        if (self.service_state(name) == "down" and name in self.state.services
+                and self._down_since.get(name) == since):
             self._fail_over(name, "its link to the supervisor dropped")
+
+    def _down_past_grace(self, name: str) -> bool:
+        """Down longer than a failover waits: FAILOVER_GRACE since its link
+        dropped, or, for a service not back since this supervisor started,
+        the time a silent service is given (its link is being made again)."""
+        since = self._down_since.get(name)
+        if since is None:
+            return time.monotonic() - self._started_at >= self.down_after
+        return time.monotonic() - since >= FAILOVER_GRACE
 
     def op_heartbeat(self, link: MessageProtocol, *, name: str, load: dict[str, Any],
                      stats: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -274,10 +293,7 @@ class SupervisorService(Service):
                 log.warn("service {name} has sent no heartbeat for {seconds:.1f}s",
                          name=name, seconds=silent)
                 self._fail_over(name, f"it sent no heartbeat for {silent:.0f}s")
-        # (A failover or a take-out that met a DHT being changed is done now.)
-        for name in list(self.state.services):
-            if self.service_state(name) == "down" and name not in self.links:
-                self._fail_over(name, "it is down")
+        self._fail_over_down()
         for name, dhts in list(self._taking_out.items()):
             for dht in sorted(dhts):
                 if dht not in self._changing:
@@ -688,6 +704,11 @@ class SupervisorService(Service):
         self._refuse_while_changing(name, "move a bucket of")
         if role == "storage":
             self._able_to_store(descriptor["platform"], [service], named=True)
+            if any(copy.get(bucket) == service for copy in replicas.backups(descriptor)):
+                raise ControlError("SupervisorError", f"service {service} holds a backup of "
+                                   f"bucket {bucket} of DHT {name!r}: the primary there would "
+                                   f"leave the bucket a copy short; move it to a service that "
+                                   f"holds no copy of it")
         source = layout.owners(descriptor, role).owner(bucket)
         answer = {"name": name, "bucket": bucket, "role": role, "from": source, "to": service,
                   "changed": False, "records": None, "seconds": 0.0, "lagging": {}}
@@ -779,7 +800,7 @@ class SupervisorService(Service):
                                   draining=self.draining, records=self._records_per_bucket(name),
                                   heat=self._heat(name))
             if moves:
-                self._balancing = f"moving {len(moves)} bucket(s) of DHT {name!r}"
+                self._balancing = f"{AUTOMATIC}moving {len(moves)} bucket(s) of DHT {name!r}"
                 self._carry_out(moves, "balancer").addErrback(
                     lambda failure: log.failure("balancer round failed", failure)
                 ).addBoth(lambda _: setattr(self, "_balancing", None))
@@ -1074,6 +1095,7 @@ class SupervisorService(Service):
         backup's place; then each backup ``name`` holds is copied to another
         service, which takes its place."""
         moved: list[dict[str, Any]] = []
+        self._failover_first(dht)
         descriptor = self.state.dhts[dht]
         primary = layout.owners(descriptor, "storage")
         copies = replicas.backups(descriptor)
@@ -1089,14 +1111,25 @@ class SupervisorService(Service):
                                   "source": name, "target": holder, "records": 0,
                                   "why": f"{name} is draining; {holder} has a copy"})
                     break
+        # (Each step with the DHT marked as changing, as a repair is: a
+        # failover, a failed backup's report or a move meanwhile would
+        # change the layout under it.)
         if swapped:
             changed = replicas.with_backups(balancer.describe(
                 descriptor, "storage", primary,
                 [dict(entry) for entry in descriptor["storage_services"]]), copies)
-            yield self._take_layout(dht, descriptor, changed, "promote the backups of")
+            self._refuse_while_changing(dht, "promote the backups of")
+            self._changing[dht] = f"having the backups of {name}'s buckets promoted"
+            try:
+                yield self._take_layout(dht, descriptor, changed, "promote the backups of")
+            finally:
+                self._changing.pop(dht, None)
         for rank, copy in enumerate(replicas.backups(self.state.dhts[dht]), start=1):
             for bucket in list(layout.buckets_in(layout.ranges_of(copy, name))):
+                self._failover_first(dht)
                 descriptor = self.state.dhts[dht]
+                if replicas.backups(descriptor)[rank - 1].get(bucket) != name:
+                    continue            # (a failover changed its copies meanwhile)
                 source = layout.owners(descriptor, "storage").get(bucket)
                 candidates = [service for service in self.live_services()
                               if descriptor["platform"] in self._platforms_of(service)
@@ -1112,7 +1145,13 @@ class SupervisorService(Service):
                 changed_copies[rank - 1].assign(bucket, bucket + 1, target)
                 changed = replicas.with_backups(descriptor, changed_copies, {
                     service: self.state.services[service]["address"] for service in candidates})
-                result = yield self._copy_replica(descriptor, changed, bucket, source, target)
+                self._refuse_while_changing(dht, f"copy bucket {bucket} of")
+                self._changing[dht] = f"having a copy of bucket {bucket} made on {target}"
+                try:
+                    result = yield self._copy_replica(descriptor, changed, bucket, source,
+                                                      target)
+                finally:
+                    self._changing.pop(dht, None)
                 moved.append({"dht": dht, "bucket": bucket, "role": "backup", "source": name,
                               "target": target, "records": result["records"],
                               "why": f"{name} is draining"})
@@ -1152,7 +1191,8 @@ class SupervisorService(Service):
                                f"copies of each bucket; resizing a replicated DHT is not "
                                f"supported yet (create one of the bucket count you want and "
                                f"copy the records over)")
-        self._refuse_while_changing(name, "resize")
+        if not (self._balancing or "").startswith(AUTOMATIC):
+            self._refuse_while_changing(name, "resize")   # (the balancer's own is waited for)
         down = [service for service in self._involved(descriptor)
                 if self.service_state(service) != "up"]
         if down:
@@ -1162,12 +1202,13 @@ class SupervisorService(Service):
 
     @defer.inlineCallbacks
     def _resize(self, name: str, buckets: int) -> Any:
+        yield self._wait_for_balancer()
+        self._refuse_while_changing(name, "resize")
         started = time.monotonic()
         before = self.state.dhts[name]["buckets"]
         self._changing[name] = f"being resized to {buckets} buckets"
         steps: list[dict[str, Any]] = []
         try:
-            yield self._wait_for_balancer()
             self._balancing = f"resizing DHT {name!r} to {buckets} buckets"
             while self.state.dhts[name]["buckets"] != buckets:
                 current = self.state.dhts[name]["buckets"]
@@ -1196,13 +1237,15 @@ class SupervisorService(Service):
     @defer.inlineCallbacks
     def _take_layout(self, name: str, before: dict[str, Any], after: dict[str, Any],
                      why: str) -> Any:
-        """Every involved service takes ``after``, or those that did take
-        ``before`` back and ControlError says why; then ``after`` is saved."""
+        """Every involved service takes ``after``, or every one is given
+        ``before`` back and ControlError says why; then ``after`` is saved.
+        (Those that failed too: one whose acknowledgement was lost, or
+        came too late, has taken ``after``, and a service left with another
+        bucket count than the supervisor's refuses its clients' scans.)"""
         involved = self._involved(after)
         failed = yield self._push(involved, after, self.push_timeout)
         if failed:
-            took = [service for service in involved if service not in failed]
-            self._push_back(before, took, self._involved(before))
+            self._push_back(before, involved, self._involved(before))
             problems = "; ".join(f"{service}: {error}" for service, error in sorted(failed.items()))
             raise ControlError("SupervisorError", f"could not {why} DHT {name!r}; it keeps "
                                f"{before['buckets']} buckets: {problems}")
@@ -1311,15 +1354,46 @@ class SupervisorService(Service):
     #     its copies: a bucket only it holds stays its.
     #   A backup that fails to take a change is reported by its primary
     #     (``copy_failed``) and taken off that primary's buckets.
+    def _failover_first(self, name: str) -> None:
+        """Between two steps of a long change of DHT ``name`` (a drain's
+        copies): a failover that met the change goes before the next step,
+        so that a dead service's buckets do not wait for the whole change."""
+        if name not in self._failing_over:
+            return
+        for service in list(self.state.services):
+            state = self.service_state(service)
+            if state == "unresponsive":
+                self._fail_over(service, "it sent no heartbeat")
+            elif state == "down" and service not in self.links and self._down_past_grace(service):
+                self._fail_over(service, "it is down")
+
+    def _fail_over_down(self) -> None:
+        """(A failover that met a DHT being changed is done now.)"""
+        for name in list(self.state.services):
+            if (self.service_state(name) == "down" and name not in self.links
+                    and self._down_past_grace(name)):
+                self._fail_over(name, "it is down")
+
     def _fail_over(self, service: str, why: str) -> None:
         changed_dhts = []
         for name, descriptor in list(self.state.dhts.items()):
-            if (descriptor.get("replicas") or 1) < 2 or name in self._changing:
+            # (An inactive DHT serves nothing: its records wait in each
+            # service's files, which a restart keeps, for the layout they
+            # were saved under.)
+            if ((descriptor.get("replicas") or 1) < 2
+                    or descriptor.get("state", "active") != "active"):
+                continue
+            if name in self._changing:
+                # (A repair or a move under way: it stops at its next step,
+                # and the next watch of the services fails over.)
+                self._failing_over.add(name)
                 continue
             changed = self._without(descriptor, service, restarted=False)
             if changed is not descriptor:
                 self.state.dhts[name] = changed
                 changed_dhts.append(changed)
+        for descriptor in changed_dhts:
+            self._failing_over.discard(descriptor["name"])
         if not changed_dhts:
             return
         self.state.save()
@@ -1329,10 +1403,15 @@ class SupervisorService(Service):
         self.memory.note(time.monotonic(), f"failover: service {service} is out ({why}); "
                          f"its buckets of {[d['name'] for d in changed_dhts]} are served by "
                          f"their backups", service=service)
+        # (The failed service too, if its link is still there: a hung one
+        # takes the layout once it wakes, instead of serving its old
+        # buckets' reads, stale, to clients that still ask it.)
         for descriptor in changed_dhts:
-            self._push([peer for peer in self._involved(descriptor) if peer != service
-                        and self.service_state(peer) == "up"], descriptor,
-                       self.push_timeout).addCallback(self._log_lagging, descriptor["name"])
+            self._push([peer for peer in self._involved(descriptor)
+                        if self.service_state(peer) == "up"
+                        or peer == service and self.service_state(peer) != "down"],
+                       descriptor, self.push_timeout).addCallback(self._log_lagging,
+                                                                  descriptor["name"])
 
     def _log_lagging(self, lagging: dict[str, str], name: str) -> None:
         for service, error in sorted(lagging.items()):
@@ -1488,35 +1567,106 @@ class SupervisorService(Service):
                     or descriptor.get("state", "active") != "active"):
                 continue
             gaps = replicas.missing(descriptor)
-            if gaps:
-                self._balancing = f"copying missing backups of DHT {name!r}"
+            # (Only gaps a copy can be made for now: the balancer waits while
+            # a repair runs, and must not wait on gaps nobody can fill.)
+            if any(self._repair_target(descriptor, bucket) is not None
+                   for _rank, first, end in gaps for bucket in range(first, end)):
+                self._balancing = f"{AUTOMATIC}copying missing backups of DHT {name!r}"
                 return self._repair(name, gaps).addErrback(
                     lambda failure: log.failure("repairing failed", failure)
+                ).addBoth(lambda _: setattr(self, "_balancing", None))
+            if self.balance == "auto" and self._backup_to_move(descriptor) is not None:
+                self._balancing = f"{AUTOMATIC}moving backups of DHT {name!r}"
+                return self._move_backups(name).addErrback(
+                    lambda failure: log.failure("moving a backup failed", failure)
                 ).addBoth(lambda _: setattr(self, "_balancing", None))
         return None
 
     @defer.inlineCallbacks
+    def _move_backups(self, name: str) -> Any:
+        """A round of backup moves (``--balance-max-moves`` at most)."""
+        for _move in range(self.balancer_settings.max_moves):
+            descriptor = self.state.dhts.get(name)
+            if descriptor is None or name in self._changing or self._failing_over:
+                return
+            move = self._backup_to_move(descriptor)
+            if move is None:
+                return
+            yield self._move_backup(name, *move)
+
+    def _backup_to_move(self, descriptor: dict[str, Any]) -> tuple[int, int, str, str] | None:
+        """Backups follow capacity too: when the service holding the most
+        copies of a DHT's buckets (primaries and backups) is more than one
+        over its share of them all, and another more than one under, one of
+        its backups of a bucket the other holds no copy of moves there
+        (rank, bucket, from, to); None when shares are within one bucket."""
+        view = self._balancer_view()
+        eligible = balancer.eligible(descriptor, "storage", view, self.draining)
+        if len(eligible) < 2:
+            return None
+        capacity = [balancer.capacity(view[name], "storage", descriptor["storage"])
+                    for name in eligible]
+        total = descriptor["buckets"] * (descriptor.get("replicas") or 1)
+        shares = dict(zip(eligible, assignment.proportional_counts(total, capacity)))
+        held = replicas.copies_held(descriptor)
+        over = max(eligible, key=lambda name: held.get(name, 0) - shares[name])
+        under = min(eligible, key=lambda name: held.get(name, 0) - shares[name])
+        if held.get(over, 0) - shares[over] <= 1 or shares[under] - held.get(under, 0) <= 1:
+            return None
+        for rank, copy in enumerate(replicas.backups(descriptor), start=1):
+            for first, end, holder in copy.ranges():
+                if holder != over:
+                    continue
+                for bucket in range(first, end):
+                    if (under not in replicas.holders(descriptor, bucket)
+                            and self.memory.moved_at.get((descriptor["name"], "backup", bucket),
+                                                         -1e18)
+                            < time.monotonic() - self.balancer_settings.cooldown):
+                        return rank, bucket, over, under
+        return None
+
+    @defer.inlineCallbacks
+    def _move_backup(self, name: str, rank: int, bucket: int, source: str, target: str) -> Any:
+        """A backup of ``bucket`` from ``source`` to ``target``: copied live
+        from the bucket's primary, then ``source`` lets it go."""
+        descriptor = self.state.dhts[name]
+        primary = layout.owners(descriptor, "storage").get(bucket)
+        if primary is None or self.service_state(primary) != "up":
+            return None
+        copies = replicas.backups(descriptor)
+        copies[rank - 1].assign(bucket, bucket + 1, target)
+        changed = replicas.with_backups(descriptor, copies,
+                                        {target: self.state.services[target]["address"]})
+        self._changing[name] = f"having a backup of bucket {bucket} moved to {target}"
+        try:
+            result = yield self._copy_replica(descriptor, changed, bucket, primary, target)
+        finally:
+            self._changing.pop(name, None)
+        self.memory.moved_at[(name, "backup", bucket)] = time.monotonic()
+        self.memory.note(time.monotonic(), f"balancer: moved the backup of bucket {bucket} of "
+                         f"DHT {name!r} from {source} to {target} (copies follow capacity)",
+                         dht=name, bucket=bucket, role="backup", source=source, target=target,
+                         records=result["records"])
+        return result
+
+    @defer.inlineCallbacks
     def _repair(self, name: str, gaps: list[tuple[int, int, int]]) -> Any:
         done = 0
+        self._failing_over.discard(name)
         for rank, first, end in gaps:
             for bucket in range(first, end):
                 if done >= REPAIRS_PER_ROUND or name not in self.state.dhts:
                     return done
+                if name in self._failing_over:          # a failover goes first
+                    from twisted.internet import reactor
+
+                    reactor.callLater(0, self._fail_over_down)
+                    return done
                 descriptor = self.state.dhts[name]
-                source = layout.owners(descriptor, "storage").get(bucket)
-                if (source is None or self.service_state(source) != "up"
-                        or str(bucket) in (descriptor.get("storage_lost") or {})):
+                planned = self._repair_target(descriptor, bucket)
+                if planned is None:
                     continue
-                taken = set(replicas.holders(descriptor, bucket))
-                candidates = [service for service in self.live_services()
-                              if descriptor["platform"] in self._platforms_of(service)
-                              and service not in self.draining]
-                if not set(candidates) - taken:
-                    continue            # (no service left to hold another copy)
-                hosts = {service: self.state.services[service]["resources"].get(
-                    "hostname", service) for service in candidates}
-                target = replicas.choose(candidates, hosts, taken,
-                                         replicas.copies_held(descriptor))
+                source, target, candidates = planned
                 copies = replicas.backups(descriptor)
                 copies[rank - 1].assign(bucket, bucket + 1, target)
                 changed = replicas.with_backups(descriptor, copies, {
@@ -1533,11 +1683,35 @@ class SupervisorService(Service):
                 finally:
                     self._changing.pop(name, None)
                 done += 1
+                log.info("repair: DHT {name!r}: bucket {bucket} copied from {source} to "
+                         "{target} ({records} records)", name=name, bucket=bucket,
+                         source=source, target=target, records=result["records"])
                 self.memory.note(time.monotonic(), f"repair: bucket {bucket} of DHT {name!r} "
                                  f"copied to {target} ({result['records']} records)",
                                  dht=name, bucket=bucket, role="backup", source=source,
                                  target=target, records=result["records"])
         return done
+
+    def _repair_target(self, descriptor: dict[str, Any], bucket: int
+                       ) -> tuple[str, str, list[str]] | None:
+        """(source, target, candidates) of a new copy of ``bucket``: its
+        primary, if up, copies it to the service ``replicas.choose`` picks
+        of the live ones that can store it; None if none can now (its
+        primary is down, it is lost, or every candidate holds a copy)."""
+        source = layout.owners(descriptor, "storage").get(bucket)
+        if (source is None or self.service_state(source) != "up"
+                or str(bucket) in (descriptor.get("storage_lost") or {})):
+            return None
+        taken = set(replicas.holders(descriptor, bucket))
+        candidates = [service for service in self.live_services()
+                      if descriptor["platform"] in self._platforms_of(service)
+                      and service not in self.draining]
+        if not set(candidates) - taken:
+            return None             # (no service left to hold another copy)
+        hosts = {service: self.state.services[service]["resources"].get(
+            "hostname", service) for service in candidates}
+        return source, replicas.choose(candidates, hosts, taken,
+                                       replicas.copies_held(descriptor)), candidates
 
     def _replica_view(self, descriptor: dict[str, Any]) -> dict[str, Any]:
         """Where each bucket's copies are, as ranges of buckets with the

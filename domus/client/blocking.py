@@ -298,6 +298,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         distributed lookup, a bucket being moved) takes the course that
         domus.client.lookup lays out."""
         ids = self.cluster.ids
+        count = self.bucket_count
         message, bucket = _keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                  self._shift, key, value)
         first = None
@@ -316,7 +317,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             try:
                 reply = channel.request(message, self.name, bucket)
             except ServiceUnavailable:
-                if not self._owner_moved(bucket, channel):
+                if not self._owner_moved(bucket, channel, count):
                     raise
                 # Sent again as it was: a copy that took it from the dead
                 # primary answers it from its reply cache, applying it once.
@@ -325,11 +326,22 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 if self._first_answer(channel, reply, bucket):
                     return reply
                 first = (channel, reply)
-        encode = self._encoder(op, key, value, unsent)
-        try:
-            return self._drive(self._course(encode, bucket, first, skip=skip))
-        except Renumbered:          # the DHT was resized: hash the key anew
-            return self._request(op, key, value)
+        encode = self._encoder(op, key, value, unsent, message)
+        while True:
+            try:
+                return self._drive(self._course(encode, bucket, first, skip=skip,
+                                             count=count))
+            except Renumbered:          # the DHT was resized: hash the key anew
+                return self._request(op, key, value)
+            except ServiceUnavailable as exc:
+                # (A replicated bucket's primary died while this request went
+                # its course: to its backup, once promoted, as it was.)
+                dead = self.cluster.channel(exc.service, exc.address) if exc.service else None
+                if (dead is None or not self.replicated
+                        or not self._owner_moved(bucket, dead, count)):
+                    raise
+                encode = self._encoder(op, key, value, encode.last)
+                first, skip = None, 0
 
     def _drive(self, course: Generator[tuple[Any, ...], Any, Any]) -> Any:
         """Run a course (domus.client.lookup) to its end with blocking I/O."""
@@ -391,12 +403,13 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                     advance(bucket, functools.partial(course.send, reply))
         return results
 
-    def _owner_moved(self, bucket: int, channel: ServiceChannel) -> bool:
+    def _owner_moved(self, bucket: int, channel: ServiceChannel, count: int) -> bool:
         """After a service failed to answer: ask the supervisor whether the
-        bucket's owner is now elsewhere (the service re-registered at a new
-        address; a replicated DHT's backup took over from it, which the
-        supervisor decides within seconds: asked again until the client's
-        deadline).  False if not, or if the supervisor cannot say."""
+        owner of ``bucket`` (numbered out of ``count``) is now elsewhere
+        (the service re-registered at a new address; a replicated DHT's
+        backup took over from it, which the supervisor decides within
+        seconds: asked again until the client's deadline; the DHT was
+        resized).  False if not, or if the supervisor cannot say."""
         patience = channel.deadline if self.replicated else 0.0
         started = time.monotonic()
         while True:
@@ -404,7 +417,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 self.refresh()
             except DomusError:
                 return False
-            if self._owners[bucket] is not channel:
+            if self.bucket_count != count or self._owners[bucket] is not channel:
                 return True
             if time.monotonic() - started >= patience:
                 return False
@@ -472,15 +485,20 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         owners = self._batch_owners(keys)
         created = 0
         rounds = self._batch_rounds()
+        replies: list[bytes] | None = []
         while keys:
             requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
                                           self.id, self.cluster.ids)
-            new, keys, values, moved, moving = self._put_round(requests,
-                                                               exchange(requests, self.name))
+            replies = self._exchange(requests)
+            if replies is None:             # a primary died: its backup took over
+                owners = self._owners
+                continue
+            new, keys, values, moved, moving = self._put_round(requests, replies)
             created += new
             if keys:
                 self._before_next_round(moved, moving, rounds)
                 owners = self._owners
+        self._batch_seen(replies or [])
         return created
 
     def get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
@@ -489,15 +507,36 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         state = batch.GetMany(wanted, codec.encode_keys(wanted))
         owners = self._batch_owners(state.encoded)
         rounds = self._batch_rounds()
+        replies: list[bytes] | None = []
         while state.pending:
             requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
                                                self.cluster.ids)
-            moved = state.take(requests, batches, exchange(requests, self.name),
-                               self._batch_error)
+            replies = self._exchange(requests)
+            if replies is None:             # a primary died: its backup took over
+                owners = self._owners
+                continue
+            moved = state.take(requests, batches, replies, self._batch_error)
             if moved or state.moving:
                 self._before_next_round(moved, state.moving, rounds)
                 owners = self._owners
+        self._batch_seen(replies or [])
         return state.found
+
+    def _exchange(self, requests: list[tuple[ServiceChannel, bytes]]) -> list[bytes] | None:
+        """A batch's round trip; None when a replicated bucket's primary
+        was dead and its backup has taken over (the batch goes again: its
+        changes apply the same values again)."""
+        try:
+            return exchange(requests, self.name)
+        except ServiceUnavailable as exc:
+            if not (self.replicated and exc.service):
+                raise
+            dead = self.cluster.channel(exc.service, exc.address)
+            buckets = [bucket for bucket in range(self.bucket_count)
+                       if self._owners[bucket] is dead] if self.bucket_count <= 1 << 16 else []
+            if not buckets or not self._owner_moved(buckets[0], dead, self.bucket_count):
+                raise
+            return None
 
     def _batch_error(self, reply: bytes, channel: ServiceChannel) -> DomusError:
         return reply_error(self.name, reply, channel, None)
@@ -545,9 +584,18 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         its new owner (a move during a bucket's scan fails the scan)."""
         self._whole_dht()
         ids = self.cluster.ids
-        bucket, floor = 0, 0
-        while bucket < self.bucket_count:
-            count = self.bucket_count
+        # ``bucket`` is numbered out of ``count``; the layout may change
+        # between two records this yields (the caller's own requests fetch
+        # it when their replies tell of a newer one).
+        bucket, floor, count = 0, 0, self.bucket_count
+        while True:
+            if self.bucket_count != count:
+                # Resized meanwhile: go on from the same point of the hash
+                # range, skipping what was read already.
+                bucket, floor = self._renumbered_at(bucket, count, floor)
+                count = self.bucket_count
+            if bucket >= count:
+                return
             for attempt in (1, 2):
                 channel = self._owners[bucket]
                 first_page = functools.partial(wire.encode_scan, ids.next(), ids.client_id,
@@ -559,9 +607,6 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 if self.bucket_count != count:
                     break
             if self.bucket_count != count:
-                # Resized meanwhile: go on from the same point of the hash
-                # range, skipping what was read already.
-                bucket, floor = self._renumbered_at(bucket, count, floor)
                 continue
             while True:
                 if reply[2] != _OK:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from typing import Any, Generic, TypeVar
 
 from domus.client import codec
@@ -96,6 +96,39 @@ REFRESH_INTERVAL = 0.25
 # not (or no longer) hold the bucket, or the DHT, and a bucket being moved.
 _NOT_FINAL = frozenset({wire.ST_NOT_OWNER, wire.ST_MOVING, wire.ST_UNKNOWN_DHT,
                         wire.ST_STALE_LAYOUT})
+
+
+class Encoder:
+    """A request's messages: ``encode()`` gives the next one to send (a
+    given first one, then new request ids); ``last`` is the one sent last
+    and when it was first made, so that a change is sent again *as it was*
+    where a copy of it may have been applied (its request id is what the
+    services' reply caches know it by)."""
+
+    __slots__ = ("_make", "_pending", "last", "made_at")
+
+    def __init__(self, make: Callable[[], bytes], first: bytes | None = None,
+                 sent: bytes | None = None) -> None:
+        self._make = make
+        self._pending = first
+        self.last = sent if sent is not None else first
+        self.made_at = time.monotonic()
+
+    def __call__(self) -> bytes:
+        if self._pending is not None:
+            message, self._pending = self._pending, None
+        else:
+            message = self._make()
+            self.made_at = time.monotonic()
+        self.last = message
+        return message
+
+    def again(self) -> bytes:
+        """The last message again, while its reply may still be cached
+        (MAX_DEADLINE after it was made); a new one after."""
+        if self.last is not None and time.monotonic() - self.made_at < wire.MAX_DEADLINE:
+            return self.last
+        return self()
 
 
 class Renumbered(Exception):
@@ -193,6 +226,8 @@ class DirectLookup(Generic[Channel]):
             raise UnknownDht(f"DHT {descriptor['name']!r} (id {known}) was destroyed; the DHT "
                              f"of that name now is another one (id {descriptor['id']}): open "
                              f"it again to use it")
+        if getattr(self, "bucket_count", descriptor["buckets"]) != descriptor["buckets"]:
+            self._cache.clear()         # (its buckets are numbered out of the old count)
         self.descriptor = descriptor
         self.name: str = descriptor["name"]
         self.id: int = descriptor["id"]
@@ -349,20 +384,27 @@ class DirectLookup(Generic[Channel]):
     def _refresh_soon(self) -> None:
         raise NotImplementedError
 
-    def _encoder(self, op: int, key: Any, value: bytes | None,
-                 unsent: bytes | None) -> Callable[[], bytes]:
-        """``encode`` for a course: ``unsent`` (the fast path's message, if
-        it was never sent) first, then the request again with a new id."""
-        ids = self.cluster.ids
-        pending = [unsent] if unsent is not None else []
+    def _batch_seen(self, replies: Iterable[bytes]) -> None:
+        """A batch's replies' layout tags, as ``_layout_seen`` takes a
+        single reply's (once the batch is done: its keys keep the numbering
+        they were sent with)."""
+        for reply in replies:
+            if reply[3] != self._layout_tag:
+                self._layout_seen(reply[3])
+                return
 
-        def encode() -> bytes:
-            if pending:
-                return pending.pop()
+    def _encoder(self, op: int, key: Any, value: bytes | None,
+                 unsent: bytes | None, sent: bytes | None = None) -> Encoder:
+        """``encode`` for a course: ``unsent`` (the fast path's message, if
+        it was never sent, or is to be sent again as it was) first, then
+        the request again with a new id; ``sent``: what the fast path sent."""
+        ids = self.cluster.ids
+
+        def make() -> bytes:
             return codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                self._shift, key, value)[0]
 
-        return encode
+        return Encoder(make, unsent, sent)
 
     def _first_hit(self) -> None:
         self._method_stats[self._fast].resolved(self._first_hops)  # type: ignore[index]
@@ -370,22 +412,29 @@ class DirectLookup(Generic[Channel]):
     # ------------------------------------------------------------ a request's course
     def _course(self, encode: Callable[[], bytes], bucket: int,
                 first: tuple[Channel, bytes] | None = None,
-                mark: int | None = None, skip: int = 0) -> Course:
+                mark: int | None = None, skip: int = 0, count: int | None = None) -> Course:
         """The course of one keyed request for ``bucket``: ``encode()`` makes
         the message (a new request id each time).  ``first``: the fast
         path's (channel, reply) when that was not an answer (NOT_OWNER or
         MOVING), which the first method takes as its own; ``mark``: the
         layout it was sent with (see REFRESH); ``skip``: methods the fast
-        path has tried already.  Returns the reply that answers the
-        request; raises the error of one that fails."""
+        path has tried already; ``count``: the bucket count ``bucket`` is
+        numbered out of (default: the layout's now).  Returns the reply that
+        answers the request; raises the error of one that fails, and
+        Renumbered once a layout with another bucket count has been
+        fetched (by this course or meanwhile), whose tables ``bucket`` does
+        not index."""
         if mark is None:
             mark = self._layout_mark()
-        count = self.bucket_count
+        if count is None:
+            count = self.bucket_count
         redirect: tuple[str, str] | None = None
         methods = self._methods
         for index, method in enumerate(methods):
             if index < skip:
                 continue
+            if self.bucket_count != count:
+                raise Renumbered()
             stats = self._method_stats[method]
             hops = 0
             given = None
@@ -403,7 +452,7 @@ class DirectLookup(Generic[Channel]):
             reply = yield from self._send(channel, encode, bucket, given)
             if reply[2] != wire.ST_NOT_OWNER:
                 stats.resolved(hops)
-                return reply
+                return self._final(reply, channel, bucket)
             # A miss: this method's answer is out of date.
             stats.misses += 1
             redirect = self._redirect(reply) or redirect
@@ -414,8 +463,10 @@ class DirectLookup(Generic[Channel]):
                 stats.fallbacks += 1
         if redirect is not None:
             self._counters["redirects"] += 1
-            reply = yield from self._send(self.cluster.channel(*redirect), encode, bucket)
+            channel = self.cluster.channel(*redirect)
+            reply = yield from self._send(channel, encode, bucket)
             if reply[2] != wire.ST_NOT_OWNER:
+                self._final(reply, channel, bucket)
                 # Many redirects mean the layout moved on (buckets were
                 # rebalanced): fetch it again (at most 4 times a second).
                 self._redirects_since_refresh += 1
@@ -435,6 +486,13 @@ class DirectLookup(Generic[Channel]):
             raise WrongService(f"DHT {self.name!r}: service {channel.name} ({channel.address}) "
                                f"does not store bucket {bucket}, though the supervisor says it "
                                f"does; a move is under way, retry shortly", wire.ST_NOT_OWNER)
+        return self._final(reply, channel, bucket)
+
+    def _final(self, reply: bytes, channel: Channel, bucket: int) -> bytes:
+        """A course's last reply: itself if it answers the request, else
+        raised as its error (DataLost, StorageError, DhtInactive...)."""
+        if reply[2] > wire.ST_NOT_FOUND:
+            raise self._error(reply, channel, bucket)
         return reply
 
     def _locating(self, bucket: int) -> Generator[tuple[Any, ...], Any, Channel | None]:
@@ -515,8 +573,10 @@ class DirectLookup(Generic[Channel]):
     def _send(self, channel: Channel, encode: Callable[[], bytes], bucket: int,
               given: bytes | None = None) -> Generator[tuple[Any, ...], Any, bytes]:
         """Send the request to ``channel`` (``given``: its reply, already
-        received), asking again while the bucket is MOVING; returns the
-        reply."""
+        received), asking again while the bucket is MOVING (the same bytes,
+        while they may be known: a replicated primary answers MOVING when a
+        backup did not take a change, which that backup, or another, may
+        have applied); returns the reply."""
         reply = given if given is not None else (yield (SEND, channel, encode(), bucket))
         if reply[2] in (wire.ST_UNKNOWN_DHT, wire.ST_STALE_LAYOUT):
             # A service that left the DHT (it was taken off its lists) knows
@@ -534,7 +594,8 @@ class DirectLookup(Generic[Channel]):
             yield (PAUSE, pause)
             waited += pause
             pause = min(pause * 2, MOVING_MAX_PAUSE)
-            reply = yield (SEND, channel, encode(), bucket)
+            again = encode.again() if isinstance(encode, Encoder) else encode()
+            reply = yield (SEND, channel, again, bucket)
         return reply
 
     def _error(self, reply: bytes, channel: Any, bucket: int | None) -> DomusError:

@@ -745,6 +745,7 @@ class TxDht(DirectLookup[TxChannel]):
         answers at once when it can, anything else takes the course that
         domus.client.lookup lays out."""
         ids = self.cluster.ids
+        count = self.bucket_count
         message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
                                       self._shift, key, value)
         first = None
@@ -764,18 +765,28 @@ class TxDht(DirectLookup[TxChannel]):
             try:
                 reply = await channel.request(message, self.name, bucket)
             except ServiceUnavailable:
-                if not await self._owner_moved(mark, bucket, channel):
+                if not await self._owner_moved(mark, bucket, channel, count):
                     raise
                 unsent = message        # (as the synchronous client: sent again as it was)
             else:
                 if self._first_answer(channel, reply, bucket):
                     return reply
                 first = (channel, reply)
-        encode = self._encoder(op, key, value, unsent)
-        try:
-            return await self._drive(self._course(encode, bucket, first, mark, skip))
-        except Renumbered:          # the DHT was resized: hash the key anew
-            return await self._request(op, key, value)
+        encode = self._encoder(op, key, value, unsent, message)
+        while True:
+            try:
+                return await self._drive(self._course(encode, bucket, first, mark, skip,
+                                                   count))
+            except Renumbered:          # the DHT was resized: hash the key anew
+                return await self._request(op, key, value)
+            except ServiceUnavailable as exc:
+                # (As the synchronous client: to a promoted backup, as it was.)
+                dead = self.cluster.channel(exc.service, exc.address) if exc.service else None
+                if (dead is None or not self.replicated
+                        or not await self._owner_moved(self._fetches, bucket, dead, count)):
+                    raise
+                encode = self._encoder(op, key, value, encode.last)
+                first, skip, mark = None, 0, self._fetches
 
     async def _drive(self, course: Any) -> Any:
         """Run a course (domus.client.lookup) to its end, without blocking."""
@@ -801,11 +812,13 @@ class TxDht(DirectLookup[TxChannel]):
         except StopIteration as stop:
             return stop.value
 
-    async def _owner_moved(self, mark: int, bucket: int, channel: TxChannel) -> bool:
+    async def _owner_moved(self, mark: int, bucket: int, channel: TxChannel,
+                           count: int) -> bool:
         """After ``channel``'s service failed to answer: ask the supervisor
-        whether the bucket is stored elsewhere now (e.g. the service
-        re-registered at a new address).  False if not, or if the supervisor
-        cannot say."""
+        whether the bucket (numbered out of ``count``) is stored elsewhere
+        now (e.g. the service re-registered at a new address, a backup took
+        over from it, or the DHT was resized).  False if not, or if the
+        supervisor cannot say."""
         patience = min(self.cluster.timeout, MAX_DEADLINE) if self.replicated else 0.0
         started = self.cluster.reactor.seconds()
         while True:
@@ -813,7 +826,7 @@ class TxDht(DirectLookup[TxChannel]):
                 await self._layout_after(mark)
             except DomusError:
                 return False
-            if self._owners[bucket] is not channel:
+            if self.bucket_count != count or self._owners[bucket] is not channel:
                 return True
             if self.cluster.reactor.seconds() - started >= patience:
                 return False
@@ -865,6 +878,25 @@ class TxDht(DirectLookup[TxChannel]):
         """Every request at once; fires with the replies in request order."""
         return _gather([channel.request(message, self.name) for channel, message in requests])
 
+    async def _round(self, requests: list[tuple[TxChannel, bytes]]) -> list[bytes] | None:
+        """A batch's round trip; None when a replicated bucket's primary
+        was dead and its backup has taken over (as the synchronous client's
+        _exchange: the batch goes again, its changes applying the same
+        values again)."""
+        mark = self._fetches
+        try:
+            return await self._exchange(requests)
+        except ServiceUnavailable as exc:
+            if not (self.replicated and exc.service):
+                raise
+            dead = self.cluster.channel(exc.service, exc.address)
+            buckets = [bucket for bucket in range(self.bucket_count)
+                       if self._owners[bucket] is dead] if self.bucket_count <= 1 << 16 else []
+            if not buckets or not await self._owner_moved(mark, buckets[0], dead,
+                                                          self.bucket_count):
+                raise
+            return None
+
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> defer.Deferred:
         """Store many records, one message per service where they fit in a
         datagram (more where they do not), all sent at once.  Fires with how
@@ -874,12 +906,17 @@ class TxDht(DirectLookup[TxChannel]):
 
     async def _batch_owners(self, keys: list[bytes]) -> Any:
         """As the synchronous client's: the owners of a batch's buckets by
-        the lookup strategy, distributed lookups all under way at once."""
+        the lookup strategy, distributed lookups all under way at once.
+        They are numbered as the layout is when this returns: if one of
+        another bucket count came meanwhile, its table."""
+        count = self.bucket_count
         owners, missing = self._batch_plan(keys)
         if not missing:
             return owners
         found = await _gather([defer.Deferred.fromCoroutine(self._drive(self._locating(bucket)))
                                for bucket in missing])
+        if self.bucket_count != count:
+            return self._owners
         return self._batch_found(owners, missing, found)
 
     async def _before_next_round(self, moved: int, moving: bool,
@@ -895,17 +932,23 @@ class TxDht(DirectLookup[TxChannel]):
         keys, values = batch.encode_pairs(pairs)
         batch.check_values(values)
         owners = await self._batch_owners(keys)
+        shift = self._shift         # (the numbering of ``owners``: the layout may change)
         created = 0
         rounds = self._batch_rounds()
+        replies: list[bytes] | None = []
         while keys:
-            requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
+            requests = batch.put_requests(keys, values, self._hasher, shift, owners,
                                           self.id, self.cluster.ids)
-            new, keys, values, moved, moving = self._put_round(
-                requests, await self._exchange(requests))
+            replies = await self._round(requests)
+            if replies is None:             # (a backup took over: the round again)
+                owners, shift = self._owners, self._shift
+                continue
+            new, keys, values, moved, moving = self._put_round(requests, replies)
             created += new
             if keys:
                 await self._before_next_round(moved, moving, rounds)
-                owners = self._owners
+                owners, shift = self._owners, self._shift
+        self._batch_seen(replies or [])
         return created
 
     def get_many(self, keys: Iterable[Any]) -> defer.Deferred:
@@ -917,15 +960,21 @@ class TxDht(DirectLookup[TxChannel]):
         wanted = list(keys)
         state = batch.GetMany(wanted, codec.encode_keys(wanted))
         owners = await self._batch_owners(state.encoded)
+        shift = self._shift         # (the numbering of ``owners``: the layout may change)
         rounds = self._batch_rounds()
+        replies: list[bytes] | None = []
         while state.pending:
-            requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
+            requests, batches = state.requests(self._hasher, shift, owners, self.id,
                                                self.cluster.ids)
-            moved = state.take(requests, batches, await self._exchange(requests),
-                               self._batch_error)
+            replies = await self._round(requests)
+            if replies is None:             # (a backup took over: the round again)
+                owners, shift = self._owners, self._shift
+                continue
+            moved = state.take(requests, batches, replies, self._batch_error)
             if moved or state.moving:
                 await self._before_next_round(moved, state.moving, rounds)
-                owners = self._owners
+                owners, shift = self._owners, self._shift
+        self._batch_seen(replies or [])
         return state.found
 
     def _batch_error(self, reply: bytes, channel: TxChannel) -> Exception:

@@ -209,11 +209,16 @@ def format_status(status: dict[str, Any]) -> str:
                               for name in service.get("platforms", [])) or "-"))
     lines += _table(rows)
     lines.append("")
-    dht_rows = [("DHT", "ID", "STATE", "BUCKETS", "HASH", "STORAGE", "ROUTING", "LOOKUP",
-                 "ROUTING SERVICES", "STORAGE SERVICES")]
+    dht_rows = [("DHT", "ID", "STATE", "BUCKETS", "REPLICAS", "HASH", "STORAGE", "ROUTING",
+                 "LOOKUP", "ROUTING SERVICES", "STORAGE SERVICES")]
     for dht in status["dhts"]:
-        dht_rows.append((dht["name"], str(dht["id"]), dht.get("state", "active"),
-                         str(dht["buckets"]), dht["hash"],
+        state = dht.get("state", "active")
+        if dht.get("lost_buckets"):
+            state += f", {dht['lost_buckets']} buckets LOST"
+        elif dht.get("degraded"):
+            state += ", DEGRADED (copies missing)"
+        dht_rows.append((dht["name"], str(dht["id"]), state,
+                         str(dht["buckets"]), str(dht.get("replicas", 1)), dht["hash"],
                          f"{dht['storage']}/{dht['platform']}", dht["routing"], dht["lookup"],
                          ",".join(dht["routing_services"]), ",".join(dht["storage_services"])))
     lines += _table(dht_rows) if status["dhts"] else ["no DHTs"]
@@ -282,8 +287,8 @@ def cmd_service_admin(args: argparse.Namespace) -> int:
             answer = cluster.remove_service(args.name, force=args.force)
             lost = answer.get("lost_records")
             print(f"removed service {args.name}" + (
-                "" if lost is None else f" by force: its buckets of {answer['dhts']} went, "
-                f"empty, to the other services; {lost:,} records lost"))
+                "" if lost is None else f" by force: its buckets of {answer['dhts']} went to "
+                f"their backups, or empty to the other services; {lost:,} records lost"))
         elif args.action == "drain":
             drained = cluster.drain_service(args.name)
             print(f"drained service {args.name}: {drained['moves']} bucket moves, "

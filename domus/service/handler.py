@@ -34,12 +34,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from twisted.internet import defer
 from twisted.logger import Logger
 
 from domus.errors import ProtocolError
 from domus.service import hotpath
-from domus.service.hosted import HostedDht
+from domus.service.hosted import MAX_NUMBERING, HostedDht
 from domus.service.replycache import ReplyCache
 from domus.storage import Repository, StorageFault
 from domus.storage.base import apply_batch
@@ -81,10 +80,65 @@ class RequestFailed(Exception):
 
 
 # A replicated write's primary forwards it to each backup of its bucket(s)
-# with ``replicator(service, address, request) -> Deferred[reply bytes]``
-# (the service's links to its peers; tests give their own), and tells the
-# supervisor of a backup that failed with ``copy_failed(dht, service, why)``.
-Replicator = Callable[[str, str, bytes], defer.Deferred]
+# with ``replicator(service, address, request, done, *args)``, which calls
+# ``done(result, *args)`` once, with the backup's reply bytes or the
+# exception that kept it from answering (the service's links to its peers;
+# tests give their own), and tells the supervisor of a backup that failed
+# with ``copy_failed(dht, service, why)``.
+Replicator = Callable[..., None]
+
+
+class Later:
+    """A reply that comes later (a replicated change, once its backups
+    answer): what ``handle`` returns instead of bytes then.  The transport
+    adds a callback, fired once with the reply bytes.  Lighter than a
+    Deferred, which the data path cannot afford per request."""
+
+    __slots__ = ("_callbacks", "result", "done")
+
+    def __init__(self) -> None:
+        self._callbacks: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        self.done = False
+        self.result: bytes = b""
+
+    def addCallback(self, callback: Callable[..., Any], *args: Any) -> Later:  # noqa: N802
+        if self.done:
+            callback(self.result, *args)
+        else:
+            self._callbacks.append((callback, args))
+        return self
+
+    def fire(self, result: bytes) -> None:
+        self.done, self.result = True, result
+        callbacks, self._callbacks = self._callbacks, []
+        for callback, args in callbacks:
+            callback(result, *args)
+
+
+class _Join:
+    """The backups' answers to one replicated change, counted as they
+    come; the handler takes over once the last has."""
+
+    __slots__ = ("handler", "hosted", "data", "token", "limit", "left", "failed")
+
+    def __init__(self, handler: RequestHandler, hosted: HostedDht, holders: list[str],
+                 data: bytes, token: bytes, limit: int) -> None:
+        self.handler, self.hosted, self.data = handler, hosted, data
+        self.token, self.limit = token, limit
+        self.left = len(holders)
+        self.failed: dict[str, str] = {}
+
+    def took(self, reply: bytes | BaseException, holder: str) -> None:
+        if isinstance(reply, BaseException):
+            self.failed[holder] = str(reply) or type(reply).__name__
+        elif len(reply) < wire.REPLY_HEADER_SIZE:
+            self.failed[holder] = "a short reply"
+        elif reply[2] not in (wire.ST_OK, wire.ST_NOT_FOUND):
+            self.failed[holder] = (wire.STATUS_NAMES.get(reply[2], "bad reply") + ": "
+                                   + reply[wire.REPLY_HEADER_SIZE:].decode("utf-8", "replace"))
+        self.left -= 1
+        if self.left == 0:
+            self.handler._replicated(self)
 
 
 class RequestHandler:
@@ -134,7 +188,7 @@ class RequestHandler:
         self.backup_fast = hotpath.make_fast_path(self.backup_table, self.reply_cache)
         self.replicator: Replicator | None = None
         self.copy_failed: Callable[[HostedDht, str, str], None] | None = None
-        self._in_flight: dict[bytes, list[defer.Deferred]] = {}
+        self._in_flight: dict[bytes, Later] = {}
         self._as_backup = False
 
     @property
@@ -144,10 +198,10 @@ class RequestHandler:
 
     # ------------------------------------------------------------ dispatch
     def handle(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD,
-               forward: bool = True) -> bytes | defer.Deferred | None:
+               forward: bool = True) -> bytes | Later | None:
         """Answer one request.  ``reply_limit`` is the largest reply the
         transport can carry (a datagram, or a TCP frame).  A change to a
-        replicated bucket is answered later: a Deferred that fires with the
+        replicated bucket is answered later: a ``Later`` that fires with the
         reply once every backup has taken it (``forward`` False: applied
         here at once, as its backups have it)."""
         self._requests += 1
@@ -227,83 +281,92 @@ class RequestHandler:
     # client that retries at a backup promoted meanwhile gets that reply,
     # and the change is not applied twice.
     def _replicate_out(self, hosted: HostedDht, data: bytes, token: bytes,
-                       limit: int) -> defer.Deferred | None:
-        """The Deferred reply of a change to replicated buckets, or None to
+                       limit: int) -> Later | None:
+        """The reply, later, of a change to replicated buckets, or None to
         answer it here at once (its buckets have no backup left, or it is
         refused: the ordinary path says why)."""
-        waiters = self._in_flight.get(token)
-        if waiters is not None:
-            waiting: defer.Deferred = defer.Deferred()
-            waiters.append(waiting)
+        waiting = self._in_flight.get(token)
+        if waiting is not None:
             return waiting
         try:
             buckets = self._changed_buckets(hosted, data)
         except (ProtocolError, RequestFailed, StorageFault):
             return None
-        holders = list(dict.fromkeys(holder for bucket in buckets
-                                     for holder in hosted.backups_of(bucket)))
+        if len(buckets) == 1:
+            holders = hosted.backups_of(buckets[0])
+        else:
+            holders = list(dict.fromkeys(holder for bucket in buckets
+                                         for holder in hosted.backups_of(bucket)))
         if not holders:
             return None                     # (degraded: this copy alone)
         assert self.replicator is not None
-        self._in_flight[token] = []
-        forwards = [self.replicator(holder, hosted.addresses.get(holder, ""), data)
-                    for holder in holders]
-        answer = defer.DeferredList(forwards, consumeErrors=True)
-        answer.addCallback(self._replicated, hosted, holders, data, token, limit)
-        answer.addErrback(self._replication_broke, data, token)
-        return answer
+        waiting = self._in_flight[token] = Later()
+        join = _Join(self, hosted, holders, data, token, limit)
+        for holder in holders:
+            try:
+                self.replicator(holder, hosted.addresses.get(holder, ""), data, join.took,
+                                holder)
+            except Exception as exc:
+                # (A replicator that raises at once is a backup that failed,
+                # not a handler that raises, nor a token left in flight.)
+                join.took(exc, holder)
+        return waiting
 
-    def _replicated(self, results: list[tuple[bool, Any]], hosted: HostedDht,
-                    holders: list[str], data: bytes, token: bytes, limit: int) -> bytes:
-        failed = {}
-        for holder, (ok, reply) in zip(holders, results):
-            if not ok:
-                failed[holder] = getattr(reply, "value", reply)
-            elif len(reply) < wire.REPLY_HEADER_SIZE or reply[2] not in (wire.ST_OK,
-                                                                          wire.ST_NOT_FOUND):
-                failed[holder] = (wire.STATUS_NAMES.get(reply[2], "bad reply") + ": "
-                                  + reply[wire.REPLY_HEADER_SIZE:].decode("utf-8", "replace")
-                                  if len(reply) >= wire.REPLY_HEADER_SIZE else "a short reply")
+    def _replicated(self, join: _Join) -> None:
+        """Every backup of a change has answered (``join.failed``: those
+        that did not take it)."""
+        hosted, data = join.hosted, join.data
+        failed = join.failed
         if failed:
             self.counters["replication_failures"] += 1
             for holder, why in sorted(failed.items()):
                 log.warn("service {service}: DHT {dht!r}: the backup on {holder} did not take "
                          "a change: {why}", service=self.service_name, dht=hosted.name,
-                         holder=holder, why=str(why))
+                         holder=holder, why=why)
                 if self.copy_failed is not None:
-                    self.copy_failed(hosted, holder, str(why))
+                    self.copy_failed(hosted, holder, why)
             answer = self._error(wire.ST_MOVING, data[4:8],
                                  f"a backup of DHT {hosted.name!r} on {sorted(failed)} did not "
                                  f"take the change; retry shortly (it was not acknowledged)")
             if hosted.layout_tag:
                 answer = answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
         else:
-            answer = self.handle(data, limit, forward=False)     # applied and cached here
-        self._settle(token, answer)
-        return answer       # type: ignore[return-value]
-
-    def _replication_broke(self, failure: Any, data: bytes, token: bytes) -> bytes:
-        self.counters["internal_errors"] += 1
-        log.failure("service {service}: replicating a change failed", failure,
-                    service=self.service_name)
-        answer = self._error(wire.ST_INTERNAL, data[4:8], f"internal error replicating a "
-                             f"change: {failure.getErrorMessage()}")
-        self._settle(token, answer)
-        return answer
-
-    def _settle(self, token: bytes, answer: bytes) -> None:
-        for waiting in self._in_flight.pop(token, []):
-            waiting.callback(answer)
+            try:
+                answer = self.handle(data, join.limit, forward=False)  # applied, cached
+            except Exception as exc:  # (handle never raises; a bug if it did)
+                log.failure("service {service}: applying a replicated change failed",
+                            service=self.service_name)
+                answer = self._error(wire.ST_INTERNAL, data[4:8], f"internal error: {exc!r}")
+        waiting = self._in_flight.pop(join.token, None)
+        if waiting is not None:
+            waiting.fire(answer)            # type: ignore[arg-type]
 
     def _changed_buckets(self, hosted: HostedDht, data: bytes) -> list[int]:
         """The buckets (this DHT's numbering) a change writes to, each one
         a primary here; raises as the change itself would be refused."""
         op = data[2]
+        # (Checked as the change itself is: a request every copy would refuse
+        # is answered here, not forwarded to fail at the backups, which would
+        # be reported and taken off the bucket for it.)
         if op == wire.OP_PUT_MANY:
             dht_id, entries = wire.decode_put_many(data)
+            if any(len(key) > wire.MAX_KEY_BYTES or len(value) > wire.MAX_VALUE_BYTES
+                   for _bucket, key, value in entries):
+                raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
             buckets = [self._local(hosted, data[3], bucket, key) for bucket, key, _ in entries]
         else:
-            dht_id, bucket, key, _rest = wire.decode_keyed(data)
+            dht_id, bucket, key, rest = wire.decode_keyed(data)
+            if len(key) > wire.MAX_KEY_BYTES:
+                raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
+            if op == wire.OP_PUT:
+                # (wire.put_value's checks, without copying the value again)
+                if (len(rest) < wire.U32.size
+                        or wire.U32.unpack_from(rest)[0] != len(rest) - wire.U32.size):
+                    raise ProtocolError("a put's value length does not match its value")
+                if len(rest) - wire.U32.size > wire.MAX_VALUE_BYTES:
+                    raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
+            elif rest:
+                raise ProtocolError("bytes after the key")
             buckets = [self._local(hosted, data[3], bucket, key)]
         for bucket in buckets:
             if bucket not in hosted.repos:
@@ -373,7 +436,7 @@ class RequestHandler:
         return by_dht
 
     def handle_fast(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD
-                    ) -> bytes | defer.Deferred | None:
+                    ) -> bytes | Later | None:
         """``handle``, with the C path answering what it can."""
         fast = self.fast
         if fast is not None:
@@ -444,7 +507,7 @@ class RequestHandler:
         try:
             return hosted.local_bucket(numbered, bucket, key)
         except ValueError as exc:
-            if key is None:
+            if key is None and numbered <= MAX_NUMBERING:
                 raise RequestFailed(wire.ST_STALE_LAYOUT,
                                     f"DHT {hosted.name!r} has {hosted.bucket_count} buckets "
                                     f"now, not {wire.numbered_count(numbered)}: fetch its "
@@ -609,10 +672,15 @@ class RequestHandler:
             value_of = repo.get
         else:
             # Resized since the scan began: each key is in the bucket its
-            # hash says now (on this service, unless it moved away).
+            # hash says now, on this service; one that moved away since
+            # fails the scan (NOT_OWNER or MOVING), as the bucket itself
+            # would, rather than end it without that bucket's keys.
             def value_of(key: bytes) -> bytes | None:
-                found = hosted.repos.get(hosted.bucket_of(key))
-                return found.get(key) if found is not None else None
+                now = hosted.bucket_of(key)
+                found = hosted.repos.get(now)
+                if found is None:
+                    found = self._repo(dht_id, now)
+                return found.get(key)
         entries = []
         size = wire.REPLY_HEADER_SIZE + wire.SCAN_REPLY.size
         position = offset
@@ -656,6 +724,10 @@ class RequestHandler:
                                 f"DHT {hosted.name!r} uses platform {hosted.platform}, which "
                                 f"keeps no key order; key ranges need domus-rbt or "
                                 f"domus-bsddb-btree")
+        if hosted.lost:
+            # (Any lost bucket may have held keys of the range: a page
+            # without them would be a silent loss.)
+            raise RequestFailed(wire.ST_DATA_LOST, hosted.loss_message(min(hosted.lost)))
         if hosted.frozen:
             raise RequestFailed(wire.ST_MOVING, f"a bucket of DHT {hosted.name!r} is moving "
                                 f"to another service; retry shortly")

@@ -26,6 +26,7 @@ FREEZE_LEASE = wire.FREEZE_LEASE    # see domus.wire.protocol
 REGROUP_PAGE = 2048     # records copied per reactor turn while regrouping
 REGROUP_ROUNDS = 20     # catch-up rounds at most before the last one
 REGROUP_SETTLED = 256   # changed keys a round may bring for the last to follow
+MAX_NUMBERING = 33      # a request's bucket numbering at most: 2^32 buckets
 
 log = Logger(namespace="domus.service")
 
@@ -296,7 +297,8 @@ class HostedDht:
             self._place(storage)
             if self.medium == "ram" and snapshot.exists(self.home):
                 assert self.home is not None
-                loaded = snapshot.load(self.home, self.id, self.repos, self.label)
+                loaded = snapshot.load(self.home, self.id, {**self.repos, **self.backups},
+                                       self.label)
             if expected is not None and loaded != expected and self.medium == "ram":
                 where = snapshot.snapshot_path(self.home) if self.home else "no data dir"
                 raise StorageFault(f"{self.label}: service {self.service_name} saved "
@@ -323,7 +325,11 @@ class HostedDht:
             if self.home is None:
                 raise StorageFault(f"{self.label}: service {self.service_name} has no data "
                                    f"dir to save the records of a RAM DHT in; it stays active")
-            saved = snapshot.save(self.home, self.id, self.repos, self.label)
+            # (The backups held here too: a failover after the DHT is active
+            # again promotes them.  A bucket is a primary or a backup here,
+            # never both.)
+            saved = snapshot.save(self.home, self.id, {**self.repos, **self.backups},
+                                  self.label)
         else:
             assert self.store is not None
             self.store.flush()
@@ -550,9 +556,12 @@ class HostedDht:
         range, or a coarser one with no key, or a key not in ``bucket``."""
         if numbered == 0 or numbered == self.numbering:
             return bucket
-        if not 1 <= numbered <= 33:
+        if not 1 <= numbered <= MAX_NUMBERING:
             raise ValueError(f"bucket numbering {numbered} is not 1 + log2 of a bucket count")
         if numbered > self.numbering:           # finer: the bucket it is part of
+            if key is not None and self._hash(key) >> (65 - numbered) != bucket:
+                raise ValueError(f"bucket {bucket} of {wire.numbered_count(numbered)} is not "
+                                 f"the bucket of its key")
             return bucket >> (numbered - self.numbering)
         if key is None:
             raise ValueError("a coarser numbering needs the key")
@@ -669,28 +678,29 @@ class HostedDht:
         generator (a re-registration, a deactivation) leaves each group as
         it was before its switch.  StorageFault if a group is not wholly
         stored here."""
-        if count > self.bucket_count or self.bucket_count % count:
-            raise StorageFault(f"{self.label}: cannot regroup {self.bucket_count} buckets "
-                               f"into parts of {count}")
-        factor = self.bucket_count // count
-        groups: dict[tuple[int, int], list[int]] = {}
-        for bucket in sorted(self.repos):
-            if bucket in self.frozen:
-                continue
-            if count < self.bucket_count:
-                groups.setdefault((count, bucket // factor), []).append(bucket)
-            elif self.part_of.get(bucket, (count, bucket)) != (count, bucket):
-                groups.setdefault(self.part_of[bucket], []).append(bucket)
-        if count < self.bucket_count:
-            for (_count, new), members in list(groups.items()):
-                if len(members) != factor:
-                    raise StorageFault(f"{self.label}: service {self.service_name} stores "
-                                       f"{len(members)} of the {factor} buckets that become "
-                                       f"bucket {new} of {count}; they must all be here")
-                if self.part_of.get(members[0]) == (count, new):
-                    del groups[(_count, new)]       # merged already
-        done = {"parts": 0, "records": 0}
+        # (Inside the try: a regroup refused here is no longer under way.)
         try:
+            if count > self.bucket_count or self.bucket_count % count:
+                raise StorageFault(f"{self.label}: cannot regroup {self.bucket_count} buckets "
+                                   f"into parts of {count}")
+            factor = self.bucket_count // count
+            groups: dict[tuple[int, int], list[int]] = {}
+            for bucket in sorted(self.repos):
+                if bucket in self.frozen:
+                    continue
+                if count < self.bucket_count:
+                    groups.setdefault((count, bucket // factor), []).append(bucket)
+                elif self.part_of.get(bucket, (count, bucket)) != (count, bucket):
+                    groups.setdefault(self.part_of[bucket], []).append(bucket)
+            if count < self.bucket_count:
+                for (_count, new), members in list(groups.items()):
+                    if len(members) != factor:
+                        raise StorageFault(f"{self.label}: service {self.service_name} stores "
+                                           f"{len(members)} of the {factor} buckets that become "
+                                           f"bucket {new} of {count}; they must all be here")
+                    if self.part_of.get(members[0]) == (count, new):
+                        del groups[(_count, new)]       # merged already
+            done = {"parts": 0, "records": 0}
             for part, members in groups.items():
                 done["records"] += yield from self._regroup_group(part, members, count)
                 done["parts"] += 1
@@ -864,7 +874,9 @@ class HostedDht:
 
     def destroy(self) -> None:
         """Close every repository and delete its data, snapshot included
-        (the DHT is no longer hosted here)."""
+        (the DHT is no longer hosted here).  A move or regroup under way
+        here stops first."""
+        self.abandon_moves()
         store, self.store = self.store, None
         self.repos.clear()
         if store is not None:

@@ -357,77 +357,107 @@ class DomusService(Service):
 class PeerLinks:
     """This service's TCP links to the services that back up its buckets,
     one per peer, made when first needed: a change goes down the one link to
-    a backup, so the backup applies its primary's changes in order."""
+    a backup, so the backup applies its primary's changes in order.  Each
+    change waits in one table, answered by the backup's reply or failed by
+    a lost link or a sweep of those older than REPLICATE_TIMEOUT (no timer
+    and no Deferred per change: this is the replicated write path)."""
 
     def __init__(self, service_name: str) -> None:
         self.service_name = service_name
         self._links: dict[str, MessageProtocol] = {}
-        self._connecting: dict[str, list[defer.Deferred]] = {}
+        self._connecting: dict[str, list[tuple[bytes, Any, tuple[Any, ...]]]] = {}
+        # request id -> (done, args, sent at, link)
+        self._waiting: dict[int, tuple[Any, tuple[Any, ...], float, MessageProtocol]] = {}
         self._ids = itertools.count(1)
+        self._sweeper: task.LoopingCall | None = None
 
-    def forward(self, peer: str, address: str, request: bytes) -> defer.Deferred:
-        """Send ``request`` to ``peer`` as a REPLICATE; fires with the
-        change's own reply (or fails: no link, a timeout, an error)."""
+    def forward(self, peer: str, address: str, request: bytes, done: Any, *args: Any) -> None:
+        """Send ``request`` to ``peer`` as a REPLICATE; ``done(result,
+        *args)`` is called once, with the change's own reply, or with the
+        exception that kept the backup from answering."""
         link = self._links.get(peer)
         if link is not None and link.connected:
-            return self._send(link, request)
-        return self._connect(peer, address).addCallback(self._send, request)
+            self._send(link, request, done, args)
+            return
+        waiting = self._connecting.get(peer)
+        if waiting is not None:
+            waiting.append((request, done, args))
+            return
+        self._connecting[peer] = [(request, done, args)]
+        self._connect(peer, address)
 
-    def _send(self, link: MessageProtocol, request: bytes) -> defer.Deferred:
+    def _send(self, link: MessageProtocol, request: bytes, done: Any,
+              args: tuple[Any, ...]) -> None:
+        if self._sweeper is None:
+            self._sweeper = task.LoopingCall(self._sweep)
+            self._sweeper.start(REPLICATE_TIMEOUT / 4, now=False)
         request_id = next(self._ids) & 0xFFFFFFFF
-        message = wire.encode_replicate(request_id, link.client_id, request)
-        return link.request(message, request_id, REPLICATE_TIMEOUT).addCallback(_inner_reply)
+        self._waiting[request_id] = (done, args, time.monotonic(), link)
+        link.sendString(wire.encode_replicate(request_id, link.client_id, request))
 
-    def _connect(self, peer: str, address: str) -> defer.Deferred:
-        """A Deferred link to ``peer``; callers asking while it is being
-        made share the one connection."""
+    def _answered(self, status: int, request_id: int, frame: bytes) -> None:
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is None:
+            return                          # (timed out already)
+        done, args, _sent, _link = waiting
+        if status == wire.ST_OK:
+            done(frame[wire.REPLY_HEADER_SIZE:], *args)
+        else:
+            done(ConnectionError(f"the backup refused the change: "
+                                 f"{wire.STATUS_NAMES.get(status, hex(status))}: "
+                                 f"{frame[wire.REPLY_HEADER_SIZE:].decode('utf-8', 'replace')}"),
+                 *args)
+
+    def _sweep(self) -> None:
+        old = time.monotonic() - REPLICATE_TIMEOUT
+        for request_id in [rid for rid, (_d, _a, sent, _l) in self._waiting.items() if sent < old]:
+            done, args, _sent, link = self._waiting.pop(request_id)
+            done(TimeoutError(f"{link.peer_name} did not answer within "
+                              f"{REPLICATE_TIMEOUT:.0f}s"), *args)
+
+    def _lost(self, peer: str, link: MessageProtocol) -> None:
+        if self._links.get(peer) is link:
+            del self._links[peer]
+        for request_id in [rid for rid, entry in self._waiting.items() if entry[3] is link]:
+            done, args, _sent, _link = self._waiting.pop(request_id)
+            done(ConnectionError(f"the link to {link.peer_name} was lost"), *args)
+
+    def _connect(self, peer: str, address: str) -> None:
         from twisted.internet import reactor
         from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 
-        mine: defer.Deferred = defer.Deferred()
-        waiters = self._connecting.get(peer)
-        if waiters is not None:
-            waiters.append(mine)
-            return mine
-        self._connecting[peer] = [mine]
-        host, port = addresses.parse(address)
+        try:
+            host, port = addresses.parse(address)
+        except ValueError as exc:
+            # (Failed at once, each change waiting for it: none is left
+            # waiting on a connection that was never begun.)
+            for _request, done, args in self._connecting.pop(peer, []):
+                done(ConnectionError(f"cannot reach service {peer}: {exc}"), *args)
+            return
         link = MessageProtocol()
         link.peer_name = f"service {peer} (a backup)"
+        link.reply_handler = self._answered
 
-        def made(made_link: MessageProtocol) -> MessageProtocol:
+        def made(made_link: MessageProtocol) -> None:
             self._links[peer] = made_link
-            made_link.lost.addCallback(lambda _: self._forget(peer, made_link))
-            return made_link
+            made_link.lost.addCallback(lambda _: self._lost(peer, made_link))
+            for request, done, args in self._connecting.pop(peer, []):
+                self._send(made_link, request, done, args)
 
-        def settle(result: Any) -> None:
-            for waiter in self._connecting.pop(peer, []):
-                if isinstance(result, Failure):
-                    waiter.errback(result)
-                else:
-                    waiter.callback(result)
+        def failed(reason: Failure) -> None:
+            for _request, done, args in self._connecting.pop(peer, []):
+                done(reason.value, *args)
 
         connectProtocol(TCP4ClientEndpoint(reactor, host, port, timeout=REPLICATE_TIMEOUT),
-                        link).addCallback(made).addBoth(settle)
-        return mine
-
-    def _forget(self, peer: str, link: MessageProtocol) -> None:
-        if self._links.get(peer) is link:
-            del self._links[peer]
+                        link).addCallbacks(made, failed)
 
     def close(self) -> None:
+        if self._sweeper is not None and self._sweeper.running:
+            self._sweeper.stop()
         for link in list(self._links.values()):
             if link.transport is not None:
                 link.transport.loseConnection()
         self._links.clear()
-
-
-def _inner_reply(answer: tuple[int, bytes]) -> bytes:
-    status, frame = answer
-    if status != wire.ST_OK:
-        raise ConnectionError(f"the backup refused the change: "
-                              f"{wire.STATUS_NAMES.get(status, hex(status))}: "
-                              f"{frame[wire.REPLY_HEADER_SIZE:].decode('utf-8', 'replace')}")
-    return frame[wire.REPLY_HEADER_SIZE:]
 
 
 class _SupervisorLinkFactory(protocol.ReconnectingClientFactory):

@@ -20,7 +20,6 @@ import errno
 import socket
 from typing import Any
 
-from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReadDescriptor
 from twisted.logger import Logger
 from zope.interface import implementer
@@ -137,10 +136,10 @@ class UdpServer:
     # ------------------------------------------------------------ the Python path
     def _answer_in_python(self, data: bytes, peer: Any) -> None:
         answer = self.handler.handle(data, wire.MAX_UDP_PAYLOAD)
-        if isinstance(answer, Deferred):        # (a replicated change: later)
-            answer.addCallback(self._send_later, peer)
-        elif answer is not None:
+        if isinstance(answer, bytes):
             self._send_later(answer, peer)
+        elif answer is not None:                # (a replicated change: later)
+            answer.addCallback(self._send_later, peer)
 
     def _send_later(self, answer: bytes, peer: Any) -> None:
         if self._fd == -1:
@@ -165,10 +164,10 @@ class UdpServer:
                 self.recv_errors += 1
                 continue
             answer = handle(data, wire.MAX_UDP_PAYLOAD)
-            if isinstance(answer, Deferred):
-                answer.addCallback(self._send_later, peer)
-            elif answer is not None:
+            if isinstance(answer, bytes):
                 try:
                     sendto(answer, peer)
                 except OSError:
                     self.send_errors += 1
+            elif answer is not None:
+                answer.addCallback(self._send_later, peer)

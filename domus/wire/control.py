@@ -31,7 +31,9 @@ from domus.wire import protocol as wire
 log = Logger(namespace="domus.wire.control")
 
 ControlHandler = Callable[[dict[str, Any], "MessageProtocol"], Any]
-DataHandler = Callable[[bytes, int], "bytes | defer.Deferred | None"]
+# (A reply that comes later is an object with addCallback: a Deferred, or
+# domus.service.handler.Later.)
+DataHandler = Callable[[bytes, int], Any]
 
 
 class ControlError(Exception):
@@ -58,6 +60,9 @@ class MessageProtocol(Int32StringReceiver):
 
     control_handler: ControlHandler | None = None
     data_handler: DataHandler | None = None
+    # Replies to requests not sent with ``request`` (the service's copies
+    # to its backups, which keep their own table): (status, id, frame).
+    reply_handler: Callable[[int, int, bytes], None] | None = None
     call_timeout = 10.0
     clock: Any = None  # IReactorTime for call timeouts; None: the global reactor
 
@@ -96,10 +101,10 @@ class MessageProtocol(Int32StringReceiver):
             self._control_received(frame, request_id)
         elif self.data_handler is not None:
             answer = self.data_handler(frame, wire.MAX_FRAME_BYTES)
-            if isinstance(answer, defer.Deferred):      # (answered later)
-                answer.addCallback(self._send_if_connected)
-            elif answer is not None:
+            if isinstance(answer, bytes):
                 self.sendString(answer)
+            elif answer is not None:            # (answered later)
+                answer.addCallback(self._send_if_connected)
         else:
             self.sendString(wire.error_reply(
                 wire.ST_UNKNOWN_OP, request_id,
@@ -148,7 +153,9 @@ class MessageProtocol(Int32StringReceiver):
             return
         pending = self._pending.pop(request_id, None)
         if pending is None:
-            return  # timed out already
+            if self.reply_handler is not None:
+                self.reply_handler(status, request_id, frame)
+            return  # (else: timed out already)
         deferred, timer = pending
         timer.cancel()
         deferred.callback((status, frame))

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import pytest
 
 import domus
-from domus.errors import SupervisorError
+from domus.errors import DataLost, SupervisorError
 from domus.ops.deploy import free_port_block
 
 from .conftest import TrackedDeployment, start_deployment
-from .support import CLIENT_TIMEOUT, LOOPBACK, owner_of, wait_until
+from .support import CLIENT_TIMEOUT, LOOPBACK, bucket_of_key, owner_of, wait_until
 
 # (load damping off: the test's own writer keeps services busy, and the
 # shares it checks are the capacity ones; tests/unit/test_balancer.py
@@ -215,8 +215,13 @@ def test_a_dead_service_removed_by_force_loses_only_its_records(tmp_path):
             info = cluster.dht_info("forced")
             assert all(entry["name"] != "s2" for role in ("routing", "storage")
                        for entry in info[f"{role}_services"])
-            # the rest is there, s2's records are gone, and its buckets take writes
+            # the rest is there, s2's records are gone (its buckets say so
+            # until the loss is accepted), and its buckets take writes
             fresh = cluster.open_dht("forced")
+            with pytest.raises(DataLost, match="lost its records with service s2"):
+                fresh[next(iter(on_s2))]
+            assert sorted(cluster.accept_loss("forced")) == sorted(
+                {bucket_of_key(dht, key) for key in on_s2})
             kept = {key: key for key in range(3_000) if key not in on_s2}
             assert fresh.get_many(range(3_000)) == kept
             for stale in (dht, fresh):

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import domus
-from domus.errors import ServiceUnavailable, SupervisorError
+from domus.errors import DataLost, ServiceUnavailable, SupervisorError
 from domus.ops.deploy import free_port_block
 
 from .support import (
@@ -95,10 +95,18 @@ def test_a_killed_service_fails_its_keys_only(deployment):
         with pytest.raises(SupervisorError, match="s2"):
             cluster.create_dht("on-s2", storage_services=["s2"])
 
-        # Restarted on the same name and port, s2 serves again.  (Its RAM
-        # records died with it: only new writes are expected back.)
+        # Restarted on the same name and port, s2 serves again; its RAM
+        # records died with it, and its buckets say so (DataLost, never a
+        # silent KeyError) until the loss is accepted; then they take
+        # new writes.
         deployment.start_service(deployment.service_index("s2"))
         deployment.wait_until_up(["s2"], timeout=30)
+        with pytest.raises(DataLost, match="lost its records with service s2"):
+            dht[doomed[0]]
+        with pytest.raises(DataLost):
+            dht[doomed[0]] = "too soon"
+        assert dht[spared[1]] == 1
+        assert cluster.accept_loss("victim")
         for key in doomed:
             dht[key] = f"reborn {key}"
         assert dht.get_many(doomed) == {key: f"reborn {key}" for key in doomed}
@@ -163,7 +171,11 @@ def test_a_service_back_at_a_new_address_is_found_again(deployment, cluster):
     assert {e["name"]: e["address"] for e in cluster.services()}["s2"] == new_address
 
     # The handle still has the old address: the first request is refused,
-    # the client asks the supervisor again, and goes to the new one.
+    # the client asks the supervisor again, and goes to the new one, which
+    # says that s2's buckets lost their records (it came back empty).
+    with pytest.raises(DataLost, match=f"answered by service s2 \\({new_address}\\)"):
+        dht[moved[0]] = "lost"
+    cluster.accept_loss("moving")
     for key in moved:
         dht[key] = key
     assert dht.get_many(moved) == {key: key for key in moved}
@@ -203,6 +215,9 @@ def test_a_silent_service_can_be_replaced_under_its_name_at_a_new_address(deploy
     deployment.wait_until_up(["s3"], timeout=30)
     assert replacement.poll() is None
     assert {e["name"]: e["address"] for e in cluster.services()}["s3"] == new_address
+    with pytest.raises(DataLost, match="service s3"):     # the new process holds nothing
+        dht[keys[0]] = "lost"
+    cluster.accept_loss("replaced")
     for key in keys:
         dht[key] = key
     assert dht.get_many(keys) == {key: key for key in keys}

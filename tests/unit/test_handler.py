@@ -809,8 +809,11 @@ def expected_changes(data, seen_tokens):
     for bucket, key, value in entries:
         # A request numbered out of another bucket count is translated
         # (docs/protocol.md, "Resizing"): a finer bucket is the one it is
-        # part of; a coarser one is the key's own, if the key is in it.
+        # part of, a coarser one the key's own; either way if the key is in
+        # the bucket the request names.
         if numbered and numbered > here:
+            if bucket_of(key, "xxh3", wire.numbered_count(numbered)) != bucket:
+                return []
             bucket >>= numbered - here
         elif numbered and numbered < here:
             mine = bucket_of(key, "xxh3", BUCKETS)

@@ -1110,9 +1110,9 @@ def test_c_serves_requests_numbered_as_the_dht_and_tags_replies_with_its_layout(
 def test_requests_numbered_otherwise_are_left_to_python_which_translates_them():
     pair = Pair(version=300)
     key = next(key for key in KEYS if bucket_of_key(key) == 1)    # bucket 1 of 8
-    # Finer (32 buckets): bucket 1 of 8 is buckets 4..7 of 32.
-    finer = wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, DHT_ID, 5, key, b"v",
-                              wire.numbering(BUCKETS * 4))
+    # Finer (32 buckets): bucket 1 of 8 is buckets 4..7 of 32; the key says which.
+    finer = wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, DHT_ID, bucket_of_key(key, BUCKETS * 4),
+                              key, b"v", wire.numbering(BUCKETS * 4))
     # Coarser (4 buckets): bucket 1 of 8 is in bucket 0 of 4; the key says which.
     coarser = wire.encode_keyed(wire.OP_GET, 2, CLIENT_A, DHT_ID, 0, key, b"",
                                 wire.numbering(BUCKETS // 2))
@@ -1129,9 +1129,9 @@ def test_requests_numbered_otherwise_are_left_to_python_which_translates_them():
     pair.close()
 
 
-def bucket_of_key(key):
+def bucket_of_key(key, count=BUCKETS):
     from domus.wire.keys import bucket_of
-    return bucket_of(key, "xxh3", BUCKETS)
+    return bucket_of(key, "xxh3", count)
 
 
 def test_c_samples_one_request_in_sample_every_for_the_hot_bucket_report():

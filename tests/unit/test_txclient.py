@@ -17,6 +17,8 @@ from twisted.test import iosim
 
 from domus.client.tx import DatagramRequests, TxChannel, TxCluster, TxDht, connect
 from domus.errors import (
+    DataLost,
+    DhtInactive,
     DomusError,
     KeyTypeError,
     ServiceUnavailable,
@@ -416,8 +418,10 @@ def test_connect_gives_up_at_the_timeout(reactor) -> None:
 
 
 def test_a_moving_bucket_is_asked_again_after_a_pause(reactor, cluster) -> None:
-    """MOVING applied nothing: the put goes again (a new request id) after
-    a short pause, and again, until the bucket answers."""
+    """MOVING acknowledged nothing: the put goes again after a short pause,
+    and again, until the bucket answers; as it was (the same request id: a
+    replicated bucket's backup may have applied it, and its reply cache
+    knows it by that id)."""
     cluster, transport = cluster
     dht = TxDht(cluster, descriptor([8]))
     created = outcome(dht.put("k", 1))
@@ -427,7 +431,7 @@ def test_a_moving_bucket_is_asked_again_after_a_pause(reactor, cluster) -> None:
         assert created == [] and len(transport.sent) == tries      # pausing, not sending
         reactor.advance(0.5)
         assert len(transport.sent) == tries + 1
-        assert transport.sent[-1][0][4:8] != message[4:8]
+        assert transport.sent[-1][0] == message
     cluster.requests.datagramReceived(reply_to(transport.sent[-1][0], wire.ST_OK, b"\x01"), S1)
     assert created == [True]
     stats = dht.stats()
@@ -449,6 +453,25 @@ def test_a_redirect_is_followed_when_the_strategy_has_nothing_else(reactor, clus
     stats = dht.stats()
     assert stats["redirects"] == 1 and stats["refreshes"] == 0
     assert stats["lookups"]["D"]["misses"] == 1 and stats["direct_misses"] == 1
+
+
+@pytest.mark.parametrize("status, error", [(wire.ST_DATA_LOST, DataLost),
+                                           (wire.ST_STORAGE_ERROR, StorageError),
+                                           (wire.ST_INACTIVE, DhtInactive)])
+def test_an_error_at_the_end_of_a_course_is_raised_not_taken_for_an_answer(
+        reactor, cluster, status, error) -> None:
+    """A redirect followed, and the service it leads to fails the request:
+    the caller gets that failure (it used to get the error reply as if it
+    were a value, or a put's False)."""
+    cluster, transport = cluster
+    dht = TxDht(cluster, descriptor([8, 0]))
+    put = outcome(dht.put("k", 1))
+    message, address = transport.sent[0]
+    cluster.requests.datagramReceived(
+        wire.not_owner_reply(message[4:8], "s2", "127.0.0.1:7702", "moved"), address)
+    message, address = transport.sent[1]
+    cluster.requests.datagramReceived(reply_to(message, status, b"it failed"), address)
+    assert len(put) == 1 and put[0].check(error), put
 
 
 def test_a_service_that_does_not_know_the_dht_sends_the_client_to_the_supervisor(

@@ -1,0 +1,205 @@
+"""Replication with real processes (issue 14): writers put into a
+replicated RAM DHT while services are killed with SIGKILL and started
+again; every acknowledged write reads back with its value, and the writers
+see no error (a request that meets a dead primary waits for its backup to
+take over and is sent again).  With one copy, a restarted service's buckets
+raise DataLost, never KeyError, until the loss is accepted."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+import domus
+from domus.errors import DataLost
+
+from .conftest import TrackedDeployment, start_deployment
+from .support import CLIENT_TIMEOUT, first_difference, owner_of, wait_until
+
+
+class Writer:
+    """Puts from its own client until stopped (new keys, and every fifth
+    write an earlier key again), keeping the last acknowledged value of
+    every key, and every error with when it came."""
+
+    def __init__(self, address: str, name: str, tag: str, lookup: str) -> None:
+        self.acknowledged: dict[str, int] = {}
+        self.errors: list[tuple[float, BaseException]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(address, name, tag, lookup))
+        self._thread.start()
+
+    def _run(self, address: str, name: str, tag: str, lookup: str) -> None:
+        with domus.connect(address, timeout=CLIENT_TIMEOUT) as own:
+            dht = own.open_dht(name, lookup=lookup)
+            number = 0
+            while not self._stop.is_set():
+                key = f"{tag}{number // 5 if number % 5 == 4 else number}"
+                try:
+                    dht[key] = number
+                except Exception as exc:  # counted: the test says what it allows
+                    self.errors.append((time.monotonic(), exc))
+                    self._stop.wait(0.05)
+                else:
+                    self.acknowledged[key] = number
+                number += 1
+
+    def written(self) -> int:
+        return len(self.acknowledged)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)
+        assert not self._thread.is_alive(), "a writer did not stop"
+
+
+def keeps_writing(writers: list[Writer], more: int = 300) -> None:
+    marks = [writer.written() for writer in writers]
+    wait_until(lambda: all(writer.written() >= mark + more
+                           for writer, mark in zip(writers, marks)),
+               timeout=60, what="the writers to go on")
+
+
+def replication(cluster: domus.Cluster, name: str) -> dict:
+    return cluster.dht_info(name)["replication"]
+
+
+def restart(deployment: TrackedDeployment, name: str) -> None:
+    deployment.start_service(deployment.service_index(name))
+    deployment.wait_until_up([name], timeout=30)
+
+
+def check_everything(cluster: domus.Cluster, name: str, writers: list[Writer],
+                     base: dict[int, int]) -> None:
+    expected = {key: value for writer in writers for key, value in writer.acknowledged.items()}
+    fresh = cluster.open_dht(name)
+    assert first_difference(fresh.get_many(list(expected)), expected) == []
+    assert fresh.get_many(list(base)) == base
+    assert len(fresh) == len(expected) + len(base)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("copies, killed_together", [(2, 1), (3, 2)])
+def test_no_acknowledged_write_is_lost_when_services_die(tmp_path, copies, killed_together):
+    deployment = start_deployment(tmp_path, services=4)        # manual balancer
+    writers: list[Writer] = []
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            cluster.create_dht("copies", buckets=32, replicas=copies)
+            view = replication(cluster, "copies")
+            assert view["replicas"] == copies and view["missing_copies"] == 0
+            assert all(len(set(part["holders"])) == copies for part in view["copies"])
+            base = {number: number for number in range(5_000)}
+            cluster.open_dht("copies").put_many(base)
+            writers = [Writer(deployment.supervisor_address, "copies", tag, lookup)
+                       for tag, lookup in (("a", "D"), ("b", "D,C,R"))]
+            keeps_writing(writers)
+            # Kill; writes go on; start the dead ones again (empty: RAM);
+            # wait for every copy to be whole again; then kill others.
+            for victims in (["s2", "s3"][:killed_together], ["s4", "s1"][:killed_together]):
+                for victim in victims:
+                    deployment.kill_service(victim, signal.SIGKILL)
+                keeps_writing(writers)
+                for victim in victims:
+                    restart(deployment, victim)
+                wait_until(lambda: replication(cluster, "copies")["missing_copies"] == 0,
+                           timeout=90, what="the missing copies to be repaired")
+                keeps_writing(writers)
+    finally:
+        for writer in writers:
+            writer.stop()
+    try:
+        for writer in writers:
+            assert [repr(exc) for _at, exc in writer.errors] == []
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            check_everything(cluster, "copies", writers, base)
+        with open(deployment.log_path("supervisor"), encoding="utf-8") as log:
+            said = log.read()
+        assert said.count("failover: service") >= 2, said[-3000:]
+        assert "repair: DHT 'copies'" in said, said[-3000:]
+    finally:
+        deployment.stop_everything()
+
+
+@pytest.mark.timeout(120)
+def test_one_copy_lost_with_its_service_is_data_lost_until_accepted(deployment, cluster):
+    dht = cluster.create_dht("single", buckets=16)
+    records = {number: number for number in range(6_000)}
+    dht.put_many(records)
+    on_s2 = [key for key in records if owner_of(dht, key) == "s2"]
+    elsewhere = [key for key in records if owner_of(dht, key) != "s2"]
+    deployment.kill_service("s2", signal.SIGKILL)
+    restart(deployment, "s2")
+    wait_until(lambda: replication(cluster, "single")["lost_buckets"], timeout=15,
+               what="the supervisor to mark s2's buckets lost")
+    for key in on_s2[:50]:
+        with pytest.raises(DataLost, match=r"lost its records with service s2.*accept-loss"):
+            dht[key]
+        with pytest.raises(DataLost):
+            dht[key] = 1
+    assert dht.get_many(elsewhere) == {key: key for key in elsewhere}
+    with pytest.raises(DataLost):
+        len(dht)
+    with pytest.raises(DataLost):
+        list(dht)
+    assert [entry["lost_buckets"] for entry in cluster.list_dhts()] == [
+        len(replication(cluster, "single")["lost_buckets"])]
+    lost = replication(cluster, "single")["lost_buckets"]
+    assert lost and all(owner_of(dht, key) == "s2" for key in on_s2)
+    assert cluster.accept_loss("single") == lost
+    assert replication(cluster, "single")["lost_buckets"] == []
+    assert len(dht) == len(elsewhere)
+    with pytest.raises(KeyError):
+        dht[on_s2[0]]
+    dht[on_s2[0]] = "back"
+    assert dht[on_s2[0]] == "back"
+
+
+@pytest.mark.timeout(180)
+def test_copies_follow_capacity_when_services_join(tmp_path):
+    """A replicated DHT over two services: two more join, and the balancer
+    gives them their share of the copies, primaries and backups (never two
+    copies of a bucket on one service), while a writer goes on."""
+    from domus.placement import replicas
+
+    deployment = start_deployment(tmp_path, services=2, supervisor_args=(
+        "--balance", "auto", "--balance-settle", "1", "--balance-cooldown", "1",
+        "--balance-cpu-busy", "101"))
+    writers: list[Writer] = []
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            cluster.create_dht("joined", buckets=32, replicas=2)
+            base = {number: number for number in range(4_000)}
+            cluster.open_dht("joined").put_many(base)
+            writers = [Writer(deployment.supervisor_address, "joined", "w", "D,C,R")]
+            keeps_writing(writers)
+            for name in ("s3", "s4"):
+                deployment.spawn_service(name, f"127.0.0.1:{free_port()}")
+            deployment.wait_until_up(["s3", "s4"], timeout=30)
+
+            def spread() -> bool:
+                held = replicas.copies_held(cluster.dht_info("joined"))
+                return len(held) == 4 and max(held.values()) - min(held.values()) <= 2
+
+            wait_until(spread, timeout=120, what="the copies to spread over four services")
+            keeps_writing(writers)
+            copies = replication(cluster, "joined")["copies"]
+            assert all(len(set(part["holders"])) == 2 for part in copies), copies
+    finally:
+        for writer in writers:
+            writer.stop()
+    try:
+        assert [repr(exc) for writer in writers for _at, exc in writer.errors] == []
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            check_everything(cluster, "joined", writers, base)
+    finally:
+        deployment.stop_everything()
+
+
+def free_port() -> int:
+    from domus.ops.deploy import free_port_block
+
+    return free_port_block(1)
