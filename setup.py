@@ -37,7 +37,7 @@ MODULES = {
 }
 EXTENSIONS = [
     Extension(name, sources, depends=["cext/hashes.h", "cext/rbtree_api.h",
-                                                "cext/recordtree_api.h"],
+                                      "cext/recordtree_api.h", "cext/siphash.h"],
               extra_compile_args=COMPILE_ARGS, extra_link_args=LINK_ARGS)
     for name, sources in MODULES.items()
 ]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import socket
@@ -36,6 +37,7 @@ from benchmarks.rebalance import machine
 from domus.ops.deploy import LocalDeployment, free_port_block
 from domus.storage import PLATFORMS
 from domus.wire import address as addresses
+from domus.wire import auth, secret
 from domus.wire import protocol as wire
 
 TECHNOLOGIES = [(platform, medium) for platform in
@@ -68,17 +70,25 @@ def _timed(operation: Any, seconds: float, seed: int) -> tuple[int, float]:
 
 
 def _service_stats(address: str) -> dict[str, Any]:
-    """A service's own stats (OP_STATS over UDP; asked again if lost)."""
+    """A service's own stats (OP_STATS over UDP; asked again if lost),
+    sealed with the deployment's secret when there is one (DOMUS_SECRET_FILE)."""
     host, port = addresses.parse(address)
+    keys = secret.keys()
     request = wire.request_header(wire.OP_STATS, 1, random.getrandbits(63))
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.settimeout(2.0)
         for _attempt in range(5):
-            sock.sendto(request, (host, port))
+            sealed = request if keys is None else auth.seal_request(keys.data, request)
+            sock.sendto(sealed, (host, port))
             try:
-                reply = sock.recv(65536)
+                reply: bytes | None = sock.recv(65536)
             except TimeoutError:
                 continue
+            if keys is not None:
+                reply = auth.open_reply(keys.data, reply, request[8:16], sealed[-12:-8])
+                if reply is None:
+                    raise RuntimeError(f"service {address}'s stats reply does not carry "
+                                       f"the deployment secret's MAC")
             if reply[2] != wire.ST_OK:
                 raise RuntimeError(f"service {address} refused its stats: {reply[8:]!r}")
             return wire.unpack(reply[wire.REPLY_HEADER_SIZE:])
@@ -101,11 +111,11 @@ def measure(clients: int, seconds: float,
     results: dict[str, dict[str, float]] = {}
     try:
         with LocalDeployment(1, port=free_port_block(2), data_dir=data_dir) as deployment:
-            import domus
+            os.environ.update(deployment.environment())   # (workers find its secret)
 
             service = psutil.Process(deployment.services["s1"].pid)
             address = deployment.service_address(0)
-            with domus.connect(deployment.supervisor_address) as cluster:
+            with deployment.connect() as cluster:
                 for platform, medium in technologies or TECHNOLOGIES:
                     name = _name(platform, medium)
                     cluster.create_dht(name, platform=platform, storage=medium)

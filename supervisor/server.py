@@ -29,7 +29,7 @@ from domus._version import __version__
 from domus.errors import InvalidAttribute, SupervisorError
 from domus.placement import assignment, layout, replicas
 from domus.wire import address as addresses
-from domus.wire import launch
+from domus.wire import launch, secret
 from domus.wire import protocol as wire
 from domus.wire.attributes import (
     MAX_BUCKETS,
@@ -64,7 +64,8 @@ BALANCE_MODES = ("auto", "manual")
 class SupervisorService(Service):
     def __init__(self, *, listen: str, data_dir: str, down_after: float = DOWN_AFTER,
                  push_timeout: float = PUSH_TIMEOUT, balance: str = "auto",
-                 balancer_settings: balancer.Settings | None = None) -> None:
+                 balancer_settings: balancer.Settings | None = None,
+                 secret_file: str | None = None, insecure: bool = False) -> None:
         if not (down_after > 0 and push_timeout > 0):
             raise ValueError(f"down_after ({down_after}) and push_timeout ({push_timeout}) "
                              "must be positive numbers of seconds")
@@ -74,6 +75,18 @@ class SupervisorService(Service):
         self.address = f"{self.listen_host}:{self.listen_port}"
         data_dir = os.path.abspath(data_dir)
         self.state = SupervisorState(data_dir)
+        # The deployment secret (domus.wire.secret): given, or made at the
+        # first start in the data dir; none with --insecure.
+        self.keys: secret.Keys | None = None
+        if not insecure:
+            path = os.path.abspath(secret_file or os.path.join(data_dir, secret.SECRET_FILE))
+            if secret_file is None and not os.path.exists(path):
+                secret.create(path)
+                log.info("made the deployment secret {path} (mode 0600): give it to every "
+                         "service and client of this deployment (--secret-file or "
+                         "${env})", path=path, env=secret.ENVIRONMENT)
+            self.keys = secret.Keys.from_secret(secret.load(path), path)
+        self.auth_failures = 0
         timing = [] if (down_after, push_timeout) == (DOWN_AFTER, PUSH_TIMEOUT) else [
             "--down-after", repr(down_after), "--push-timeout", repr(push_timeout)]
         if balance != "auto":
@@ -87,6 +100,10 @@ class SupervisorService(Service):
                 ("--balance-smoothing", knobs.smoothing, balancer.Settings.smoothing)):
             if value != default:
                 timing += [flag, repr(value)]
+        if insecure:
+            timing.append("--insecure")
+        elif secret_file is not None:
+            timing += ["--secret-file", os.path.abspath(secret_file)]
         self.state.launch = launch.record("supervisor", listen, [
             "supervisor", "--listen", listen, "--data-dir", data_dir, *timing], data_dir)
         self._shutting_down = False
@@ -128,6 +145,8 @@ class SupervisorService(Service):
         def build(addr: Any) -> MessageProtocol:
             link = original(addr)
             link.control_handler = self.control
+            link.accepting, link.keys = True, self.keys
+            link.auth_failures = self._auth_failed
             return link
 
         factory.buildProtocol = build
@@ -150,6 +169,9 @@ class SupervisorService(Service):
                 link.transport.loseConnection()
         super().stopService()
         return defer.maybeDeferred(self._port.stopListening) if self._port else defer.succeed(None)
+
+    def _auth_failed(self, why: str) -> None:
+        self.auth_failures += 1
 
     # -------------------------------------------------------------- dispatch
     def control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
@@ -2008,12 +2030,15 @@ class SupervisorService(Service):
     def op_status(self, link: MessageProtocol) -> dict[str, Any]:
         return {"supervisor": {"address": self.address, "version": __version__,
                                "pid": os.getpid(), "uptime": time.time() - self.started,
-                               "data_dir": self.state.data_dir},
+                               "data_dir": self.state.data_dir,
+                               "secure": self.keys is not None,
+                               "refused_connections": self.auth_failures},
                 "services": self.op_services(link),
                 "dhts": self.op_list_dhts(link)}
 
     def op_ping(self, link: MessageProtocol) -> dict[str, Any]:
-        return {"supervisor": self.address, "version": __version__}
+        return {"supervisor": self.address, "version": __version__,
+                "secure": self.keys is not None}
 
 
 def _straddling_pairs(owners: Any) -> list[tuple[int, str, str]]:

@@ -54,6 +54,7 @@ from domus.client.transport import (
 )
 from domus.errors import (
     SUPERVISOR_ERRORS,
+    AuthenticationError,
     DomusError,
     ServiceUnavailable,
     SupervisorError,
@@ -62,9 +63,11 @@ from domus.errors import (
     ValueTooLarge,
 )
 from domus.wire import address as addresses
+from domus.wire import auth, secret
 from domus.wire import protocol as wire
 from domus.wire.attributes import check_strategy, create_request
 from domus.wire.control import MessageProtocol, RemoteControlError
+from domus.wire.secret import Keys
 
 WINDOW = 32            # datagrams in flight per service; more wait on the client
 MAX_PACKET = 65536     # what the UDP socket reads at once (Twisted's default is 8192)
@@ -104,18 +107,30 @@ class _Once:
 
 
 def _open_link(reactor: Any, host: str, port: int, timeout: float,
-               peer_name: str) -> defer.Deferred:
+               peer_name: str, keys: Keys | None) -> defer.Deferred:
     """A connected MessageProtocol (length-prefixed TCP, calls as Deferreds)
-    whose call timeouts run on ``reactor``."""
+    whose call timeouts run on ``reactor``, once its handshake has ended
+    (fails with AuthenticationError if either side refuses the other)."""
     link = MessageProtocol()
     link.clock = reactor
     link.peer_name = peer_name
+    link.keys = keys
 
-    def connected(link: MessageProtocol) -> MessageProtocol:
+    def connected(link: MessageProtocol) -> defer.Deferred:
         set_no_delay = getattr(link.transport, "setTcpNoDelay", None)
         if set_no_delay is not None:
             set_no_delay(True)
-        return link
+
+        def hung(failure: Failure) -> Failure:
+            # (a peer that accepts but never speaks the handshake)
+            if failure.check(defer.TimeoutError):
+                if link.transport is not None:
+                    link.transport.loseConnection()
+                return Failure(ConnectionError(f"{peer_name} did not answer the "
+                                               f"handshake within {timeout:.1f}s"))
+            return failure
+
+        return link.authenticated.addTimeout(timeout, reactor).addErrback(hung)
 
     endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=timeout)
     return connectProtocol(endpoint, link).addCallback(connected)
@@ -133,7 +148,7 @@ class _Pending:
     or the client's close."""
 
     __slots__ = ("deferred", "message", "request_id", "channel", "dht", "bucket",
-                 "started", "timeout", "tries", "timer")
+                 "started", "timeout", "tries", "timer", "stamps")
 
     def __init__(self, channel: TxChannel, message: bytes, dht: str,
                  bucket: int | None) -> None:
@@ -146,6 +161,7 @@ class _Pending:
         self.timeout = channel.first_timeout
         self.tries = 0
         self.timer: Any = None
+        self.stamps: list[bytes] = []   # (secure) the times its tries were sealed with
         self.deferred: defer.Deferred = defer.Deferred(canceller=self._cancelled)
 
     def _cancelled(self, _deferred: defer.Deferred) -> None:
@@ -173,6 +189,7 @@ class DatagramRequests(protocol.DatagramProtocol):
         self.channels: set[TxChannel] = set()
         self.late_replies = 0
         self.stray = 0
+        self.unauthenticated = 0        # replies whose MAC did not check (dropped)
         self.send_errors = 0
         self.closed = False
         self._port: Any = None
@@ -224,8 +241,14 @@ class DatagramRequests(protocol.DatagramProtocol):
     def _send(self, entry: _Pending) -> None:
         entry.tries += 1
         entry.timer = self.reactor.callLater(entry.timeout, self._expired, entry)
+        message, key = entry.message, entry.channel.key
+        if key is not None:
+            # Each try sealed afresh (a retry long after the first must not
+            # look stale); its reply may answer any of them.
+            message = auth.seal_request(key, message)
+            entry.stamps.append(message[-12:-8])
         try:
-            self._write(entry.message, (entry.channel.ip, entry.channel.port))
+            self._write(message, (entry.channel.ip, entry.channel.port))
         except OSError:
             self.send_errors += 1  # a full send buffer: the retry timer sends it again
 
@@ -279,6 +302,17 @@ class DatagramRequests(protocol.DatagramProtocol):
         if entry is None:
             self.late_replies += 1
             return
+        key = entry.channel.key
+        if key is not None:
+            client_id = entry.message[8:16]
+            for stamp in reversed(entry.stamps):
+                opened = auth.open_reply(key, data, client_id, stamp)
+                if opened is not None:
+                    data = opened
+                    break
+            else:
+                self.unauthenticated += 1   # not the service's: wait on for its own
+                return
         self.forget(entry)
         if data[2] == wire.ST_REPLY_TOO_LARGE:
             entry.channel.request_tcp(entry.message, entry.dht, entry.bucket).chainDeferred(
@@ -333,9 +367,14 @@ class TxChannel:
     channel's own TCP connection when a message does not fit a datagram."""
 
     def __init__(self, name: str, address: str, *, requests: DatagramRequests,
-                 deadline: float, first_timeout: float = FIRST_TIMEOUT) -> None:
+                 deadline: float, first_timeout: float = FIRST_TIMEOUT,
+                 keys: Keys | None = None) -> None:
         self.name = name
         self.address = address
+        # A secure deployment's (domus.wire.auth): datagrams sealed with the
+        # data key, the TCP connection opened with the handshake.
+        self.keys = keys
+        self.key = keys.data if keys is not None else None
         self.host, self.port = addresses.parse(address)
         # The same limits as domus.client.transport.ServiceChannel (see there why).
         self.deadline = min(deadline, MAX_DEADLINE)
@@ -360,7 +399,7 @@ class TxChannel:
     def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> defer.Deferred:
         """Send one request; fires with its reply (retried over UDP, or over
         TCP when it is too big for a datagram)."""
-        if len(message) > wire.DEFAULT_MAX_DATAGRAM:
+        if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
             return self.request_tcp(message, dht, bucket)
         return self.requests.request(self, message, dht, bucket)
 
@@ -378,6 +417,9 @@ class TxChannel:
                 return frame
             except (TimeoutError, error.TimeoutError) as exc:
                 raise self.unavailable(f"failed over TCP ({exc})", dht, bucket) from None
+            except AuthenticationError:
+                self._drop_tcp(link)
+                raise
             except (ConnectionError, error.ConnectError, OSError) as exc:
                 # One reconnect (the service may have restarted); a retry of
                 # a change is answered from the service's reply cache.
@@ -401,7 +443,7 @@ class TxChannel:
                 return failure
 
             opening = _open_link(self.requests.reactor, self.host, self.port, self.deadline,
-                                 f"service {self.name}")
+                                 f"service {self.name} ({self.address})", self.keys)
             opening.addCallbacks(made, failed).addBoth(once.settle)
             return once.wait()  # (self._tcp may be None again already: a failure at once)
         return self._tcp.wait()
@@ -423,19 +465,22 @@ class TxChannel:
 
 
 def connect(address: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-            reactor: Any = None, *, window: int = WINDOW) -> defer.Deferred:
+            reactor: Any = None, *, window: int = WINDOW,
+            secret_file: str | None = None) -> defer.Deferred:
     """Connect to a deployment's supervisor: ``address`` (HOST:PORT), else
     $DOMUS_SUPERVISOR, else 127.0.0.1:7700.  Fires with a TxCluster, or
     fails with SupervisorUnreachable if the supervisor does not answer
-    within ``timeout`` seconds, which also bounds every later call."""
+    within ``timeout`` seconds, which also bounds every later call.
+    ``secret_file``: as domus.connect's (AuthenticationError when it is
+    wrong or missing)."""
     if reactor is None:
         from twisted.internet import reactor as default_reactor
 
         reactor = default_reactor
     try:
         cluster = TxCluster(addresses.supervisor_address(address), timeout, reactor,
-                            window=window)
-    except ValueError as exc:
+                            window=window, secret_file=secret_file)
+    except (ValueError, AuthenticationError) as exc:
         return defer.fail(exc)
 
     def timed_out(failure: Failure) -> Failure:
@@ -456,7 +501,7 @@ class TxCluster:
     """A connection to one Domus deployment; every call returns a Deferred."""
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT, reactor: Any = None,
-                 *, window: int = WINDOW) -> None:
+                 *, window: int = WINDOW, secret_file: str | None = None) -> None:
         if reactor is None:
             from twisted.internet import reactor as default_reactor
 
@@ -465,6 +510,8 @@ class TxCluster:
         self.host, self.port = addresses.parse(address)
         self.timeout = timeout
         self.reactor = reactor
+        self.keys = secret.keys(secret_file)
+        self.secure = False             # (the supervisor's handshake said so)
         self.ids = RequestIds()
         self.requests = DatagramRequests(reactor, window)
         self._channels: dict[tuple[str, str], TxChannel] = {}
@@ -481,8 +528,9 @@ class TxCluster:
         key = (name, address)
         channel = self._channels.get(key)
         if channel is None:
-            channel = self._channels[key] = TxChannel(name, address, requests=self.requests,
-                                                      deadline=self.timeout)
+            channel = self._channels[key] = TxChannel(
+                name, address, requests=self.requests, deadline=self.timeout,
+                keys=self.keys if self.secure else None)
         return channel
 
     # -- the supervisor link
@@ -496,13 +544,14 @@ class TxCluster:
 
             def made(link: MessageProtocol) -> MessageProtocol:
                 self._link_protocol = link
+                self.secure = link.secure
                 link.lost.addCallback(lambda _: self._drop_link(link))
                 return link
 
             def failed(failure: Failure) -> Failure:
                 if self._link is once:
                     self._link = None
-                if failure.check(defer.CancelledError):
+                if failure.check(defer.CancelledError, AuthenticationError):
                     return failure
                 return Failure(SupervisorUnreachable(
                     f"cannot reach the Domus supervisor at {self.address}: "
@@ -510,7 +559,7 @@ class TxCluster:
                     f"supervisor`)? Pass its HOST:PORT or set DOMUS_SUPERVISOR"))
 
             self._opening = _open_link(self.reactor, self.host, self.port, self.timeout,
-                                       "supervisor")
+                                       f"the supervisor at {self.address}", self.keys)
             self._opening.addCallbacks(made, failed).addBoth(once.settle)
             return once.wait()  # (self._link may be None again already: a failure at once)
         return self._link.wait()
