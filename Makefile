@@ -14,7 +14,8 @@ PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
 
-C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_hotpath.py tests/unit/test_codec.py
+C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_recordtree.py tests/unit/test_hotpath.py \
+  tests/unit/test_codec.py
 ASAN_DIR := build/asan
 
 .PHONY: all demo test test-fast system venv lint bench check-c clean wheelhouse

@@ -31,11 +31,13 @@ if SANITIZE:
 # module name -> sources; nothing but the C library and Python's headers.
 MODULES = {
     "domus._rbtree": ["cext/rbtree.c"],
+    "domus._recordtree": ["cext/recordtree.c"],
     "domus._hotpath": ["cext/hotpath.c"],
     "domus._codec": ["cext/codec.c"],
 }
 EXTENSIONS = [
-    Extension(name, sources, depends=["cext/hashes.h", "cext/rbtree_api.h", "cext/siphash.h"],
+    Extension(name, sources, depends=["cext/hashes.h", "cext/rbtree_api.h",
+                                      "cext/recordtree_api.h", "cext/siphash.h"],
               extra_compile_args=COMPILE_ARGS, extra_link_args=LINK_ARGS)
     for name, sources in MODULES.items()
 ]

@@ -309,7 +309,32 @@ def format_status(status: dict[str, Any]) -> str:
                          f"{dht['storage']}/{dht['platform']}", dht["routing"], dht["lookup"],
                          ",".join(dht["routing_services"]), ",".join(dht["storage_services"])))
     lines += _table(dht_rows) if status["dhts"] else ["no DHTs"]
+    stored = _stored_rows(status["services"])
+    if stored:
+        lines += ["", *_table(stored)]
     return "\n".join(lines)
+
+
+def _stored_rows(services: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """What each service stores of each DHT, as its last heartbeat said: the
+    records and the bytes its platform counts holding for them (record-tree
+    arenas, Berkeley DB pages; "-" where the platform cannot tell)."""
+    rows = [("SERVICE", "DHT", "RECORDS", "HELD", "BYTES/RECORD")]
+    for service in services:
+        dhts = (service.get("stats") or {}).get("dhts") or {}
+        for name, held in sorted(dhts.items()):
+            if not held.get("storage_buckets"):
+                continue
+            records = held.get("records", 0)
+            size = held.get("storage_bytes")
+            rows.append((service["name"], name, f"{records:,}",
+                         "-" if size is None else _bytes(size),
+                         "-" if size is None or not records else f"{size / records:,.0f}"))
+    return rows if len(rows) > 1 else []
+
+
+def _bytes(value: float) -> str:
+    return _size(value) if value >= 1 << 20 else f"{value / 1024:.1f} KiB"
 
 
 def _size(value: float | None) -> str:
@@ -605,7 +630,7 @@ def _version_line() -> str:
     from domus._version import __version__
 
     try:
-        from domus import _codec, _hotpath, _rbtree  # noqa: F401
+        from domus import _codec, _hotpath, _rbtree, _recordtree  # noqa: F401
         paths = "C extensions built"
     except ImportError:
         paths = "C extensions not built: pure-Python paths (slower)"

@@ -101,7 +101,7 @@ def test_the_wheel_holds_every_module_of_the_source_tree():
     expected |= {f"domus/supervisor/{path.relative_to(ROOT / 'supervisor')}"
                  for path in (ROOT / "supervisor").rglob("*.py")}
     assert expected - shipped == set(), "left out of the wheel"
-    assert {"_codec", "_hotpath", "_rbtree"} <= {
+    assert {"_codec", "_hotpath", "_rbtree", "_recordtree"} <= {
         Path(name).name.split(".")[0] for name in shipped if name.endswith(".so")}
     assert re.search(rf"domus-{re.escape(domus.__version__)}-", wheel.name)
     # the sdist carries what it needs to build the wheel, and the tests

@@ -324,10 +324,10 @@ def test_a_forged_frame_on_an_authenticated_link_closes_it():
 
 # ------------------------------------------------------------ the UDP service
 
-def descriptor():
+def descriptor(platform="python-dict"):
     return {
         "id": DHT_ID, "name": "t", "buckets": 4, "hash": "xxh3", "storage": "ram",
-        "platform": "python-dict", "routing": "chord", "lookup": "D", "state": "active",
+        "platform": platform, "routing": "chord", "lookup": "D", "state": "active",
         "routing_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 4}],
         "storage_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 4}],
     }
@@ -348,11 +348,17 @@ class Reactor:
         function(*args)
 
 
-@pytest.fixture(params=["c", "python"])
+# Both data paths, on a bucket of each RAM platform: a dict's values are sent
+# as the bytes objects they are, a record tree's are copied from its arena
+# into the reply, and both get the same trailer.
+@pytest.fixture(params=[(path, platform) for path in ("c", "python")
+                        for platform in ("python-dict", "domus-rbt")],
+                ids=lambda param: "-".join(param))
 def service(request):
+    path, platform = request.param
     handler = RequestHandler("s1", data_key=KEYS.data)
-    handler.assign(descriptor())
-    if request.param == "python":
+    handler.assign(descriptor(platform))
+    if path == "python":
         handler.fast = None
     elif handler.fast is None:
         pytest.skip("the C hot path is off")
@@ -405,6 +411,39 @@ def test_a_sealed_request_is_served_and_its_reply_sealed_for_it(service):
         wire.ST_OK, 1, b"\x01")
     assert auth.open_reply(KEYS.data, reply, CLIENT, struct.pack(">I", 0)) is None
     assert stored(handler) == {b"\x03k": b"\xa5value"}
+
+
+def test_a_sealed_get_is_answered_with_the_stored_value_sealed_for_it(service):
+    handler, reactor, client = service
+    value = b"\xa5" + bytes(range(256)) * 4
+    exchange(reactor, client, [auth.seal_request(KEYS.data, put(1, value))], 1)
+    answered_in_c = handler.fast.requests if handler.fast is not None else None
+    sealed = auth.seal_request(KEYS.data, get(2))
+    reply, = exchange(reactor, client, [sealed], 1)
+    assert auth.open_reply(KEYS.data, reply, CLIENT, sealed[-12:-8]) == wire.reply(
+        wire.ST_OK, 2, value)
+    assert len(reply) == wire.REPLY_HEADER_SIZE + len(value) + auth.REPLY_TRAILER
+    if answered_in_c is not None:                   # (the C path answered it itself)
+        assert handler.fast.requests == answered_in_c + 1
+
+
+def test_a_value_that_fits_a_reply_but_not_its_trailer_is_refused_as_too_large(service):
+    handler, reactor, client = service
+    room = wire.MAX_UDP_PAYLOAD - wire.REPLY_HEADER_SIZE - auth.REPLY_TRAILER
+    repository = handler.dhts[DHT_ID].repos[0]
+    repository[b"\x03k"] = b"\xa5" + b"x" * room                  # (stored over TCP, say)
+    repository[b"\x03j"] = b"\xa5" + b"y" * (room - 1)
+    sealed = auth.seal_request(KEYS.data, get(3))
+    reply, = exchange(reactor, client, [sealed], 1)
+    opened = auth.open_reply(KEYS.data, reply, CLIENT, sealed[-12:-8])
+    assert opened is not None and opened[2] == wire.ST_REPLY_TOO_LARGE
+    largest = auth.seal_request(
+        KEYS.data, wire.encode_keyed(wire.OP_GET, 4, 7, DHT_ID, 0, b"\x03j"))
+    reply, = exchange(reactor, client, [largest], 1)
+    assert len(reply) == wire.MAX_UDP_PAYLOAD
+    assert auth.open_reply(KEYS.data, reply, CLIENT, largest[-12:-8]) == wire.reply(
+        wire.ST_OK, 4, b"\xa5" + b"y" * (room - 1))
+    assert stored(handler)[b"\x03k"] == b"\xa5" + b"x" * room
 
 
 def test_unsealed_and_forged_requests_change_nothing_get_nothing_and_are_counted(service):

@@ -170,8 +170,8 @@ def close_handlers():
 
 @pytest.fixture(params=list(TECHNOLOGIES))
 def platform(request):
-    if request.param == "domus-rbt" and hotpath.rbtree_type() is None:
-        pytest.skip("domus._rbtree (the C RBTree) is not built yet, so RBTree "
+    if request.param == "domus-rbt" and hotpath.record_tree_type() is None:
+        pytest.skip("domus._recordtree (the C RecordTree) is not built, so record tree "
                     "repositories cannot go through the C path")
     return request.param
 
@@ -782,8 +782,8 @@ def test_random_requests_get_identical_replies_and_effects(data):
 
 
 def test_random_requests_on_rbtree_repositories():
-    if hotpath.rbtree_type() is None:
-        pytest.skip("domus._rbtree (the C RBTree) is not built yet, so RBTree "
+    if hotpath.record_tree_type() is None:
+        pytest.skip("domus._recordtree (the C RecordTree) is not built, so record tree "
                     "repositories cannot go through the C path")
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -825,7 +825,7 @@ def run_random_requests(data, platform):
         pair.close()
 
 
-@pytest.mark.parametrize("platform", ["python-dict", "bsddb-btree-disk"])
+@pytest.mark.parametrize("platform", ["python-dict", "domus-rbt", "bsddb-btree-disk"])
 def test_10000_seeded_requests_get_identical_replies_and_effects(platform):
     rng = random.Random(0xD0D0)
     pair = Pair(platform, version=300)
@@ -878,7 +878,7 @@ def seeded_request(rng):
 
 @pytest.mark.skipif(os.environ.get("PYTHONMALLOC", "").startswith("malloc"),
                     reason="sys.getallocatedblocks() counts nothing under PYTHONMALLOC=malloc")
-@pytest.mark.parametrize("platform", ["python-dict", "bsddb-btree-ram"])
+@pytest.mark.parametrize("platform", ["python-dict", "domus-rbt", "bsddb-btree-ram"])
 def test_handling_requests_leaks_no_memory(platform):
     handler = make_handler(platform)
     fast = handler.fast
@@ -1163,3 +1163,34 @@ def test_c_samples_one_request_in_sample_every_for_the_hot_bucket_report():
     samples, taken = handler.fast.take_samples()             # the ring went round
     assert len(samples) == _hotpath.SAMPLE_RING and taken == _hotpath.SAMPLE_RING + 5
     assert handler.bucket_load(1.0) == {}                    # (taken already)
+
+
+def test_big_batches_on_record_trees_get_identical_replies_and_effects():
+    """Batches of many entries: C walks the record trees' descents of 16
+    entries at a time together (prefetching) before applying them, which
+    must change nothing but the speed."""
+    if hotpath.record_tree_type() is None:
+        pytest.skip("domus._recordtree (the C RecordTree) is not built")
+    pair = Pair("domus-rbt")
+    rng = random.Random(24)
+    keys = [b"\x01" + rng.randbytes(8) for _ in range(4000)]
+
+    def bucket(key):
+        return key[1] % len(HELD)
+
+    request_id = 0
+    for start in range(0, len(keys), 500):
+        request_id += 1
+        entries = [(bucket(key), key, rng.randbytes(rng.choice([3, 30, 300])))
+                   for key in keys[start:start + 500]]
+        entries += entries[:20]                                 # keys put twice
+        pair.send(wire.encode_put_many(request_id, CLIENT_A, DHT_ID, entries),
+                  wire.MAX_FRAME_BYTES)
+    wanted = rng.sample(keys, 700) + [b"\x01absent%d" % n for n in range(50)]
+    rng.shuffle(wanted)
+    for limit in (wire.MAX_FRAME_BYTES, wire.MAX_UDP_PAYLOAD, 2000):
+        request_id += 1
+        pair.send(wire.encode_get_many(request_id, CLIENT_A, DHT_ID,
+                                       [(bucket(key), key) for key in wanted]), limit)
+    assert pair.handled_in_c == request_id
+    pair.check()
