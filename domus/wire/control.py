@@ -225,8 +225,7 @@ def _control_result(answer: tuple[int, bytes]) -> Any:
     if status == wire.ST_OK:
         return wire.unpack(body) if body else None
     if status == wire.ST_CONTROL_ERROR:
-        error = wire.unpack(body)
-        raise RemoteControlError(error.get("error", "DomusError"), error.get("message", ""))
+        raise RemoteControlError(*wire.decode_control_error(body))
     raise RemoteControlError("DomusError", f"unexpected reply status 0x{status:02x}: "
                              f"{body.decode('utf-8', 'replace')}")
 
