@@ -34,6 +34,7 @@ from domus.service.handler import RequestHandler
 from domus.wire import control
 from domus.wire import protocol as wire
 from domus.wire.control import ControlError, MessageProtocol, RemoteControlError
+from domus.wire.keys import encode_key
 from fuzz.harness import Finding, check, describe, documented, outcome, target
 
 FRAME = struct.Struct(">I")
@@ -41,6 +42,7 @@ FRAME = struct.Struct(">I")
 # logged as critical, which Twisted prints until logging begins): nowhere.
 QUIET = Logger(namespace="domus.wire.control", observer=lambda _event: None)
 CALL_ID = 1         # the id of the first call a MessageProtocol makes
+KEY = encode_key("k")
 DHT = {"id": 1, "name": "t1", "buckets": 8, "hash": "xxh3", "storage": "ram",
        "platform": "python-dict", "routing": "chord", "lookup": "D", "state": "active",
        "routing_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 8}],
@@ -121,14 +123,14 @@ def stream_seeds() -> list[bytes]:
         framed(control_call(10, 1, {"op": "no_such_op"}),
                wire.request_header(wire.OP_CONTROL, 11, 1) + b"\xc1",       # not msgpack
                control_call(12, 1, {"op": 5})),
-        framed(wire.encode_keyed(wire.OP_PUT, 13, 1, 1, 0, b"\x03k", b"\xa1v"),
-               wire.encode_keyed(wire.OP_GET, 14, 1, 1, 0, b"\x03k"),
-               wire.encode_get_many(15, 1, 1, [(0, b"\x03k"), (1, b"\x03j")])),
+        framed(wire.encode_keyed(wire.OP_PUT, 13, 1, 1, 0, KEY, wire.pack("v")),
+               wire.encode_keyed(wire.OP_GET, 14, 1, 1, 0, KEY),
+               wire.encode_get_many(15, 1, 1, [(0, KEY), (1, encode_key("j"))])),
         framed(reply(wire.ST_OK, CALL_ID, wire.pack({"requests": 3}))),
         framed(reply(wire.ST_CONTROL_ERROR, CALL_ID,
                      wire.pack({"error": "UnknownDht", "message": "gone"}))),
         framed(reply(wire.ST_MALFORMED, CALL_ID, b"what?")),
-        framed(b"", b"\xd0", wire.request_header(wire.OP_PING, 16, 1)[:-1] + b"\x02"),
+        framed(b"", bytes((wire.REQUEST_MAGIC,)), wire.request_header(wire.OP_PING, 16, 1)[:-1]),
         FRAME.pack(wire.MAX_FRAME_BYTES + 1) + b"\x00" * 8,           # over the limit
         framed(control_call(17, 1, {"op": "echo"})) + FRAME.pack(100) + b"cut short",
     ]
@@ -151,7 +153,7 @@ def _well_formed_reply(frame: bytes, asked: dict[bytes, int]) -> None:
                   f"a control error without its class and message: {error!r}")
 
 
-@target("control_stream", seeds=stream_seeds, smoke=1500, max_len=16384,
+@target("control_stream", seeds=stream_seeds, smoke=1000, max_len=16384,
         c_sources=("cext/hotpath.c",))
 def fuzz_control_stream(data: bytes) -> None:
     """A TCP stream into MessageProtocol (control calls, data requests,

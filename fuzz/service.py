@@ -75,6 +75,7 @@ UDP, TCP = 0, 1
 APPLE = encode_key("apple")
 SEVEN, EIGHT = encode_key("seven"), encode_key("eight")
 SCANNED = [encode_key(f"k{number}") for number in range(3)]
+LONG_KEY = encode_key("x" * 300)
 SENTINEL_ID = b"\xff\xff\xff\xff"  # service_udp's own request
 
 
@@ -189,7 +190,7 @@ def make_service(technology: str, small_cache: bool, data_dir: str | None) -> Re
     _put(handler, MAIN, 0, APPLE, wire.pack("red"))
     _put(handler, MAIN, 1, encode_key(1), b"")
     _put(handler, MAIN, 2, encode_key(b"blob"), bytes(range(256)) * 2)
-    _put(handler, MAIN, 3, b"\x03" + b"x" * 300, b"long key")
+    _put(handler, MAIN, 3, LONG_KEY, b"long key")
     for dht in (ODD, MOVING):
         for bucket in (0, 1, 2):
             _put(handler, dht, bucket, APPLE, b"odd" if dht == ODD else b"moving")
@@ -473,7 +474,7 @@ def messages() -> list[bytes]:
     put, get, delete, contains = wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS
     big = bytes(range(256)) * 256              # a put that just fits a datagram
     big = big[:wire.MAX_UDP_PAYLOAD - wire.KEYED_END - len(APPLE) - 4]
-    longest = b"\x04" + b"k" * (wire.MAX_KEY_BYTES - 1)
+    longest = encode_key(b"k" * (wire.MAX_KEY_BYTES - 1))
     found = [
         keyed(put, 1, CLIENT_A, MAIN, 0, APPLE, wire.pack("green")),
         keyed(put, 2, CLIENT_A, MAIN, 1, encode_key("new"), b""),
@@ -493,7 +494,7 @@ def messages() -> list[bytes]:
         keyed(put, 15, CLIENT_A, UNKNOWN, 0, APPLE, b"v"),
         keyed(get, 16, CLIENT_A, MAIN, 0, APPLE),
         keyed(get, 17, CLIENT_A, MAIN, 2, encode_key(b"blob")),
-        keyed(get, 18, CLIENT_A, MAIN, 3, b"\x03" + b"x" * 300),
+        keyed(get, 18, CLIENT_A, MAIN, 3, LONG_KEY),
         keyed(get, 19, CLIENT_A, MAIN, 1, encode_key("absent")),
         keyed(get, 20, CLIENT_A, MOVING, 0, APPLE),
         keyed(get, 21, CLIENT_A, ODD, 1, APPLE),
@@ -554,22 +555,16 @@ def service_seeds() -> list[bytes]:
 
 
 def sweep_seeds() -> list[bytes]:
-    """Each request on two technologies, turn by turn (one whose
-    repositories are Python objects, one that is a database where Berkeley
-    DB is installed), as a datagram."""
-    seeds = []
-    ram = [index for index, name in enumerate(TECHNOLOGIES) if not name.startswith("bsddb")]
-    databases = [index for index, name in enumerate(TECHNOLOGIES) if name.startswith("bsddb")]
-    for index, message in enumerate(messages()):
-        seeds.append(settings(ram[index % len(ram)]) + message)
-        if databases:
-            seeds.append(settings(databases[index % len(databases)]) + message)
-    return seeds
+    """Each request once, as a datagram, the technologies taking turns (the
+    parsing swept is the same on all of them; the fuzzer and the smoke mix
+    requests and technologies)."""
+    return [settings(index % len(TECHNOLOGIES)) + message
+            for index, message in enumerate(messages())]
 
 
 # ------------------------------------------------------------ the targets
 
-@target("service", seeds=service_seeds, sweep_seeds=sweep_seeds, fixed=1, smoke=3000,
+@target("service", seeds=service_seeds, sweep_seeds=sweep_seeds, fixed=1, smoke=2000,
         max_len=wire.MAX_UDP_PAYLOAD + 1, c_sources=("cext/hotpath.c", "cext/rbtree.c"))
 def fuzz_service(data: bytes) -> None:
     """FastPath.handle against RequestHandler.handle: one settings byte (the
@@ -609,21 +604,21 @@ def udp_seeds() -> list[bytes]:
 
 
 def udp_sweep_seeds() -> list[bytes]:
-    """One request of each kind C answers, and the largest datagram: the
-    parsing is the service target's; here what is swept is how serve()
-    reads a datagram of each size."""
+    """One request of each kind C answers, and the largest datagram, on
+    python-dict: the parsing is the service target's; here what is swept is
+    how serve() reads a datagram of each size."""
     wanted = {wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS, wire.OP_PUT_MANY,
               wire.OP_GET_MANY}
     seeds, seen = [], set()
-    for seed in udp_seeds():
-        kind = (seed[3], len(seed) > 60000)
-        if seed[3] in wanted and kind not in seen:
+    for message in messages():
+        kind = (message[2], len(message) > 60000)
+        if message[2] in wanted and kind not in seen:
             seen.add(kind)
-            seeds.append(seed)
+            seeds.append(settings(TECHNOLOGIES.index("python-dict")) + message)
     return seeds
 
 
-@target("service_udp", seeds=udp_seeds, sweep_seeds=udp_sweep_seeds, fixed=1, smoke=600,
+@target("service_udp", seeds=udp_seeds, sweep_seeds=udp_sweep_seeds, fixed=1, smoke=500,
         max_len=wire.MAX_UDP_PAYLOAD + 1, c_sources=("cext/hotpath.c",))
 def fuzz_service_udp(data: bytes) -> None:
     """FastPath.serve reading a real datagram (and falling back to the

@@ -25,7 +25,7 @@ from fuzz import harness
 TARGETS = harness.load()
 UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 # The service's sweep is the longest: it is cut in parts that run side by side.
-SWEEP_PARTS = {"service": 6, "service_udp": 1}
+SWEEP_PARTS = {"service": 4}
 
 
 def failed(name: str, where: str, data: bytes, error: BaseException) -> None:
