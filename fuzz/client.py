@@ -259,7 +259,12 @@ class Roundtrip:
     """A GET sent to a "service" that is a bare UDP socket, which has put
     the fuzzer's datagrams in the client socket's queue first; once through
     ServiceChannel.request (the C round trip, then Python's retries) and
-    once through its pure-Python path, on two channels."""
+    once through its pure-Python path, each on a channel of its own.
+
+    When one of the datagrams answers the GET (the protocol's rule: the
+    first of at least 8 bytes with the request's id), the channels wait for
+    it patiently (loopback delivers at once, but a loaded machine may be
+    slow to); when none does, they give up after milliseconds."""
 
     MESSAGE = wire.encode_keyed(wire.OP_GET, REQUEST_ID, 0xC11E, 1, 0,
                                 wire_keys.encode_key("apple"))
@@ -269,18 +274,19 @@ class Roundtrip:
         self.service.bind(("127.0.0.1", 0))
         self.service.setblocking(False)
         address = f"127.0.0.1:{self.service.getsockname()[1]}"
-        # Tiny patience: a reply that is not there is not there.
-        self.channels = [ServiceChannel("s1", address, deadline=0.003, first_timeout=0.001)
-                         for _path in ("c", "python")]
+        self.channels = {
+            (path, patient): ServiceChannel("s1", address, deadline=10.0 if patient else 0.003,
+                                            first_timeout=5.0 if patient else 0.001)
+            for path in ("c", "python") for patient in (True, False)}
 
     def close(self) -> None:
-        for channel in self.channels:
+        for channel in self.channels.values():
             channel.close()
         self.service.close()
 
     def run(self, datagrams: list[bytes], path: str) -> tuple[Any, Any]:
         """(what the request returned, what the client made of it)."""
-        channel = self.channels[0 if path == "c" else 1]
+        channel = self.channels[path, answered(datagrams) is not None]
         _drain(channel.sock)
         for datagram in datagrams:
             self.service.sendto(datagram, channel.sock.getsockname())
@@ -295,6 +301,15 @@ class Roundtrip:
         if got[0] == "error":
             return got, None
         return got, interpret(got[1], channel, path)
+
+
+def answered(datagrams: list[bytes]) -> bytes | None:
+    """The datagram that answers the GET, by the protocol's rule."""
+    for datagram in datagrams:
+        if len(datagram) >= wire.REPLY_HEADER_SIZE \
+                and datagram[4:8] == Roundtrip.MESSAGE[4:8]:
+            return datagram
+    return None
 
 
 def _drain(sock: socket.socket) -> None:
@@ -402,6 +417,10 @@ def fuzz_client_roundtrip(data: bytes) -> None:
         return
     check(got_c == got_python, f"C round trip got {describe(got_c)}, Python "
           f"{describe(got_python)}")
+    expected = answered(datagrams)
+    if expected is not None and expected[2] != wire.ST_REPLY_TOO_LARGE:
+        check(got_c[1] == expected, f"the round trip took {got_c[1][:80]!r}, not the "
+              f"reply {expected[:80]!r}")
     documented("the value of a GET", made_python, ValueDecodeError)
     if not equal(made_c, made_python):
         raise Finding(f"the client made {describe(made_c)} of {got_c[1][:80]!r} in C, "
