@@ -193,8 +193,13 @@ class RequestHandler:
 
     @property
     def requests(self) -> int:
-        """Requests received, whichever path answered them."""
-        return self._requests + (self.fast.requests if self.fast is not None else 0)
+        """Requests received, whichever path answered them (a REPLICATE's
+        change counts as a request, as the Python path counts it, when the
+        C path for backups applies it too)."""
+        return self._requests + sum(fast.requests for fast in self._fast_paths())
+
+    def _fast_paths(self) -> list[Any]:
+        return [fast for fast in (self.fast, self.backup_fast) if fast is not None]
 
     # ------------------------------------------------------------ dispatch
     def handle(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD,
@@ -365,14 +370,13 @@ class RequestHandler:
         hosted = self._hosted(wire.U32.unpack_from(inner, 16)[0])
         answer = self.backup_fast.handle(inner, limit) if self.backup_fast is not None else None
         if answer is None:
-            token = inner[4:16]
-            answer = self.reply_cache.get(token)
-            if answer is None:
-                self._as_backup = True
-                try:
-                    answer = self.handle(inner, limit, forward=False)
-                finally:
-                    self._as_backup = False
+            # (A retry is answered from the reply cache by handle, and
+            # counted there as the C path counts it.)
+            self._as_backup = True
+            try:
+                answer = self.handle(inner, limit, forward=False)
+            finally:
+                self._as_backup = False
         self.counters["replicated"] += 1
         del hosted
         return _OK + request_id + answer            # type: ignore[operator]
@@ -746,16 +750,16 @@ class RequestHandler:
         fast = self.fast
         by_op = self.by_op
         counters = dict(self.counters)
-        if fast is not None:
-            by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
-            counters["replayed"] += fast.replayed
+        for path in self._fast_paths():
+            by_op = [mine + theirs for mine, theirs in zip(by_op, path.by_op)]
+            counters["replayed"] += path.replayed
         return {
             "name": self.service_name,
             "requests": self.requests,
             "by_op": {wire.OP_NAMES[op]: by_op[op] for op in wire.OP_NAMES if by_op[op]},
             **counters,
             "hot_path": "c" if fast is not None else "python",
-            "hot_path_fallbacks": fast.fallbacks if fast is not None else 0,
+            "hot_path_fallbacks": sum(path.fallbacks for path in self._fast_paths()),
             "reply_cache": len(self.reply_cache),
             "reply_cache_evicted_early": self.reply_cache.evicted_early,
             "dhts": {hosted.name: self._dht_stats(hosted) for hosted in self.dhts.values()},
