@@ -19,6 +19,10 @@ Each service hosts, in the same state before every input:
   one, a dict subclass with state of its own);
 - DHT 4, active, bucket 0 being moved (tracked: Python serves it and notes
   the keys changed) and bucket 1 frozen (MOVING);
+- DHT 5, active and replicated: this service is the primary of buckets 0-3
+  and keeps the backups of buckets 4-7, which a primary elsewhere changes
+  with REPLICATE requests (the reference service applies them in Python,
+  the other with the C path for backups);
 - a reply cache holding the replies of earlier changes (in both
   generations, one a refusal) and an open scan.
 
@@ -54,7 +58,7 @@ from domus.wire import protocol as wire
 from domus.wire.keys import encode_key
 from fuzz.harness import Finding, fenced, target
 
-MAIN, INACTIVE, ODD, MOVING, UNKNOWN = 1, 2, 3, 4, 99
+MAIN, INACTIVE, ODD, MOVING, REPLICATED, UNKNOWN = 1, 2, 3, 4, 5, 99
 CLIENT_A, CLIENT_B = 0xA, 0xB
 BUCKETS = 8
 SMALL_CACHE = 8
@@ -148,18 +152,24 @@ class FixedClock:
         return self.now
 
 
-def descriptor(dht_id: int, technology: str, state: str = "active") -> dict[str, Any]:
+def descriptor(dht_id: int, technology: str, state: str = "active",
+               replicated: bool = False) -> dict[str, Any]:
     platform, medium, durability = ALL_TECHNOLOGIES[technology]
     services = [{"name": "s1", "address": "127.0.0.1:1", "count": 4},
                 {"name": "s2", "address": "127.0.0.1:2", "count": 4}]
-    return {"id": dht_id, "name": f"t{dht_id}", "buckets": BUCKETS, "hash": "xxh3",
-            "storage": medium, "platform": platform, "routing": "chord", "lookup": "D",
-            "state": state, "durability": durability, "routing_services": services,
-            "storage_services": services}
+    described = {"id": dht_id, "name": f"t{dht_id}", "buckets": BUCKETS, "hash": "xxh3",
+                 "storage": medium, "platform": platform, "routing": "chord", "lookup": "D",
+                 "state": state, "durability": durability, "routing_services": services,
+                 "storage_services": services}
+    if replicated:       # the backups: s1 keeps those of s2's buckets, s2 those of s1's
+        described.update(replicas=2, storage_backups=[[[0, 4, "s2"], [4, 8, "s1"]]])
+    return described
 
 
-def make_service(technology: str, small_cache: bool, data_dir: str | None) -> RequestHandler:
-    """A service in the state every input starts from (the module's doc)."""
+def make_service(technology: str, small_cache: bool, data_dir: str | None,
+                 reference: bool) -> RequestHandler:
+    """A service in the state every input starts from (the module's doc);
+    the ``reference`` applies REPLICATE requests in Python too."""
     ids = itertools.count(1000)
 
     def _put(handler: RequestHandler, dht: int, bucket: int, key: bytes, value: bytes,
@@ -172,10 +182,13 @@ def make_service(technology: str, small_cache: bool, data_dir: str | None) -> Re
     cache = ReplyCache(max_entries=SMALL_CACHE if small_cache else DEFAULT_MAX_ENTRIES,
                        clock=clock)
     handler = RequestHandler("s1", reply_cache=cache, clock=clock, data_dir=data_dir)
+    if reference:
+        handler.backup_fast = None
     handler.assign(descriptor(MAIN, technology))
     handler.assign(descriptor(INACTIVE, technology, "inactive"))
     handler.assign(descriptor(ODD, technology))
     handler.assign(descriptor(MOVING, technology))
+    handler.assign(descriptor(REPLICATED, technology, replicated=True))
     odd = handler.dhts[ODD].repos
     odd[0], odd[1] = ListRepository(), CountingRepository()
     # An open scan: the first page of a bucket of three equal-sized records
@@ -191,9 +204,15 @@ def make_service(technology: str, small_cache: bool, data_dir: str | None) -> Re
     _put(handler, MAIN, 1, encode_key(1), b"")
     _put(handler, MAIN, 2, encode_key(b"blob"), bytes(range(256)) * 2)
     _put(handler, MAIN, 3, LONG_KEY, b"long key")
-    for dht in (ODD, MOVING):
+    for dht in (ODD, MOVING, REPLICATED):
         for bucket in (0, 1, 2):
-            _put(handler, dht, bucket, APPLE, b"odd" if dht == ODD else b"moving")
+            _put(handler, dht, bucket, APPLE, b"%d" % dht)
+    for bucket in (4, 5):       # backups, as their primary sends them
+        change = wire.encode_keyed(wire.OP_PUT, next(ids), CLIENT_B, REPLICATED, bucket, APPLE,
+                                   b"backed up")
+        reply = handler.handle(wire.encode_replicate(next(ids), 0x5A, change))
+        assert reply[2] == wire.ST_OK and reply[8:] == wire.reply(wire.ST_OK, 0)[:4] \
+            + change[4:8] + b"\x01", reply
     # Replies kept: a put in the previous generation, one in the current,
     # and a refusal (the DHT is inactive).
     _put(handler, MAIN, 0, SEVEN, b"7", request_id=7)
@@ -214,22 +233,19 @@ def records(handler: RequestHandler) -> dict[Any, Any]:
         changed = sorted(repo.changed) if isinstance(repo, TrackedRepository) else None
         return len(repo), {key: repo.get(key) for key in keys}, changed
 
-    held: dict[Any, Any] = {}
-    for dht_id, hosted in handler.dhts.items():
-        for bucket, repo in hosted.repos.items():
-            held[dht_id, bucket] = contents(repo)
-        for bucket, (repo, _keys) in hosted.frozen.items():
-            held[dht_id, "frozen", bucket] = contents(repo)
-    return held
+    return {place: contents(repo) for place, repo in repositories(handler).items()}
 
 
 def repositories(handler: RequestHandler) -> dict[Any, Repository]:
+    """Every repository of a service: stored buckets, frozen ones, backups."""
     found: dict[Any, Repository] = {}
     for dht_id, hosted in handler.dhts.items():
         for bucket, repo in hosted.repos.items():
             found[dht_id, bucket] = repo
         for bucket, (repo, _keys) in hosted.frozen.items():
             found[dht_id, "frozen", bucket] = repo
+        for bucket, repo in hosted.backups.items():
+            found[dht_id, "backup", bucket] = repo
     return found
 
 
@@ -239,10 +255,10 @@ def counters(handler: RequestHandler) -> tuple[Any, ...]:
     requests change, without the rest of its work."""
     by_op = handler.by_op
     replayed = handler.counters["replayed"]
-    fast = handler.fast
-    if fast is not None and fast.requests:
-        by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
-        replayed += fast.replayed
+    for fast in (handler.fast, handler.backup_fast):
+        if fast is not None and fast.requests:
+            by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
+            replayed += fast.replayed
     cache = handler.reply_cache
     return (handler.requests, by_op, {**handler.counters, "replayed": replayed},
             len(cache), cache.evicted_early)
@@ -254,10 +270,10 @@ class Pair:
     def __init__(self, technology: str, small_cache: bool) -> None:
         self.data_dir = tempfile.mkdtemp(prefix="domus-fuzz-") \
             if ALL_TECHNOLOGIES[technology][1] == "disk" else None
-        self.reference = make_service(technology, small_cache,
-                                      self._home("reference"))
-        self.accelerated = make_service(technology, small_cache,
-                                        self._home("accelerated"))
+        self.reference = make_service(technology, small_cache, self._home("reference"),
+                                      reference=True)
+        self.accelerated = make_service(technology, small_cache, self._home("accelerated"),
+                                        reference=False)
         if self.accelerated.fast is None:
             raise RuntimeError("domus._hotpath is not built (or DOMUS_PURE_PYTHON=1): "
                                "there is no C path to fuzz")
@@ -533,6 +549,25 @@ def messages() -> list[bytes]:
         wire.request_header(wire.OP_PING, 50, CLIENT_A),
         wire.request_header(wire.OP_STATS, 51, CLIENT_A),
         wire.encode_control(52, CLIENT_A, {"op": "stats"}),
+        # A replicated DHT: a change at the primary, changes from the
+        # primary of the buckets backed up here (and of one that is not).
+        keyed(put, 55, CLIENT_A, REPLICATED, 1, APPLE, b"primary"),
+        wire.encode_replicate(56, 0x5A, keyed(put, 57, CLIENT_A, REPLICATED, 4, APPLE, b"b")),
+        wire.encode_replicate(58, 0x5A, keyed(delete, 59, CLIENT_A, REPLICATED, 5, APPLE)),
+        wire.encode_replicate(60, 0x5A, wire.encode_put_many(61, CLIENT_A, REPLICATED, [
+            (4, APPLE, b"x"), (6, SEVEN, b"y"), (1, EIGHT, b"not backed up here")])),
+        wire.encode_replicate(62, 0x5A, keyed(put, 63, CLIENT_A, MAIN, 0, APPLE, b"m")),
+        wire.encode_replicate(64, 0x5A, keyed(get, 65, CLIENT_A, REPLICATED, 4, APPLE)),
+        wire.encode_replicate(66, 0x5A, wire.encode_replicate(67, 0x5A, keyed(
+            put, 68, CLIENT_A, REPLICATED, 4, APPLE, b"nested"))),
+        # Requests numbered out of other bucket counts (a client that has
+        # not seen a resize): translated, or refused as a stale layout.
+        keyed(get, 69, CLIENT_A, MAIN, 1, APPLE, numbered=wire.numbering(BUCKETS * 2)),
+        keyed(put, 70, CLIENT_A, MAIN, 0, APPLE, b"n", numbered=wire.numbering(BUCKETS // 2)),
+        wire.encode_put_many(71, CLIENT_A, MAIN, [(0, APPLE, b"a"), (3, SEVEN, b"b")],
+                             numbered=wire.numbering(BUCKETS)),
+        wire.encode_get_many(72, CLIENT_A, MAIN, [(1, APPLE), (9, SEVEN)],
+                             numbered=wire.numbering(BUCKETS * 4)),
         wire.request_header(0x7F, 53, CLIENT_A) + b"body",        # an unknown op
     ]
     other_version = bytearray(keyed(get, 54, CLIENT_A, MAIN, 0, APPLE))
