@@ -39,7 +39,7 @@ MODULES = {
     "domus._codec": ["cext/codec.c"],
 }
 EXTENSIONS = [
-    Extension(name, sources, depends=["cext/hashes.h", "cext/rbtree_api.h"],
+    Extension(name, sources, depends=["cext/hashes.h", "cext/rbtree_api.h", "cext/siphash.h"],
               extra_compile_args=COMPILE_ARGS, extra_link_args=LINK_ARGS)
     for name, sources in MODULES.items()
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 
@@ -69,7 +70,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as data_dir, \
                 LocalDeployment(args.services, port=free_port_block(args.services + 1),
                                 data_dir=data_dir) as deployment, \
-                domus.connect(deployment.supervisor_address, timeout=30.0) as cluster:
+                deployment.connect(timeout=30.0) as cluster:
+            os.environ.update(deployment.environment())   # (workers find its secret)
             results[platform] = measure(cluster, deployment, platform, args.records,
                                         args.value_bytes)
     print(f"{args.records} records of {args.value_bytes} bytes on {args.services} services "

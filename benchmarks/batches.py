@@ -10,13 +10,13 @@ value read back is checked.  Prints keys/s, best of ``repeat`` runs.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
-import domus
 from domus.ops.deploy import LocalDeployment, free_port_block
 
 
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with LocalDeployment(args.services, port=free_port_block(args.services + 1),
                              data_dir=data_dir) as deployment, \
-                domus.connect(deployment.supervisor_address) as cluster:
+                deployment.connect() as cluster:
+            os.environ.update(deployment.environment())   # (workers find its secret)
             dht = cluster.create_dht("batches")
             print(f"{args.services} services, best of {args.repeat} runs")
             for label, records in (

@@ -14,6 +14,7 @@ the pure-Python code paths.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import resource
 import shutil
@@ -22,7 +23,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import domus
 from domus.client import codec
 from domus.ops.deploy import LocalDeployment, free_port_block
 
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = tempfile.mkdtemp(prefix="domus-bench-")
     try:
         with LocalDeployment(1, port=free_port_block(2), data_dir=data_dir) as deployment, \
-                domus.connect(deployment.supervisor_address) as cluster:
+                deployment.connect() as cluster:
+            os.environ.update(deployment.environment())   # (workers find its secret)
             dht = cluster.create_dht("client_cpu")
             generator = random.Random(1)
             keys = [generator.getrandbits(64) - (1 << 63) for _ in range(args.operations)]

@@ -107,10 +107,10 @@ def measure(clients: int, seconds: float, records: int) -> dict[str, dict[str, f
     results: dict[str, dict[str, float]] = {}
     try:
         with LocalDeployment(1, port=free_port_block(2), data_dir=data_dir) as deployment:
-            import domus
+            os.environ.update(deployment.environment())   # (workers find its secret)
 
             service = psutil.Process(deployment.services["s1"].pid)
-            with domus.connect(deployment.supervisor_address) as cluster:
+            with deployment.connect() as cluster:
                 for platform, medium in TECHNOLOGIES:
                     name = _name(platform, medium)
                     cluster.create_dht(name, platform=platform, storage=medium)

@@ -1,6 +1,7 @@
 """put1 throughput: Domus against Redis, in the same run.
 
-    python -m benchmarks.put1 [--clients 1,2,4] [--seconds 5]
+    python -m benchmarks.put1 [--clients 1,2,4] [--seconds 5] [--insecure]
+    python -m benchmarks.put1 --mac-cost 5 [--clients 1] [--seconds 3]
 
 One service (a local deployment: supervisor + 1 service process) and K
 client processes, each issuing single put1 requests (a new random 64-bit
@@ -10,6 +11,12 @@ with redis-py (hiredis parser), one SET per round trip, no pipelining.
 Then, for reference, the floor: a bare Python UDP request/reply loop against
 a minimal server holding a dict (no Domus code), which is as fast as a
 Python client can go here.  Prints each throughput and the ratios.
+
+Domus runs as deployed by default: with a deployment secret, so every
+datagram carries a MAC (domus.wire.auth).  ``--insecure`` runs it without
+one; ``--mac-cost N`` measures only Domus, N rounds each way, alternating
+(secure, insecure, secure, ...) so that a machine's drift touches both
+alike, and prints the MAC's cost as the drop of the median throughput.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from collections.abc import Callable
 from typing import Any
 
 from domus.ops.deploy import LocalDeployment, free_port_block
+
+from .provenance import machine
 
 INT64 = 1 << 63
 
@@ -126,13 +135,16 @@ def _run_clients(worker: Callable[..., None], target: Any, clients: int,
 
 
 # ------------------------------------------------------------------ systems
-def measure_domus(clients: list[int], seconds: float) -> dict[int, float]:
+def measure_domus(clients: list[int], seconds: float,
+                  insecure: bool = False) -> dict[int, float]:
     data_dir = tempfile.mkdtemp(prefix="domus-bench-")
     try:
-        with LocalDeployment(1, port=free_port_block(2), data_dir=data_dir) as deployment:
-            import domus
+        with LocalDeployment(1, port=free_port_block(2), data_dir=data_dir,
+                             insecure=insecure) as deployment:
+            os.environ.pop("DOMUS_SECRET_FILE", None)
+            os.environ.update(deployment.environment())   # (workers find its secret)
 
-            with domus.connect(deployment.supervisor_address) as cluster:
+            with deployment.connect() as cluster:
                 cluster.create_dht("put1")
             return {k: _run_clients(_domus_worker, deployment.supervisor_address, k, seconds)
                     for k in clients}
@@ -187,6 +199,34 @@ def measure_floor(clients: list[int], seconds: float) -> dict[int, float]:
         server.join(5)
 
 
+def mac_cost(clients: list[int], seconds: float, rounds: int, json_path: str | None) -> int:
+    """Domus with and without the secret, alternating; the drop of the
+    median throughput per client count."""
+    import statistics
+
+    runs: dict[str, list[dict[int, float]]] = {"secure": [], "insecure": []}
+    print(f"put1 MAC cost: one service, {rounds} rounds each way, {seconds:.0f} s per point, "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}", flush=True)
+    for round_number in range(rounds):
+        for mode in ("secure", "insecure"):
+            rates = measure_domus(clients, seconds, insecure=mode == "insecure")
+            runs[mode].append(rates)
+            print(f"round {round_number + 1} {mode:>8}: " + "  ".join(
+                f"K={k} {rate:,.0f}/s" for k, rate in rates.items()), flush=True)
+    summary = {}
+    for k in clients:
+        secure = statistics.median(run[k] for run in runs["secure"])
+        insecure = statistics.median(run[k] for run in runs["insecure"])
+        summary[k] = {"secure": secure, "insecure": insecure, "drop": 1 - secure / insecure}
+        print(f"K={k}: median {secure:,.0f} puts/s with MACs, {insecure:,.0f} without: "
+              f"the MAC costs {1 - secure / insecure:.1%}")
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as target:
+            json.dump({"benchmark": "put1 --mac-cost", **machine(), "rounds": rounds,
+                       "seconds": seconds, "runs": runs, "summary": summary}, target, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="1,2,4", help="client process counts (1,2,4)")
@@ -194,13 +234,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-redis", action="store_true")
     parser.add_argument("--no-floor", action="store_true")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--insecure", action="store_true", help="run Domus without a "
+                        "deployment secret (no MACs on the wire)")
+    parser.add_argument("--mac-cost", type=int, metavar="ROUNDS", default=0,
+                        help="measure only Domus, ROUNDS times with the secret and ROUNDS "
+                        "without, alternating, and print the MAC's cost")
     args = parser.parse_args(argv)
     clients = [int(part) for part in args.clients.split(",")]
+    if args.mac_cost:
+        return mac_cost(clients, args.seconds, args.mac_cost, args.json)
 
     print(f"put1, one service, {args.seconds:.0f} s per point, {os.cpu_count()} cores",
           flush=True)
     results: dict[str, Any] = {"clients": clients, "seconds": args.seconds,
-                               "domus": measure_domus(clients, args.seconds)}
+                               "secure": not args.insecure,
+                               "domus": measure_domus(clients, args.seconds, args.insecure)}
     results["redis"] = None if args.no_redis else measure_redis(clients, args.seconds)
     results["floor"] = None if args.no_floor else measure_floor(clients, args.seconds)
 
@@ -218,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{(f'{domus_rate / floor_rate:.0%}' if floor_rate else '-'):>11}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as target:
-            json.dump(results, target, indent=1)
+            json.dump({**machine(), **results}, target, indent=1)
     return 0
 
 

@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import domus
 from domus.ops.deploy import LocalDeployment, free_port_block
 
 
@@ -50,7 +49,8 @@ def measure_domus(records: dict[int, str], size: int, repeat: int) -> dict[str, 
     parts = batches(records, size)
     try:
         with LocalDeployment(1, port=free_port_block(2), data_dir=data_dir) as deployment, \
-                domus.connect(deployment.supervisor_address) as cluster:
+                deployment.connect() as cluster:
+            os.environ.update(deployment.environment())   # (workers find its secret)
             dht = cluster.create_dht("put_many")
 
             def put_all() -> None:

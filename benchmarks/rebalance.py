@@ -127,7 +127,8 @@ def join_and_drain(args: argparse.Namespace, data_dir: str) -> dict[str, Any]:
     port = free_port_block(5)
     with LocalDeployment(2, port=port, data_dir=data_dir, heartbeat=0.5,
                          supervisor_args=AUTO) as deployment, \
-            domus.connect(deployment.supervisor_address, timeout=60) as cluster:
+            deployment.connect(timeout=60) as cluster:
+        os.environ.update(deployment.environment())   # (workers find its secret)
         dht = cluster.create_dht("elastic", buckets=256)
         keys = [f"key-{number}" for number in range(args.records)]
         for start in range(0, len(keys), 10_000):
@@ -204,7 +205,8 @@ def join_and_drain(args: argparse.Namespace, data_dir: str) -> dict[str, Any]:
 def big_bucket(args: argparse.Namespace, data_dir: str) -> dict[str, Any]:
     with LocalDeployment(2, port=free_port_block(3), data_dir=data_dir, heartbeat=0.5,
                          supervisor_args=["--balance", "manual"]) as deployment, \
-            domus.connect(deployment.supervisor_address, timeout=120) as cluster:
+            deployment.connect(timeout=120) as cluster:
+        os.environ.update(deployment.environment())   # (workers find its secret)
         dht = cluster.create_dht("big", buckets=2, platform="domus-rbt")
         in_bucket: list[str] = []
         number = 0

@@ -22,9 +22,7 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import signal
-import subprocess
 import tempfile
 import time
 from typing import Any
@@ -33,6 +31,8 @@ import domus
 from domus.ops.deploy import LocalDeployment, free_port_block
 from domus.placement import layout
 from domus.wire.keys import bucket_of, encode_key
+
+from .provenance import machine
 
 SUPERVISOR_ARGS = ["--balance", "manual"]
 
@@ -97,7 +97,8 @@ def failover(services: int, data_dir: str) -> dict[str, Any]:
     port = free_port_block(services + 1)
     with LocalDeployment(services, port=port, data_dir=data_dir, heartbeat=0.5,
                          supervisor_args=SUPERVISOR_ARGS) as deployment, \
-            domus.connect(deployment.supervisor_address, timeout=15) as cluster:
+            deployment.connect(timeout=15) as cluster:
+        os.environ.update(deployment.environment())   # (workers find its secret)
         dht = cluster.create_dht("window", buckets=64 * services, replicas=2)
         context = multiprocessing.get_context("fork")
         stop, out = context.Event(), context.Queue()
@@ -131,16 +132,6 @@ def failover(services: int, data_dir: str) -> dict[str, Any]:
                 "lost": lost}
 
 
-def machine() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit,
-            "machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.platform()}"}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--services", type=int, default=4)
@@ -156,7 +147,8 @@ def main() -> None:
         port = free_port_block(args.services + 1)
         with LocalDeployment(args.services, port=port, data_dir=data_dir, heartbeat=0.5,
                              supervisor_args=SUPERVISOR_ARGS) as deployment, \
-                domus.connect(deployment.supervisor_address, timeout=15) as cluster:
+                deployment.connect(timeout=15) as cluster:
+            os.environ.update(deployment.environment())   # (workers find its secret)
             for copies in (1, 2, 3):
                 name = f"r{copies}"
                 cluster.create_dht(name, buckets=64 * args.services, replicas=copies)

@@ -65,14 +65,14 @@ def _costs(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
 
 def measure(services: int, buckets: int, clients: int, seconds: float, rounds: int,
             routing: str) -> list[dict[str, Any]]:
-    import domus
 
     data_dir = tempfile.mkdtemp(prefix="domus-bench-")
     runs: list[list[tuple[float, dict[str, float]]]] = [[] for _ in POINTS]
     try:
         with LocalDeployment(services, port=free_port_block(services + 1),
                              data_dir=data_dir) as deployment:
-            with domus.connect(deployment.supervisor_address) as cluster:
+            os.environ.update(deployment.environment())   # (workers find its secret)
+            with deployment.connect() as cluster:
                 cluster.create_dht(DHT, buckets=buckets, routing=routing)
             for round_ in range(1, rounds + 1):
                 for index, (strategy, cache) in enumerate(POINTS):

@@ -62,8 +62,10 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <time.h>
 
 #include "rbtree_api.h"
+#include "siphash.h"
 
 /* The wire format; domus/wire/protocol.py is the reference (the tests check the
  * constants exported below against it). */
@@ -92,6 +94,13 @@
 #define MISSING 0xFFFFFFFFu
 /* Larger than any UDP payload (65,535 - 8), so no datagram is cut. */
 #define RECV_BUFFER_SIZE 65536
+/* A secure deployment's datagrams (domus.wire.auth): a request ends with
+ * its client's time (u32) and a MAC (u64), a reply with a MAC (u64); a
+ * request more than TIME_WINDOW seconds from this clock is Python's to
+ * answer (STALE_REQUEST). */
+#define REQUEST_TRAILER 12
+#define REPLY_TRAILER 8
+#define TIME_WINDOW 5
 /* One request in SAMPLE_EVERY answered here is sampled, (DHT id, bucket),
  * into a ring of SAMPLE_RING entries that the service drains on each
  * heartbeat: which buckets are hot, for the cost of a mask and a store. */
@@ -138,6 +147,9 @@ typedef struct {
     unsigned long long send_errors;
     unsigned long long recv_errors;
     unsigned long long by_op[256];
+    int keyed;                          /* a secure deployment: datagrams carry MACs */
+    unsigned char key[16];              /* the data plane's SipHash key */
+    unsigned long long unauthenticated; /* datagrams dropped: no MAC, or a wrong one */
     unsigned long long sampled;         /* samples taken since the last take */
     uint64_t samples[SAMPLE_RING];      /* dht id << 32 | bucket */
 } FastPath;
@@ -173,6 +185,12 @@ static inline uint16_t
 read_u16(const unsigned char *p)
 {
     return (uint16_t)(((unsigned)p[0] << 8) | (unsigned)p[1]);
+}
+
+static inline uint64_t
+read_u64(const unsigned char *p)
+{
+    return ((uint64_t)read_u32(p) << 32) | read_u32(p + 4);
 }
 
 static inline void
@@ -1309,14 +1327,19 @@ static int
 FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"dhts", "generations", "rbtree_type",
-                             "current_limit", "dict_type", NULL};
+                             "current_limit", "dict_type", "key", NULL};
     PyObject *dhts, *generations, *rbtree_type = Py_None;
-    PyObject *dict_type = Py_None;
+    PyObject *dict_type = Py_None, *key = Py_None;
     Py_ssize_t current_limit = PY_SSIZE_T_MAX;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!|O$nO:FastPath", kwlist,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!|O$nOO:FastPath", kwlist,
                                      &PyDict_Type, &dhts, &PyList_Type,
                                      &generations, &rbtree_type,
-                                     &current_limit, &dict_type)) {
+                                     &current_limit, &dict_type, &key)) {
+        return -1;
+    }
+    if (key != Py_None && !(PyBytes_Check(key) && PyBytes_GET_SIZE(key) == 16)) {
+        PyErr_SetString(PyExc_TypeError, "key must be 16 bytes (the data plane's "
+                        "SipHash key) or None");
         return -1;
     }
     if (rbtree_type != Py_None && !PyType_Check(rbtree_type)) {
@@ -1368,6 +1391,10 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     }
     self->tree_api = tree_api;
     self->current_limit = current_limit;
+    self->keyed = key != Py_None;
+    if (self->keyed) {
+        memcpy(self->key, PyBytes_AS_STRING(key), 16);
+    }
     return 0;
 }
 
@@ -1509,9 +1536,11 @@ is_transient(int error)
  * (the client retries). */
 static void
 send_reply(FastPath *self, int fd, Reply *reply,
-           const struct sockaddr_storage *peer, socklen_t peer_length)
+           const struct sockaddr_storage *peer, socklen_t peer_length,
+           const unsigned char *request, const unsigned char *stamp)
 {
-    struct iovec parts[2];
+    struct iovec parts[3];
+    unsigned char mac[REPLY_TRAILER];
     struct msghdr message;
     memset(&message, 0, sizeof(message));
     message.msg_name = (void *)peer;
@@ -1532,6 +1561,24 @@ send_reply(FastPath *self, int fd, Reply *reply,
             message.msg_iovlen = 2;
         }
     }
+    if (stamp != NULL) {
+        /* The reply's MAC: of the reply, the request's client id and its
+         * time (domus.wire.auth.seal_reply). */
+        DomusSip sip;
+        domus_sip_init(&sip, self->key);
+        for (size_t i = 0; i < message.msg_iovlen; i++) {
+            domus_sip_update(&sip, parts[i].iov_base, parts[i].iov_len);
+        }
+        domus_sip_update(&sip, request + 8, 8);
+        domus_sip_update(&sip, stamp, 4);
+        uint64_t tag = domus_sip_final(&sip);
+        for (int i = 0; i < REPLY_TRAILER; i++) {
+            mac[i] = (unsigned char)(tag >> (56 - 8 * i));
+        }
+        parts[message.msg_iovlen].iov_base = mac;
+        parts[message.msg_iovlen].iov_len = REPLY_TRAILER;
+        message.msg_iovlen++;
+    }
     ssize_t sent;
     do {
         sent = sendmsg(fd, &message, MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -1544,10 +1591,15 @@ send_reply(FastPath *self, int fd, Reply *reply,
 PyDoc_STRVAR(FastPath_serve_doc,
 "serve($self, /, fd, fallback, max_datagrams=256)\n--\n\n"
 "Drain the non-blocking UDP socket `fd`: answer each datagram C can handle\n"
-"and call fallback(data, peer) for the others.  Stops when the socket is\n"
-"empty or after max_datagrams; returns how many datagrams were read.\n"
-"Errors caused by earlier datagrams (ECONNREFUSED, ...) are counted in\n"
-"recv_errors / send_errors and do not stop it.");
+"and call fallback(data, peer, stamp) for the others.  Stops when the\n"
+"socket is empty or after max_datagrams; returns how many datagrams were\n"
+"read.  Errors caused by earlier datagrams (ECONNREFUSED, ...) are counted\n"
+"in recv_errors / send_errors and do not stop it.\n"
+"With a key (a secure deployment), a datagram whose MAC does not check is\n"
+"dropped and counted (unauthenticated); the others are handled without\n"
+"their trailer, their replies sent with theirs, and a request whose time\n"
+"is not within TIME_WINDOW seconds of this clock goes to the fallback;\n"
+"stamp is the request's time (4 bytes), or None without a key.");
 
 static PyObject *
 FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
@@ -1594,19 +1646,38 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
             return PyErr_SetFromErrno(PyExc_OSError);
         }
         received++;
+        const unsigned char *stamp = NULL;
+        Py_ssize_t length = size;
+        int fresh = 1;
+        if (self->keyed) {
+            /* (a request too short for a header, but sealed, is counted
+             * malformed as any other: only the MAC decides what is dropped) */
+            if (size < REQUEST_TRAILER
+                    || domus_siphash24(self->key, self->buffer, (size_t)size - 8)
+                       != read_u64(self->buffer + size - 8)) {
+                self->unauthenticated++;      /* dropped: no reply at all */
+                continue;
+            }
+            stamp = self->buffer + size - REQUEST_TRAILER;
+            length = size - REQUEST_TRAILER;
+            uint32_t skew = (uint32_t)time(NULL) - read_u32(stamp);
+            fresh = skew <= TIME_WINDOW || (uint32_t)-skew <= TIME_WINDOW;
+        }
         Reply reply = {NULL, {0}, NULL};
-        int result = handle_request(self, self->buffer, size,
-                                    MAX_UDP_PAYLOAD, &reply);
+        int result = fresh ? handle_request(self, self->buffer, length,
+                                            MAX_UDP_PAYLOAD - (stamp ? REPLY_TRAILER : 0),
+                                            &reply)
+                           : DECLINED;
         if (result < 0) {
             return NULL;
         }
         if (result == HANDLED) {
-            send_reply(self, fd, &reply, &peer, peer_length);
+            send_reply(self, fd, &reply, &peer, peer_length, self->buffer, stamp);
             reply_clear(&reply);
             continue;
         }
         PyObject *data = PyBytes_FromStringAndSize((const char *)self->buffer,
-                                                   size);
+                                                   length);
         if (data == NULL) {
             return NULL;
         }
@@ -1615,10 +1686,18 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
             Py_DECREF(data);
             return NULL;
         }
+        PyObject *stamped = stamp ? PyBytes_FromStringAndSize((const char *)stamp, 4)
+                                  : Py_NewRef(Py_None);
+        if (stamped == NULL) {
+            Py_DECREF(data);
+            Py_DECREF(address);
+            return NULL;
+        }
         PyObject *done = PyObject_CallFunctionObjArgs(fallback, data, address,
-                                                      NULL);
+                                                      stamped, NULL);
         Py_DECREF(data);
         Py_DECREF(address);
+        Py_DECREF(stamped);
         if (done == NULL) {
             return NULL;
         }
@@ -1696,6 +1775,8 @@ static PyMemberDef FastPath_members[] = {
      "replies serve() could not send (the client retries)"},
     {"recv_errors", T_ULONGLONG, offsetof(FastPath, recv_errors), READONLY,
      "errors serve() read from the socket and went past"},
+    {"unauthenticated", T_ULONGLONG, offsetof(FastPath, unauthenticated), READONLY,
+     "datagrams serve() dropped: too short for a MAC, or one that did not check"},
     {"current_limit", T_PYSSIZET, offsetof(FastPath, current_limit),
      READONLY, "most entries C lets the current cache generation hold"},
     {NULL, 0, 0, 0, NULL},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import shutil
 import sys
 import tempfile
@@ -96,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     deployment = LocalDeployment(args.services, port=port, data_dir=data_dir)
     try:
         deployment.start()
+        # Its clients find the deployment's secret as any job does.
+        os.environ.update(deployment.environment())
+        print(f"Its secret: {deployment.secret_file} (mode 0600; only processes given it "
+              f"may use the deployment).", flush=True)
         with domus.connect(deployment.supervisor_address) as cluster:
             dht = cluster.create_dht("demo")
             print(f"Created DHT 'demo': {dht.bucket_count} buckets over "

@@ -52,6 +52,13 @@ class PlatformUnavailable(SupervisorError):
     the Berkeley DB platforms need ``domus[bdb]`` where the services run."""
 
 
+class AuthenticationError(DomusError):
+    """This process and the deployment do not share its secret: a wrong or
+    missing secret file (``--secret-file`` or ``$DOMUS_SECRET_FILE``), or a
+    peer that is not one of the deployment's own processes.  The message says
+    which file was used and what to do."""
+
+
 class ServiceUnavailable(DomusError, ConnectionError):
     """A service did not answer: it is dead, overloaded or unreachable.
 

@@ -29,7 +29,7 @@ from domus._version import __version__
 from domus.errors import InvalidAttribute, SupervisorError
 from domus.placement import assignment, layout, replicas
 from domus.wire import address as addresses
-from domus.wire import launch
+from domus.wire import launch, secret
 from domus.wire import protocol as wire
 from domus.wire.attributes import (
     MAX_BUCKETS,
@@ -64,7 +64,8 @@ BALANCE_MODES = ("auto", "manual")
 class SupervisorService(Service):
     def __init__(self, *, listen: str, data_dir: str, down_after: float = DOWN_AFTER,
                  push_timeout: float = PUSH_TIMEOUT, balance: str = "auto",
-                 balancer_settings: balancer.Settings | None = None) -> None:
+                 balancer_settings: balancer.Settings | None = None,
+                 secret_file: str | None = None, insecure: bool = False) -> None:
         if not (down_after > 0 and push_timeout > 0):
             raise ValueError(f"down_after ({down_after}) and push_timeout ({push_timeout}) "
                              "must be positive numbers of seconds")
@@ -74,6 +75,18 @@ class SupervisorService(Service):
         self.address = f"{self.listen_host}:{self.listen_port}"
         data_dir = os.path.abspath(data_dir)
         self.state = SupervisorState(data_dir)
+        # The deployment secret (domus.wire.secret): given, or made at the
+        # first start in the data dir; none with --insecure.
+        self.keys: secret.Keys | None = None
+        if not insecure:
+            path = os.path.abspath(secret_file or os.path.join(data_dir, secret.SECRET_FILE))
+            if secret_file is None and not os.path.exists(path):
+                secret.create(path)
+                log.info("made the deployment secret {path} (mode 0600): give it to every "
+                         "service and client of this deployment (--secret-file or "
+                         "${env})", path=path, env=secret.ENVIRONMENT)
+            self.keys = secret.Keys.from_secret(secret.load(path), path)
+        self.auth_failures = 0
         timing = [] if (down_after, push_timeout) == (DOWN_AFTER, PUSH_TIMEOUT) else [
             "--down-after", repr(down_after), "--push-timeout", repr(push_timeout)]
         if balance != "auto":
@@ -87,6 +100,10 @@ class SupervisorService(Service):
                 ("--balance-smoothing", knobs.smoothing, balancer.Settings.smoothing)):
             if value != default:
                 timing += [flag, repr(value)]
+        if insecure:
+            timing.append("--insecure")
+        elif secret_file is not None:
+            timing += ["--secret-file", os.path.abspath(secret_file)]
         self.state.launch = launch.record("supervisor", listen, [
             "supervisor", "--listen", listen, "--data-dir", data_dir, *timing], data_dir)
         self._shutting_down = False
@@ -107,6 +124,9 @@ class SupervisorService(Service):
         # it held) once they are not being changed
         self._taking_out: dict[str, set[str]] = {}
         self._failing_over: set[str] = set()    # DHTs a failover waits for
+        # service -> when its link dropped (failover waits FAILOVER_GRACE)
+        self._down_since: dict[str, float] = {}
+        self._started_at = time.monotonic()
         # DHT name -> what is being done to it ("being activated", ...): one
         # change at a time (activation, deactivation, a bucket move).
         self._changing: dict[str, str] = {}
@@ -125,6 +145,8 @@ class SupervisorService(Service):
         def build(addr: Any) -> MessageProtocol:
             link = original(addr)
             link.control_handler = self.control
+            link.accepting, link.keys = True, self.keys
+            link.auth_failures = self._auth_failed
             return link
 
         factory.buildProtocol = build
@@ -147,6 +169,9 @@ class SupervisorService(Service):
                 link.transport.loseConnection()
         super().stopService()
         return defer.maybeDeferred(self._port.stopListening) if self._port else defer.succeed(None)
+
+    def _auth_failed(self, why: str) -> None:
+        self.auth_failures += 1
 
     # -------------------------------------------------------------- dispatch
     def control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
@@ -229,6 +254,7 @@ class SupervisorService(Service):
             self._returning(name, held_dhts)
         self.state.save()
         self.links[name] = link
+        self._down_since.pop(name, None)
         link.peer_name = f"service {name}"
         self.live[name] = {"last_seen": time.monotonic(), "load": {}, "stats": {}}
         link.lost.addCallback(lambda _: self._link_lost(name, link))
@@ -252,14 +278,27 @@ class SupervisorService(Service):
         if self.links.get(name) is link:
             del self.links[name]
             log.warn("service {name} disconnected", name=name)
+            since = self._down_since[name] = time.monotonic()
             if not self._shutting_down:
                 from twisted.internet import reactor
 
-                reactor.callLater(FAILOVER_GRACE, self._fail_over_if_gone, name)
+                reactor.callLater(FAILOVER_GRACE, self._fail_over_if_gone, name, since)
 
-    def _fail_over_if_gone(self, name: str) -> None:
-        if self.service_state(name) == "down" and name in self.state.services:
+    def _fail_over_if_gone(self, name: str, since: float) -> None:
+        """The grace after a link dropped at ``since`` is over: fail the
+        service over unless it is back (or dropped again since)."""
+        if (self.service_state(name) == "down" and name in self.state.services
+                and self._down_since.get(name) == since):
             self._fail_over(name, "its link to the supervisor dropped")
+
+    def _down_past_grace(self, name: str) -> bool:
+        """Down longer than a failover waits: FAILOVER_GRACE since its link
+        dropped, or, for a service not back since this supervisor started,
+        the time a silent service is given (its link is being made again)."""
+        since = self._down_since.get(name)
+        if since is None:
+            return time.monotonic() - self._started_at >= self.down_after
+        return time.monotonic() - since >= FAILOVER_GRACE
 
     def op_heartbeat(self, link: MessageProtocol, *, name: str, load: dict[str, Any],
                      stats: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -687,6 +726,11 @@ class SupervisorService(Service):
         self._refuse_while_changing(name, "move a bucket of")
         if role == "storage":
             self._able_to_store(descriptor["platform"], [service], named=True)
+            if any(copy.get(bucket) == service for copy in replicas.backups(descriptor)):
+                raise ControlError("SupervisorError", f"service {service} holds a backup of "
+                                   f"bucket {bucket} of DHT {name!r}: the primary there would "
+                                   f"leave the bucket a copy short; move it to a service that "
+                                   f"holds no copy of it")
         source = layout.owners(descriptor, role).owner(bucket)
         answer = {"name": name, "bucket": bucket, "role": role, "from": source, "to": service,
                   "changed": False, "records": None, "seconds": 0.0, "lagging": {}}
@@ -1073,6 +1117,7 @@ class SupervisorService(Service):
         backup's place; then each backup ``name`` holds is copied to another
         service, which takes its place."""
         moved: list[dict[str, Any]] = []
+        self._failover_first(dht)
         descriptor = self.state.dhts[dht]
         primary = layout.owners(descriptor, "storage")
         copies = replicas.backups(descriptor)
@@ -1088,14 +1133,25 @@ class SupervisorService(Service):
                                   "source": name, "target": holder, "records": 0,
                                   "why": f"{name} is draining; {holder} has a copy"})
                     break
+        # (Each step with the DHT marked as changing, as a repair is: a
+        # failover, a failed backup's report or a move meanwhile would
+        # change the layout under it.)
         if swapped:
             changed = replicas.with_backups(balancer.describe(
                 descriptor, "storage", primary,
                 [dict(entry) for entry in descriptor["storage_services"]]), copies)
-            yield self._take_layout(dht, descriptor, changed, "promote the backups of")
+            self._refuse_while_changing(dht, "promote the backups of")
+            self._changing[dht] = f"having the backups of {name}'s buckets promoted"
+            try:
+                yield self._take_layout(dht, descriptor, changed, "promote the backups of")
+            finally:
+                self._changing.pop(dht, None)
         for rank, copy in enumerate(replicas.backups(self.state.dhts[dht]), start=1):
             for bucket in list(layout.buckets_in(layout.ranges_of(copy, name))):
+                self._failover_first(dht)
                 descriptor = self.state.dhts[dht]
+                if replicas.backups(descriptor)[rank - 1].get(bucket) != name:
+                    continue            # (a failover changed its copies meanwhile)
                 source = layout.owners(descriptor, "storage").get(bucket)
                 candidates = [service for service in self.live_services()
                               if descriptor["platform"] in self._platforms_of(service)
@@ -1111,7 +1167,13 @@ class SupervisorService(Service):
                 changed_copies[rank - 1].assign(bucket, bucket + 1, target)
                 changed = replicas.with_backups(descriptor, changed_copies, {
                     service: self.state.services[service]["address"] for service in candidates})
-                result = yield self._copy_replica(descriptor, changed, bucket, source, target)
+                self._refuse_while_changing(dht, f"copy bucket {bucket} of")
+                self._changing[dht] = f"having a copy of bucket {bucket} made on {target}"
+                try:
+                    result = yield self._copy_replica(descriptor, changed, bucket, source,
+                                                      target)
+                finally:
+                    self._changing.pop(dht, None)
                 moved.append({"dht": dht, "bucket": bucket, "role": "backup", "source": name,
                               "target": target, "records": result["records"],
                               "why": f"{name} is draining"})
@@ -1314,16 +1376,34 @@ class SupervisorService(Service):
     #     its copies: a bucket only it holds stays its.
     #   A backup that fails to take a change is reported by its primary
     #     (``copy_failed``) and taken off that primary's buckets.
+    def _failover_first(self, name: str) -> None:
+        """Between two steps of a long change of DHT ``name`` (a drain's
+        copies): a failover that met the change goes before the next step,
+        so that a dead service's buckets do not wait for the whole change."""
+        if name not in self._failing_over:
+            return
+        for service in list(self.state.services):
+            state = self.service_state(service)
+            if state == "unresponsive":
+                self._fail_over(service, "it sent no heartbeat")
+            elif state == "down" and service not in self.links and self._down_past_grace(service):
+                self._fail_over(service, "it is down")
+
     def _fail_over_down(self) -> None:
         """(A failover that met a DHT being changed is done now.)"""
         for name in list(self.state.services):
-            if self.service_state(name) == "down" and name not in self.links:
+            if (self.service_state(name) == "down" and name not in self.links
+                    and self._down_past_grace(name)):
                 self._fail_over(name, "it is down")
 
     def _fail_over(self, service: str, why: str) -> None:
         changed_dhts = []
         for name, descriptor in list(self.state.dhts.items()):
-            if (descriptor.get("replicas") or 1) < 2:
+            # (An inactive DHT serves nothing: its records wait in each
+            # service's files, which a restart keeps, for the layout they
+            # were saved under.)
+            if ((descriptor.get("replicas") or 1) < 2
+                    or descriptor.get("state", "active") != "active"):
                 continue
             if name in self._changing:
                 # (A repair or a move under way: it stops at its next step,
@@ -1345,10 +1425,15 @@ class SupervisorService(Service):
         self.memory.note(time.monotonic(), f"failover: service {service} is out ({why}); "
                          f"its buckets of {[d['name'] for d in changed_dhts]} are served by "
                          f"their backups", service=service)
+        # (The failed service too, if its link is still there: a hung one
+        # takes the layout once it wakes, instead of serving its old
+        # buckets' reads, stale, to clients that still ask it.)
         for descriptor in changed_dhts:
-            self._push([peer for peer in self._involved(descriptor) if peer != service
-                        and self.service_state(peer) == "up"], descriptor,
-                       self.push_timeout).addCallback(self._log_lagging, descriptor["name"])
+            self._push([peer for peer in self._involved(descriptor)
+                        if self.service_state(peer) == "up"
+                        or peer == service and self.service_state(peer) != "down"],
+                       descriptor, self.push_timeout).addCallback(self._log_lagging,
+                                                                  descriptor["name"])
 
     def _log_lagging(self, lagging: dict[str, str], name: str) -> None:
         for service, error in sorted(lagging.items()):
@@ -1504,7 +1589,10 @@ class SupervisorService(Service):
                     or descriptor.get("state", "active") != "active"):
                 continue
             gaps = replicas.missing(descriptor)
-            if gaps:
+            # (Only gaps a copy can be made for now: the balancer waits while
+            # a repair runs, and must not wait on gaps nobody can fill.)
+            if any(self._repair_target(descriptor, bucket) is not None
+                   for _rank, first, end in gaps for bucket in range(first, end)):
                 self._balancing = f"{AUTOMATIC}copying missing backups of DHT {name!r}"
                 return self._repair(name, gaps).addErrback(
                     lambda failure: log.failure("repairing failed", failure)
@@ -1597,20 +1685,10 @@ class SupervisorService(Service):
                     reactor.callLater(0, self._fail_over_down)
                     return done
                 descriptor = self.state.dhts[name]
-                source = layout.owners(descriptor, "storage").get(bucket)
-                if (source is None or self.service_state(source) != "up"
-                        or str(bucket) in (descriptor.get("storage_lost") or {})):
+                planned = self._repair_target(descriptor, bucket)
+                if planned is None:
                     continue
-                taken = set(replicas.holders(descriptor, bucket))
-                candidates = [service for service in self.live_services()
-                              if descriptor["platform"] in self._platforms_of(service)
-                              and service not in self.draining]
-                if not set(candidates) - taken:
-                    continue            # (no service left to hold another copy)
-                hosts = {service: self.state.services[service]["resources"].get(
-                    "hostname", service) for service in candidates}
-                target = replicas.choose(candidates, hosts, taken,
-                                         replicas.copies_held(descriptor))
+                source, target, candidates = planned
                 copies = replicas.backups(descriptor)
                 copies[rank - 1].assign(bucket, bucket + 1, target)
                 changed = replicas.with_backups(descriptor, copies, {
@@ -1635,6 +1713,27 @@ class SupervisorService(Service):
                                  dht=name, bucket=bucket, role="backup", source=source,
                                  target=target, records=result["records"])
         return done
+
+    def _repair_target(self, descriptor: dict[str, Any], bucket: int
+                       ) -> tuple[str, str, list[str]] | None:
+        """(source, target, candidates) of a new copy of ``bucket``: its
+        primary, if up, copies it to the service ``replicas.choose`` picks
+        of the live ones that can store it; None if none can now (its
+        primary is down, it is lost, or every candidate holds a copy)."""
+        source = layout.owners(descriptor, "storage").get(bucket)
+        if (source is None or self.service_state(source) != "up"
+                or str(bucket) in (descriptor.get("storage_lost") or {})):
+            return None
+        taken = set(replicas.holders(descriptor, bucket))
+        candidates = [service for service in self.live_services()
+                      if descriptor["platform"] in self._platforms_of(service)
+                      and service not in self.draining]
+        if not set(candidates) - taken:
+            return None             # (no service left to hold another copy)
+        hosts = {service: self.state.services[service]["resources"].get(
+            "hostname", service) for service in candidates}
+        return source, replicas.choose(candidates, hosts, taken,
+                                       replicas.copies_held(descriptor)), candidates
 
     def _replica_view(self, descriptor: dict[str, Any]) -> dict[str, Any]:
         """Where each bucket's copies are, as ranges of buckets with the
@@ -1931,12 +2030,15 @@ class SupervisorService(Service):
     def op_status(self, link: MessageProtocol) -> dict[str, Any]:
         return {"supervisor": {"address": self.address, "version": __version__,
                                "pid": os.getpid(), "uptime": time.time() - self.started,
-                               "data_dir": self.state.data_dir},
+                               "data_dir": self.state.data_dir,
+                               "secure": self.keys is not None,
+                               "refused_connections": self.auth_failures},
                 "services": self.op_services(link),
                 "dhts": self.op_list_dhts(link)}
 
     def op_ping(self, link: MessageProtocol) -> dict[str, Any]:
-        return {"supervisor": self.address, "version": __version__}
+        return {"supervisor": self.address, "version": __version__,
+                "secure": self.keys is not None}
 
 
 def _straddling_pairs(owners: Any) -> list[tuple[int, str, str]]:

@@ -50,6 +50,7 @@ from domus.errors import (
 )
 from domus.wire import address as addresses
 from domus.wire import protocol as wire
+from domus.wire import secret
 from domus.wire.attributes import check_strategy, create_request
 from domus.wire.keys import decode_key
 
@@ -75,12 +76,21 @@ _value_of = codec.value_of
 _entry_key = itemgetter(0)
 
 
-def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Cluster:
+def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+            secret_file: str | None = None) -> Cluster:
     """Connect to a deployment's supervisor: ``address`` (HOST:PORT), else
     $DOMUS_SUPERVISOR, else 127.0.0.1:7700.  ``timeout`` bounds every call:
-    nothing waits longer before raising a clear error."""
-    cluster = Cluster(addresses.supervisor_address(address), timeout)
-    cluster.ping()
+    nothing waits longer before raising a clear error.  ``secret_file``: the
+    deployment secret (default: $DOMUS_SECRET_FILE, then
+    ./domus-data/supervisor/secret; see domus.wire.secret); a wrong or
+    missing one raises AuthenticationError saying so."""
+    cluster = Cluster(addresses.supervisor_address(address), timeout,
+                      secret_file=secret_file)
+    try:
+        cluster.ping()
+    except BaseException:
+        cluster.close()
+        raise
     return cluster
 
 
@@ -96,11 +106,13 @@ def move_target(routing: str | None, storage: str | None) -> tuple[str, str]:
 class Cluster:
     """A connection to one Domus deployment."""
 
-    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT, *,
+                 secret_file: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.ids = RequestIds()
-        self.supervisor = SupervisorLink(address, timeout, self.ids)
+        self.keys = secret.keys(secret_file)
+        self.supervisor = SupervisorLink(address, timeout, self.ids, self.keys)
         self._channels: dict[tuple[str, str], ServiceChannel] = {}
 
     def __enter__(self) -> Cluster:
@@ -123,7 +135,11 @@ class Cluster:
         key = (name, address)
         channel = self._channels.get(key)
         if channel is None:
-            channel = self._channels[key] = ServiceChannel(name, address, deadline=self.timeout)
+            # (a deployment run --insecure takes no MACs, whatever secret
+            # this process found at the default path)
+            keys = self.keys if self.supervisor.secure else None
+            channel = self._channels[key] = ServiceChannel(name, address, deadline=self.timeout,
+                                                           keys=keys)
         return channel
 
     # -- DHTs

@@ -31,13 +31,16 @@ from typing import Any
 from domus.client import codec
 from domus.errors import (
     SUPERVISOR_ERRORS,
+    AuthenticationError,
     ProtocolError,
     ServiceUnavailable,
     SupervisorError,
     SupervisorUnreachable,
 )
 from domus.wire import address as addresses
+from domus.wire import auth
 from domus.wire import protocol as wire
+from domus.wire.secret import Keys
 
 _FRAME = struct.Struct(">I")
 FIRST_TIMEOUT = 0.25
@@ -100,26 +103,44 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _send_frame(sock: socket.socket, message: bytes) -> None:
+def _send_frame(sock: socket.socket, message: bytes,
+                session: auth.Session | None = None) -> None:
+    if session is not None:
+        message = session.seal(message)
     sock.sendall(_FRAME.pack(len(message)) + message)
 
 
-def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES) -> bytes:
+def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES,
+                session: auth.Session | None = None) -> bytes:
     (size,) = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
-    if size > limit:
+    if size > limit + auth.TAG_BYTES:
         raise ProtocolError(f"peer sent a {size}-byte frame, over the {limit}-byte limit")
-    return _recv_exactly(sock, size)
+    frame = _recv_exactly(sock, size)
+    return session.open(frame) if session is not None else frame
+
+
+def handshake(sock: socket.socket, keys: Keys | None, peer: str) -> auth.Session | None:
+    """The connecting side of domus.wire.auth's handshake, on a blocking
+    socket; the session (None: an insecure deployment).  AuthenticationError
+    when the peer refuses this process, or is not who it should be."""
+    connecting = auth.Connecting(keys, peer)
+    _send_frame(sock, connecting.hello(_recv_frame(sock, 4096)))
+    return connecting.verdict(_recv_frame(sock, 4096))
 
 
 class SupervisorLink:
     """Blocking control calls to the supervisor, reconnecting as needed."""
 
-    def __init__(self, address: str, timeout: float, ids: RequestIds) -> None:
+    def __init__(self, address: str, timeout: float, ids: RequestIds,
+                 keys: Keys | None = None) -> None:
         self.address = address
         self.host, self.port = addresses.parse(address)
         self.timeout = timeout
         self.ids = ids
+        self.keys = keys
         self._sock: socket.socket | None = None
+        self._session: auth.Session | None = None
+        self.secure = False             # (the deployment's handshake said so)
         self._pid = os.getpid()
 
     def _connect(self) -> socket.socket:
@@ -138,6 +159,23 @@ class SupervisorLink:
                 f"is it running (`domus up` or `domus supervisor`)? Pass its HOST:PORT or set "
                 f"DOMUS_SUPERVISOR") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            self._session = handshake(sock, self.keys, f"the supervisor at {self.address}")
+            self.secure = self._session is not None
+        except TimeoutError:
+            sock.close()
+            raise SupervisorUnreachable(
+                f"the Domus supervisor at {self.address} did not answer within "
+                f"{self.timeout:.1f}s (it accepted the connection but sent no handshake); is "
+                f"it a Domus supervisor, and not overloaded?") from None
+        except (OSError, ConnectionError, ProtocolError) as exc:
+            sock.close()
+            raise SupervisorUnreachable(f"the Domus supervisor at {self.address} closed the "
+                                        f"connection during its handshake ({exc}); is it "
+                                        f"this version of Domus?") from None
+        except AuthenticationError:
+            sock.close()
+            raise
         self._sock, self._pid = sock, os.getpid()
         return sock
 
@@ -152,9 +190,9 @@ class SupervisorLink:
             message = wire.encode_control(request_id, self.ids.client_id, {"op": op, **params})
             try:
                 sock.settimeout(timeout or self.timeout)
-                _send_frame(sock, message)
+                _send_frame(sock, message, self._session)
                 while True:
-                    frame = _recv_frame(sock)
+                    frame = _recv_frame(sock, session=self._session)
                     status, reply_id = wire.decode_reply_header(frame)
                     if reply_id == request_id:
                         break
@@ -212,9 +250,14 @@ class ServiceChannel:
     """Requests to one service.  Not thread-safe: one per thread/process."""
 
     def __init__(self, name: str, address: str, *, deadline: float,
-                 first_timeout: float = FIRST_TIMEOUT) -> None:
+                 first_timeout: float = FIRST_TIMEOUT, keys: Keys | None = None) -> None:
         self.name = name
         self.address = address
+        # A secure deployment's: datagrams sealed and checked with the data
+        # key, TCP connections opened with the handshake (domus.wire.auth).
+        self.keys = keys
+        self._key = keys.data if keys is not None else None
+        self._tcp_session: auth.Session | None = None
         self.host, self.port = addresses.parse(address)
         self.deadline = min(deadline, MAX_DEADLINE)
         self.first_timeout = min(first_timeout, self.deadline)
@@ -248,44 +291,64 @@ class ServiceChannel:
     def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
         """Send one request, return its reply (retrying over UDP, or over TCP
         when it is too big for a datagram)."""
-        if len(message) > wire.DEFAULT_MAX_DATAGRAM:
+        if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
             return self.request_tcp(message, dht, bucket)
         if _roundtrip is None:
             return self._request_udp(message, dht, bucket, None)
+        key = self._key
+        sealed = message if key is None else auth.seal_request(key, message)
         # The first try in C: send, poll, recv, without the GIL.
         try:
-            reply = _roundtrip(self._fd, message, self.first_timeout, SPIN)
+            reply = _roundtrip(self._fd, sealed, self.first_timeout, SPIN)
         except ConnectionRefusedError:
             return self._request_udp(message, dht, bucket, _REFUSED)
         if reply is None:
             return self._request_udp(message, dht, bucket, _TIMED_OUT)
+        if key is not None:
+            opened = auth.open_reply(key, reply, message[8:16], sealed[-12:-8])
+            if opened is None:          # not the service's: wait on for its own
+                return self._request_udp(message, dht, bucket, _TIMED_OUT,
+                                         [sealed[-12:-8]])
+            reply = opened
         if reply[2] == wire.ST_REPLY_TOO_LARGE:
             return self.request_tcp(message, dht, bucket)
         return reply
 
     def _request_udp(self, message: bytes, dht: str, bucket: int | None,
-                     first_try: str | None) -> bytes:
+                     first_try: str | None, stamps: list[bytes] | None = None) -> bytes:
         """The UDP round trip and its retries, in Python.  ``first_try`` is
         how a try already made (by the C round trip) ended: _TIMED_OUT,
-        _REFUSED, or None if none was made."""
+        _REFUSED, or None if none was made; ``stamps``: the times it was
+        sealed with (a secure deployment: each try is sealed afresh, and a
+        reply is taken if its MAC checks for one of them)."""
         sock = self.sock
         request_id = message[4:8]
         timeout = self.first_timeout
         started = time.monotonic() - (timeout if first_try is _TIMED_OUT else 0.0)
         refused = 0
         outcome = first_try
+        key = self._key
+        stamps = list(stamps or [])
         try:
             while True:
                 if outcome is None:
                     try:
-                        sock.send(message)
+                        if key is None:
+                            sock.send(message)
+                        else:
+                            sealed = auth.seal_request(key, message)
+                            stamps.append(sealed[-12:-8])
+                            sock.send(sealed)
                         while True:
                             data = sock.recv(65536)
+                            if key is not None:
+                                data = self._opened(data, message, stamps)
                             if data[4:8] == request_id and len(data) >= wire.REPLY_HEADER_SIZE:
                                 if data[2] == wire.ST_REPLY_TOO_LARGE:
                                     return self.request_tcp(message, dht, bucket)
                                 return data
-                            # else: the late reply of an earlier request; skip it
+                            # else: the late reply of an earlier request, or
+                            # one that is not the service's; skip it
                     except TimeoutError:
                         outcome = _TIMED_OUT
                     except ConnectionRefusedError:
@@ -312,6 +375,15 @@ class ServiceChannel:
             if timeout != self.first_timeout:
                 sock.settimeout(self.first_timeout)
 
+    def _opened(self, data: bytes, message: bytes, stamps: list[bytes]) -> bytes:
+        """A datagram as this request's reply if its MAC checks for one of
+        the request's tries, else b"" (skipped)."""
+        for stamp in reversed(stamps):
+            opened = auth.open_reply(self._key, data, message[8:16], stamp)  # type: ignore
+            if opened is not None:
+                return opened
+        return b""
+
     def request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
         request_id = message[4:8]
         for attempt in (1, 2):
@@ -320,9 +392,11 @@ class ServiceChannel:
                     self._tcp = socket.create_connection((self.host, self.port),
                                                          timeout=self.deadline)
                     self._tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _send_frame(self._tcp, message)
+                    self._tcp_session = handshake(self._tcp, self.keys,
+                                                  f"service {self.name} ({self.address})")
+                _send_frame(self._tcp, message, self._tcp_session)
                 while True:
-                    frame = _recv_frame(self._tcp)
+                    frame = _recv_frame(self._tcp, session=self._tcp_session)
                     if frame[4:8] == request_id:
                         return frame
             except (OSError, ConnectionError) as exc:
@@ -367,6 +441,7 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
     # per channel: request id -> (index, time sent, timeout, time first sent)
     in_flight: dict[ServiceChannel, dict[bytes, tuple[int, float, float, float]]] = {
         channel: {} for channel in queues}
+    stamps: dict[bytes, list[bytes]] = {}       # (secure) request id -> its tries' times
     refused: dict[ServiceChannel, int] = {channel: 0 for channel in queues}
     remaining = len(requests) - sum(reply is not None for reply in replies)
 
@@ -377,7 +452,7 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
             message = requests[index][1]
             now = time.monotonic()
             flying[message[4:8]] = (index, now, channel.first_timeout, now)
-            _send(channel, message, refused)
+            _send(channel, message, refused, stamps)
 
     for channel in queues:
         fill(channel)
@@ -399,6 +474,10 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
                         raise channel.unavailable("refused the request (the service is down)",
                                                   dht) from None
                     break
+                if channel._key is not None:
+                    data = channel._opened(data, requests[in_flight[channel][data[4:8]][0]][1],
+                                           stamps.get(data[4:8], [])) \
+                        if data[4:8] in in_flight[channel] else b""
                 entry = in_flight[channel].pop(data[4:8], None)
                 if entry is None:
                     continue
@@ -419,10 +498,14 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
                                               dht)
                 channel.retries += 1
                 flying[request_id] = (index, now, min(timeout * 2, channel.deadline), first)
-                _send(channel, requests[index][1], refused)
+                _send(channel, requests[index][1], refused, stamps)
 
 
-def _send(channel: ServiceChannel, message: bytes, refused: dict[ServiceChannel, int]) -> None:
+def _send(channel: ServiceChannel, message: bytes, refused: dict[ServiceChannel, int],
+          stamps: dict[bytes, list[bytes]]) -> None:
+    if channel._key is not None:
+        message = auth.seal_request(channel._key, message)
+        stamps.setdefault(message[4:8], []).append(message[-12:-8])
     try:
         channel.sock.send(message)
     except ConnectionRefusedError:

@@ -54,6 +54,7 @@ from domus.client.transport import (
 )
 from domus.errors import (
     SUPERVISOR_ERRORS,
+    AuthenticationError,
     DomusError,
     ServiceUnavailable,
     SupervisorError,
@@ -63,9 +64,11 @@ from domus.errors import (
     ValueTooLarge,
 )
 from domus.wire import address as addresses
+from domus.wire import auth, secret
 from domus.wire import protocol as wire
 from domus.wire.attributes import check_strategy, create_request
 from domus.wire.control import MessageProtocol, RemoteControlError
+from domus.wire.secret import Keys
 
 WINDOW = 32            # datagrams in flight per service; more wait on the client
 MAX_PACKET = 65536     # what the UDP socket reads at once (Twisted's default is 8192)
@@ -105,18 +108,30 @@ class _Once:
 
 
 def _open_link(reactor: Any, host: str, port: int, timeout: float,
-               peer_name: str) -> defer.Deferred:
+               peer_name: str, keys: Keys | None) -> defer.Deferred:
     """A connected MessageProtocol (length-prefixed TCP, calls as Deferreds)
-    whose call timeouts run on ``reactor``."""
+    whose call timeouts run on ``reactor``, once its handshake has ended
+    (fails with AuthenticationError if either side refuses the other)."""
     link = MessageProtocol()
     link.clock = reactor
     link.peer_name = peer_name
+    link.keys = keys
 
-    def connected(link: MessageProtocol) -> MessageProtocol:
+    def connected(link: MessageProtocol) -> defer.Deferred:
         set_no_delay = getattr(link.transport, "setTcpNoDelay", None)
         if set_no_delay is not None:
             set_no_delay(True)
-        return link
+
+        def hung(failure: Failure) -> Failure:
+            # (a peer that accepts but never speaks the handshake)
+            if failure.check(defer.TimeoutError):
+                if link.transport is not None:
+                    link.transport.loseConnection()
+                return Failure(ConnectionError(f"{peer_name} did not answer the "
+                                               f"handshake within {timeout:.1f}s"))
+            return failure
+
+        return link.authenticated.addTimeout(timeout, reactor).addErrback(hung)
 
     endpoint = TCP4ClientEndpoint(reactor, host, port, timeout=timeout)
     return connectProtocol(endpoint, link).addCallback(connected)
@@ -134,7 +149,7 @@ class _Pending:
     or the client's close."""
 
     __slots__ = ("deferred", "message", "request_id", "channel", "dht", "bucket",
-                 "started", "timeout", "tries", "timer")
+                 "started", "timeout", "tries", "timer", "stamps")
 
     def __init__(self, channel: TxChannel, message: bytes, dht: str,
                  bucket: int | None) -> None:
@@ -147,6 +162,7 @@ class _Pending:
         self.timeout = channel.first_timeout
         self.tries = 0
         self.timer: Any = None
+        self.stamps: list[bytes] = []   # (secure) the times its tries were sealed with
         self.deferred: defer.Deferred = defer.Deferred(canceller=self._cancelled)
 
     def _cancelled(self, _deferred: defer.Deferred) -> None:
@@ -174,6 +190,7 @@ class DatagramRequests(protocol.DatagramProtocol):
         self.channels: set[TxChannel] = set()
         self.late_replies = 0
         self.stray = 0
+        self.unauthenticated = 0        # replies whose MAC did not check (dropped)
         self.send_errors = 0
         self.closed = False
         self._port: Any = None
@@ -225,8 +242,14 @@ class DatagramRequests(protocol.DatagramProtocol):
     def _send(self, entry: _Pending) -> None:
         entry.tries += 1
         entry.timer = self.reactor.callLater(entry.timeout, self._expired, entry)
+        message, key = entry.message, entry.channel.key
+        if key is not None:
+            # Each try sealed afresh (a retry long after the first must not
+            # look stale); its reply may answer any of them.
+            message = auth.seal_request(key, message)
+            entry.stamps.append(message[-12:-8])
         try:
-            self._write(entry.message, (entry.channel.ip, entry.channel.port))
+            self._write(message, (entry.channel.ip, entry.channel.port))
         except OSError:
             self.send_errors += 1  # a full send buffer: the retry timer sends it again
 
@@ -280,6 +303,17 @@ class DatagramRequests(protocol.DatagramProtocol):
         if entry is None:
             self.late_replies += 1
             return
+        key = entry.channel.key
+        if key is not None:
+            client_id = entry.message[8:16]
+            for stamp in reversed(entry.stamps):
+                opened = auth.open_reply(key, data, client_id, stamp)
+                if opened is not None:
+                    data = opened
+                    break
+            else:
+                self.unauthenticated += 1   # not the service's: wait on for its own
+                return
         self.forget(entry)
         if data[2] == wire.ST_REPLY_TOO_LARGE:
             entry.channel.request_tcp(entry.message, entry.dht, entry.bucket).chainDeferred(
@@ -334,9 +368,14 @@ class TxChannel:
     channel's own TCP connection when a message does not fit a datagram."""
 
     def __init__(self, name: str, address: str, *, requests: DatagramRequests,
-                 deadline: float, first_timeout: float = FIRST_TIMEOUT) -> None:
+                 deadline: float, first_timeout: float = FIRST_TIMEOUT,
+                 keys: Keys | None = None) -> None:
         self.name = name
         self.address = address
+        # A secure deployment's (domus.wire.auth): datagrams sealed with the
+        # data key, the TCP connection opened with the handshake.
+        self.keys = keys
+        self.key = keys.data if keys is not None else None
         self.host, self.port = addresses.parse(address)
         # The same limits as domus.client.transport.ServiceChannel (see there why).
         self.deadline = min(deadline, MAX_DEADLINE)
@@ -361,7 +400,7 @@ class TxChannel:
     def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> defer.Deferred:
         """Send one request; fires with its reply (retried over UDP, or over
         TCP when it is too big for a datagram)."""
-        if len(message) > wire.DEFAULT_MAX_DATAGRAM:
+        if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
             return self.request_tcp(message, dht, bucket)
         return self.requests.request(self, message, dht, bucket)
 
@@ -379,6 +418,9 @@ class TxChannel:
                 return frame
             except (TimeoutError, error.TimeoutError) as exc:
                 raise self.unavailable(f"failed over TCP ({exc})", dht, bucket) from None
+            except AuthenticationError:
+                self._drop_tcp(link)
+                raise
             except (ConnectionError, error.ConnectError, OSError) as exc:
                 # One reconnect (the service may have restarted); a retry of
                 # a change is answered from the service's reply cache.
@@ -402,7 +444,7 @@ class TxChannel:
                 return failure
 
             opening = _open_link(self.requests.reactor, self.host, self.port, self.deadline,
-                                 f"service {self.name}")
+                                 f"service {self.name} ({self.address})", self.keys)
             opening.addCallbacks(made, failed).addBoth(once.settle)
             return once.wait()  # (self._tcp may be None again already: a failure at once)
         return self._tcp.wait()
@@ -424,19 +466,22 @@ class TxChannel:
 
 
 def connect(address: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-            reactor: Any = None, *, window: int = WINDOW) -> defer.Deferred:
+            reactor: Any = None, *, window: int = WINDOW,
+            secret_file: str | None = None) -> defer.Deferred:
     """Connect to a deployment's supervisor: ``address`` (HOST:PORT), else
     $DOMUS_SUPERVISOR, else 127.0.0.1:7700.  Fires with a TxCluster, or
     fails with SupervisorUnreachable if the supervisor does not answer
-    within ``timeout`` seconds, which also bounds every later call."""
+    within ``timeout`` seconds, which also bounds every later call.
+    ``secret_file``: as domus.connect's (AuthenticationError when it is
+    wrong or missing)."""
     if reactor is None:
         from twisted.internet import reactor as default_reactor
 
         reactor = default_reactor
     try:
         cluster = TxCluster(addresses.supervisor_address(address), timeout, reactor,
-                            window=window)
-    except ValueError as exc:
+                            window=window, secret_file=secret_file)
+    except (ValueError, AuthenticationError) as exc:
         return defer.fail(exc)
 
     def timed_out(failure: Failure) -> Failure:
@@ -457,7 +502,7 @@ class TxCluster:
     """A connection to one Domus deployment; every call returns a Deferred."""
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT, reactor: Any = None,
-                 *, window: int = WINDOW) -> None:
+                 *, window: int = WINDOW, secret_file: str | None = None) -> None:
         if reactor is None:
             from twisted.internet import reactor as default_reactor
 
@@ -466,6 +511,8 @@ class TxCluster:
         self.host, self.port = addresses.parse(address)
         self.timeout = timeout
         self.reactor = reactor
+        self.keys = secret.keys(secret_file)
+        self.secure = False             # (the supervisor's handshake said so)
         self.ids = RequestIds()
         self.requests = DatagramRequests(reactor, window)
         self._channels: dict[tuple[str, str], TxChannel] = {}
@@ -482,8 +529,9 @@ class TxCluster:
         key = (name, address)
         channel = self._channels.get(key)
         if channel is None:
-            channel = self._channels[key] = TxChannel(name, address, requests=self.requests,
-                                                      deadline=self.timeout)
+            channel = self._channels[key] = TxChannel(
+                name, address, requests=self.requests, deadline=self.timeout,
+                keys=self.keys if self.secure else None)
         return channel
 
     # -- the supervisor link
@@ -497,13 +545,14 @@ class TxCluster:
 
             def made(link: MessageProtocol) -> MessageProtocol:
                 self._link_protocol = link
+                self.secure = link.secure
                 link.lost.addCallback(lambda _: self._drop_link(link))
                 return link
 
             def failed(failure: Failure) -> Failure:
                 if self._link is once:
                     self._link = None
-                if failure.check(defer.CancelledError):
+                if failure.check(defer.CancelledError, AuthenticationError):
                     return failure
                 return Failure(SupervisorUnreachable(
                     f"cannot reach the Domus supervisor at {self.address}: "
@@ -511,7 +560,7 @@ class TxCluster:
                     f"supervisor`)? Pass its HOST:PORT or set DOMUS_SUPERVISOR"))
 
             self._opening = _open_link(self.reactor, self.host, self.port, self.timeout,
-                                       "supervisor")
+                                       f"the supervisor at {self.address}", self.keys)
             self._opening.addCallbacks(made, failed).addBoth(once.settle)
             return once.wait()  # (self._link may be None again already: a failure at once)
         return self._link.wait()
@@ -879,6 +928,25 @@ class TxDht(DirectLookup[TxChannel]):
         """Every request at once; fires with the replies in request order."""
         return _gather([channel.request(message, self.name) for channel, message in requests])
 
+    async def _round(self, requests: list[tuple[TxChannel, bytes]]) -> list[bytes] | None:
+        """A batch's round trip; None when a replicated bucket's primary
+        was dead and its backup has taken over (as the synchronous client's
+        _exchange: the batch goes again, its changes applying the same
+        values again)."""
+        mark = self._fetches
+        try:
+            return await self._exchange(requests)
+        except ServiceUnavailable as exc:
+            if not (self.replicated and exc.service):
+                raise
+            dead = self.cluster.channel(exc.service, exc.address)
+            buckets = [bucket for bucket in range(self.bucket_count)
+                       if self._owners[bucket] is dead] if self.bucket_count <= 1 << 16 else []
+            if not buckets or not await self._owner_moved(mark, buckets[0], dead,
+                                                          self.bucket_count):
+                raise
+            return None
+
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> defer.Deferred:
         """Store many records, one message per service where they fit in a
         datagram (more where they do not), all sent at once.  Fires with how
@@ -917,17 +985,20 @@ class TxDht(DirectLookup[TxChannel]):
         shift = self._shift         # (the numbering of ``owners``: the layout may change)
         created = 0
         rounds = self._batch_rounds()
-        replies: list[bytes] = []
+        replies: list[bytes] | None = []
         while keys:
             requests = batch.put_requests(keys, values, self._hasher, shift, owners,
                                           self.id, self.cluster.ids)
-            replies = await self._exchange(requests)
+            replies = await self._round(requests)
+            if replies is None:             # (a backup took over: the round again)
+                owners, shift = self._owners, self._shift
+                continue
             new, keys, values, moved, moving = self._put_round(requests, replies)
             created += new
             if keys:
                 await self._before_next_round(moved, moving, rounds)
                 owners, shift = self._owners, self._shift
-        self._batch_seen(replies)
+        self._batch_seen(replies or [])
         return created
 
     def get_many(self, keys: Iterable[Any]) -> defer.Deferred:
@@ -941,11 +1012,14 @@ class TxDht(DirectLookup[TxChannel]):
         owners = await self._batch_owners(state.encoded)
         shift = self._shift         # (the numbering of ``owners``: the layout may change)
         rounds = self._batch_rounds()
-        replies: list[bytes] = []
+        replies: list[bytes] | None = []
         while state.pending:
             requests, batches = state.requests(self._hasher, shift, owners, self.id,
                                                self.cluster.ids)
-            replies = await self._exchange(requests)
+            replies = await self._round(requests)
+            if replies is None:             # (a backup took over: the round again)
+                owners, shift = self._owners, self._shift
+                continue
             try:
                 moved = state.take(requests, batches, replies, self._batch_error)
             except ValueDecodeError as exc:
@@ -953,7 +1027,7 @@ class TxDht(DirectLookup[TxChannel]):
             if moved or state.moving:
                 await self._before_next_round(moved, state.moving, rounds)
                 owners, shift = self._owners, self._shift
-        self._batch_seen(replies)
+        self._batch_seen(replies or [])
         return state.found
 
     def _batch_error(self, reply: bytes, channel: TxChannel) -> Exception:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import time
 from typing import Any
 
-from domus.errors import DomusError
+from domus.errors import AuthenticationError, DomusError
 from domus.supervisor.balancer import Settings
 from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from domus.wire import address as addresses
@@ -101,7 +102,9 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
                                               max_moves=args.balance_max_moves,
                                               cooldown=args.balance_cooldown,
                                               cpu_busy=args.balance_cpu_busy,
-                                              smoothing=args.balance_smoothing)))
+                                              smoothing=args.balance_smoothing),
+                                          secret_file=args.secret_file,
+                                          insecure=args.insecure))
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -113,14 +116,14 @@ def cmd_service(args: argparse.Namespace) -> int:
     return _run_reactor(DomusService(supervisor=addresses.supervisor_address(args.supervisor),
                                      listen=args.listen, data_dir=args.data_dir, name=args.name,
                                      heartbeat=args.heartbeat, resources=overrides,
-                                     cpus=args.cpus))
+                                     cpus=args.cpus, secret_file=args.secret_file))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from domus.ops.deploy import LocalDeployment
 
     deployment = LocalDeployment(args.services, port=args.port, data_dir=args.data_dir,
-                                 host=args.host)
+                                 host=args.host, insecure=args.insecure)
     stopping = False
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -137,8 +140,9 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"{args.services} services "
               f"({', '.join(deployment.service_address(i) for i in range(args.services))}); "
               f"logs in {os.path.join(deployment.data_dir, 'logs')}", flush=True)
-        print(f"export DOMUS_SUPERVISOR={deployment.supervisor_address}; "
-              f"press Ctrl-C to stop", flush=True)
+        exports = " ".join(f"{name}={shlex.quote(value)}"
+                           for name, value in deployment.environment().items())
+        print(f"export {exports}; press Ctrl-C to stop", flush=True)
         while True:
             for name, process in [("supervisor", deployment.supervisor),
                                   *deployment.services.items()]:
@@ -170,7 +174,10 @@ def _cluster(args: argparse.Namespace) -> Any:
         addresses.parse(addresses.supervisor_address(args.supervisor))
     except ValueError as exc:  # a malformed --supervisor or $DOMUS_SUPERVISOR
         raise SystemExit(f"domus: {exc}") from None
-    return connect(args.supervisor, timeout=args.timeout)
+    try:
+        return connect(args.supervisor, timeout=args.timeout, secret_file=args.secret_file)
+    except AuthenticationError as exc:
+        raise SystemExit(f"domus: {exc}") from None
 
 
 def _megabytes(value: float) -> str:
@@ -184,8 +191,12 @@ _SHORT_PLATFORM = {"python-dict": "dict", "domus-rbt": "rbt", "domus-bsddb-btree
 
 def format_status(status: dict[str, Any]) -> str:
     supervisor = status["supervisor"]
+    guard = ("secure" if supervisor.get("secure") else "INSECURE (no secret: anyone who "
+             "reaches its ports may use it)")
+    refused = supervisor.get("refused_connections", 0)
     lines = [f"supervisor {supervisor['address']}  version {supervisor['version']}  "
-             f"up {supervisor['uptime']:.0f}s  data {supervisor['data_dir']}", ""]
+             f"up {supervisor['uptime']:.0f}s  data {supervisor['data_dir']}  {guard}"
+             + (f"  refused {refused} connections" if refused else ""), ""]
     rows = [("SERVICE", "ADDRESS", "STATE", "ROLES", "BUCKETS (routing/storage per DHT)",
              "REQ/S", "LOOKUP/S", "CPU%", "NODE CPU%", "RSS MiB", "FREE RAM", "FREE DISK",
              "NET KB/S", "HOT PATH", "PLATFORMS")]
@@ -238,6 +249,23 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
             for row in rows]
+
+
+def cmd_secret(args: argparse.Namespace) -> int:
+    """`domus secret new FILE`: a new deployment secret (mode 0600), for a
+    supervisor's --secret-file and its processes' $DOMUS_SECRET_FILE."""
+    from domus.wire import secret
+
+    try:
+        secret.create(args.file)
+    except FileExistsError:
+        raise SystemExit(f"domus: {args.file} exists already; a secret is never "
+                         f"overwritten (remove it first to replace it)") from None
+    except OSError as exc:
+        raise SystemExit(f"domus: cannot write {args.file}: {exc.strerror}") from None
+    print(f"made the deployment secret {args.file} (mode 0600); give it to the supervisor "
+          f"(--secret-file) and to every process of the deployment ($DOMUS_SECRET_FILE)")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -514,6 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the supervisor (default: $DOMUS_SUPERVISOR, then 127.0.0.1:7700)")
         sub.add_argument("--timeout", type=float, default=5.0,
                          help="seconds to wait for any answer (default 5)")
+        sub.add_argument("--secret-file", metavar="FILE", default=None,
+                         help="the deployment secret (default: $DOMUS_SECRET_FILE, then "
+                         "./domus-data/supervisor/secret)")
         return sub
 
     up = commands.add_parser("up", help="run a supervisor and N services here, in the foreground")
@@ -522,6 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="supervisor port; services take the next N ports")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--data-dir", default="domus-data")
+    up.add_argument("--insecure", action="store_true", help="no deployment secret: anyone "
+                    "who can reach its ports may use it (a trusted network only)")
     up.set_defaults(func=cmd_up)
 
     sup = commands.add_parser("supervisor", help="run the supervisor")
@@ -550,6 +583,10 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="PERCENT", help="a service whose own CPU stays above this (%% of "
                      "a core) while another has room gives buckets away (default %(default)s; "
                      "over 100: never)")
+    sup.add_argument("--secret-file", metavar="FILE", help="the deployment secret (default: "
+                     "<data dir>/secret, made at the first start, mode 0600)")
+    sup.add_argument("--insecure", action="store_true", help="no secret: anyone who can reach "
+                     "the deployment's ports may use it (a trusted network only)")
     sup.add_argument("--balance-smoothing", type=_fraction, default=knobs.smoothing,
                      metavar="FRACTION", help="weight of each new sample of the CPU other work "
                      "uses on a node, in the balancer's average that routing shares follow "
@@ -565,10 +602,20 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--cores", type=float, default=None, help="declare cores (weight)")
     svc.add_argument("--ram", type=int, default=None, help="declare RAM bytes (weight)")
     svc.add_argument("--disk", type=int, default=None, help="declare disk bytes (weight)")
+    svc.add_argument("--secret-file", metavar="FILE", help="the deployment secret (default: "
+                     "$DOMUS_SECRET_FILE, then ./domus-data/supervisor/secret)")
     svc.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
                      help="run on these CPUs only, e.g. 2 or 0,1 or 4-7 (default: those it "
                      "was started with); its cores and node load count these only")
     svc.set_defaults(func=cmd_service)
+
+    secret_parser = commands.add_parser("secret", help="make a deployment secret (for job "
+                                        "scripts: see docs/operations.md)")
+    secret_actions = secret_parser.add_subparsers(dest="action", required=True)
+    secret_new = secret_actions.add_parser("new", help="write a new secret to FILE (mode 0600; "
+                                           "never overwrites)")
+    secret_new.add_argument("file", metavar="FILE")
+    secret_parser.set_defaults(func=cmd_secret)
 
     status = talks(commands.add_parser("status", help="services, roles, buckets and load"))
     status.add_argument("--json", action="store_true")
@@ -680,6 +727,7 @@ def _service_admin_parser() -> argparse.ArgumentParser:
         sub = actions.add_parser(action)
         sub.add_argument("--supervisor", default=None, metavar="HOST:PORT")
         sub.add_argument("--timeout", type=float, default=5.0)
+        sub.add_argument("--secret-file", metavar="FILE", default=None)
         sub.add_argument("--json", action="store_true")
         if action in ("remove", "drain"):
             sub.add_argument("name")

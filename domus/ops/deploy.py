@@ -65,7 +65,7 @@ class LocalDeployment:
     def __init__(self, services: int = 3, *, port: int = 7700, data_dir: str,
                  host: str = "127.0.0.1", heartbeat: float = 1.0,
                  log_to: IO[str] | None = None, service_args: list[str] | None = None,
-                 supervisor_args: list[str] | None = None) -> None:
+                 supervisor_args: list[str] | None = None, insecure: bool = False) -> None:
         if services < 0:
             raise ValueError("the number of services must be >= 0")
         self.host = host
@@ -77,6 +77,14 @@ class LocalDeployment:
         self.service_args = service_args or []
         self.supervisor_args = supervisor_args or []
         self.supervisor_address = f"{host}:{port}"
+        # The deployment secret (domus.wire.secret): the supervisor makes it
+        # in its data dir at its first start; every process started here is
+        # given it.  None: --insecure.
+        self.insecure = insecure or "--insecure" in self.supervisor_args
+        self.secret_file: str | None = None if self.insecure else os.path.join(
+            self.data_dir, "supervisor", "secret")
+        if self.insecure and "--insecure" not in self.supervisor_args:
+            self.supervisor_args.append("--insecure")
         self.supervisor: subprocess.Popen | None = None
         self.services: dict[str, subprocess.Popen] = {}
         self._logs: list[IO[Any]] = []
@@ -100,6 +108,9 @@ class LocalDeployment:
             output = open(self.log_path(name), "a", encoding="utf-8")  # noqa: SIM115
             self._logs.append(output)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("DOMUS_SECRET_FILE", None)      # (another deployment's, perhaps)
+        if self.secret_file is not None and name != "supervisor":
+            env["DOMUS_SECRET_FILE"] = self.secret_file
         return subprocess.Popen([sys.executable, "-m", "domus", *argv], stdout=output,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent, env=env)
@@ -125,14 +136,34 @@ class LocalDeployment:
         self.wait_until_up([self.service_name(i) for i in range(self.service_count)], timeout)
         return self
 
-    def wait_for_supervisor(self, timeout: float = 20.0) -> None:
+    def environment(self) -> dict[str, str]:
+        """What a job needs in its environment to use this deployment
+        (DOMUS_SUPERVISOR, and DOMUS_SECRET_FILE unless it is insecure)."""
+        env = {"DOMUS_SUPERVISOR": self.supervisor_address}
+        if self.secret_file is not None:
+            env["DOMUS_SECRET_FILE"] = self.secret_file
+        return env
+
+    def connect(self, timeout: float = 10.0) -> Any:
+        """A client (domus.Cluster) of this deployment."""
+        from domus.client.blocking import connect
+
+        return connect(self.supervisor_address, timeout=timeout, secret_file=self.secret_file)
+
+    def _client(self, timeout: float) -> Any:
         from domus.client.blocking import Cluster
+
+        return Cluster(self.supervisor_address, timeout=timeout, secret_file=self.secret_file)
+
+    def wait_for_supervisor(self, timeout: float = 20.0) -> None:
 
         deadline = time.monotonic() + timeout
         while True:
             self._check_alive("supervisor", self.supervisor)
             try:
-                with Cluster(self.supervisor_address, timeout=1.0) as cluster:
+                if self.secret_file is not None and not os.path.exists(self.secret_file):
+                    raise SupervisorUnreachable("no secret yet")   # (not made yet)
+                with self._client(1.0) as cluster:
                     cluster.ping()
                 return
             except SupervisorUnreachable:
@@ -141,10 +172,8 @@ class LocalDeployment:
                 time.sleep(0.05)
 
     def wait_until_up(self, names: list[str], timeout: float = 30.0) -> None:
-        from domus.client.blocking import Cluster
-
         deadline = time.monotonic() + timeout
-        with Cluster(self.supervisor_address, timeout=2.0) as cluster:
+        with self._client(2.0) as cluster:
             while True:
                 for name in names:
                     self._check_alive(name, self.services.get(name))

@@ -115,14 +115,19 @@ def place_backups(primary: BucketMap[str], services: Sequence[str],
         for first, end, service in primary.ranges():
             for low, high in _turned(first, end, turn, count):
                 copy.assign(low, high, service)
-        for first, end, service in list(copy.ranges()):
+        # Every clash of this rank is taken off its service before any is
+        # given to another, so that each goes where the fewest copies are.
+        clashes = [(low, high, taken) for first, end, service in copy.ranges()
+                   for low, high, taken in _clashes(first, end, service, primary, copies,
+                                                    services, hosts)]
+        for first, end, service in copy.ranges():
             held[service] += end - first
-        for first, end, service in list(copy.ranges()):
-            for low, high, taken in _clashes(first, end, service, primary, copies):
-                held[service] -= high - low
-                other = choose(services, hosts, taken, held)
-                copy.assign(low, high, other)
-                held[other] += high - low
+        for low, high, _taken in clashes:
+            held[copy.owner(low)] -= high - low
+        for low, high, taken in clashes:
+            other = choose(services, hosts, taken, held)
+            copy.assign(low, high, other)
+            held[other] += high - low
         copies.append(copy)
     return copies
 
@@ -152,19 +157,26 @@ def _turned(first: int, end: int, turn: int, count: int) -> list[tuple[int, int]
 
 
 def _clashes(first: int, end: int, service: str, primary: BucketMap[str],
-             copies: Sequence[BucketMap[str]]) -> list[tuple[int, int, set[str]]]:
+             copies: Sequence[BucketMap[str]], services: Sequence[str],
+             hosts: Mapping[str, str]) -> list[tuple[int, int, set[str]]]:
     """Sub-ranges of [first, end) where ``service`` would hold a second
-    copy of a bucket, with the services holding its other copies."""
+    copy of a bucket, or a copy on a host that holds one already while a
+    service on another host is free, with the services holding its other
+    copies."""
     cut = {first, end}
     for other in (primary, *copies):
         for low, high, _holder in other.ranges(first, end):
             cut.update((low, high))
     points = sorted(cut)
+    host = hosts.get(service, service)
     clashes = []
     for low, high in zip(points, points[1:]):
         taken = {holder for holder in (primary.get(low), *(c.get(low) for c in copies))
                  if holder}
-        if service in taken:
+        used_hosts = {hosts.get(holder, holder) for holder in taken}
+        if service in taken or host in used_hosts and any(
+                other not in taken and hosts.get(other, other) not in used_hosts
+                for other in services):
             clashes.append((low, high, taken))
     return clashes
 

@@ -42,6 +42,7 @@ from domus.service.hosted import MAX_NUMBERING, HostedDht
 from domus.service.replycache import ReplyCache
 from domus.storage import Repository, StorageFault
 from domus.storage.base import apply_batch
+from domus.wire import auth
 from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
@@ -144,7 +145,7 @@ class _Join:
 class RequestHandler:
     def __init__(self, service_name: str, reply_cache: ReplyCache | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 data_dir: str | None = None) -> None:
+                 data_dir: str | None = None, data_key: bytes | None = None) -> None:
         self.service_name = service_name
         self.data_dir = data_dir      # where disk DHTs keep their files
         self.dhts: dict[int, HostedDht] = {}
@@ -157,7 +158,8 @@ class RequestHandler:
         self.by_op = [0] * 256
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
                                          "internal_errors": 0, "storage_errors": 0,
-                                         "replicated": 0, "replication_failures": 0}
+                                         "replicated": 0, "replication_failures": 0,
+                                         "unauthenticated": 0, "stale": 0}
         # scan id -> (expiry, dht id, bucket, key snapshot, bucket count then)
         self._scans: OrderedDict[int, tuple[float, int, int, list[bytes], int]] = OrderedDict()
         self._scan_ids = itertools.count(1)
@@ -178,7 +180,11 @@ class RequestHandler:
         }
         # What the C path serves from: the repositories of active DHTs only.
         self.fast_table: dict[int, tuple[dict[int, Repository], int]] = {}
-        self.fast = hotpath.make_fast_path(self.fast_table, self.reply_cache)
+        # The data plane's MAC key (a secure deployment; None: insecure):
+        # the UDP transport checks and strips each datagram's trailer
+        # (domus.wire.auth), in C for what C serves.
+        self.data_key = data_key
+        self.fast = hotpath.make_fast_path(self.fast_table, self.reply_cache, data_key)
         # Replication: the backup copies held here, which only REPLICATE
         # changes (a C path of their own, sharing the reply cache, so that
         # a client's retry at a promoted backup is answered from it); the
@@ -308,7 +314,13 @@ class RequestHandler:
         waiting = self._in_flight[token] = Later()
         join = _Join(self, hosted, holders, data, token, limit)
         for holder in holders:
-            self.replicator(holder, hosted.addresses.get(holder, ""), data, join.took, holder)
+            try:
+                self.replicator(holder, hosted.addresses.get(holder, ""), data, join.took,
+                                holder)
+            except Exception as exc:
+                # (A replicator that raises at once is a backup that failed,
+                # not a handler that raises, nor a token left in flight.)
+                join.took(exc, holder)
         return waiting
 
     def _replicated(self, join: _Join) -> None:
@@ -344,11 +356,28 @@ class RequestHandler:
         """The buckets (this DHT's numbering) a change writes to, each one
         a primary here; raises as the change itself would be refused."""
         op = data[2]
+        # (Checked as the change itself is: a request every copy would refuse
+        # is answered here, not forwarded to fail at the backups, which would
+        # be reported and taken off the bucket for it.)
         if op == wire.OP_PUT_MANY:
             dht_id, entries = wire.decode_put_many(data)
+            if any(len(key) > wire.MAX_KEY_BYTES or len(value) > wire.MAX_VALUE_BYTES
+                   for _bucket, key, value in entries):
+                raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
             buckets = [self._local(hosted, data[3], bucket, key) for bucket, key, _ in entries]
         else:
-            dht_id, bucket, key, _rest = wire.decode_keyed(data)
+            dht_id, bucket, key, rest = wire.decode_keyed(data)
+            if len(key) > wire.MAX_KEY_BYTES:
+                raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
+            if op == wire.OP_PUT:
+                # (wire.put_value's checks, without copying the value again)
+                if (len(rest) < wire.U32.size
+                        or wire.U32.unpack_from(rest)[0] != len(rest) - wire.U32.size):
+                    raise ProtocolError("a put's value length does not match its value")
+                if len(rest) - wire.U32.size > wire.MAX_VALUE_BYTES:
+                    raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
+            elif rest:
+                raise ProtocolError("bytes after the key")
             buckets = [self._local(hosted, data[3], bucket, key)]
         for bucket in buckets:
             if bucket not in hosted.repos:
@@ -380,6 +409,20 @@ class RequestHandler:
         self.counters["replicated"] += 1
         del hosted
         return _OK + request_id + answer            # type: ignore[operator]
+
+    def stale(self, data: bytes) -> bytes | None:
+        """The answer to a request whose MAC checks but whose time is more
+        than domus.wire.auth.TIME_WINDOW seconds from this service's clock:
+        a replay, or a clock that is off (the message says which time this
+        service has)."""
+        self.counters["stale"] += 1
+        if len(data) < wire.REQUEST_HEADER_SIZE:
+            return None
+        return self._error(wire.ST_STALE_REQUEST, data[4:8],
+                           f"the request's time is more than {auth.TIME_WINDOW}s from service "
+                           f"{self.service_name}'s clock ({int(time.time())}); a replay, or a "
+                           f"clock that is off: check the clocks of the client's and the "
+                           f"service's hosts")
 
     def _sample(self, op: int, data: bytes) -> None:
         at = _SAMPLED_AT.get(op)
@@ -705,6 +748,10 @@ class RequestHandler:
                                 f"DHT {hosted.name!r} uses platform {hosted.platform}, which "
                                 f"keeps no key order; key ranges need domus-rbt or "
                                 f"domus-bsddb-btree")
+        if hosted.lost:
+            # (Any lost bucket may have held keys of the range: a page
+            # without them would be a silent loss.)
+            raise RequestFailed(wire.ST_DATA_LOST, hosted.loss_message(min(hosted.lost)))
         if hosted.frozen:
             raise RequestFailed(wire.ST_MOVING, f"a bucket of DHT {hosted.name!r} is moving "
                                 f"to another service; retry shortly")
@@ -753,6 +800,7 @@ class RequestHandler:
         for path in self._fast_paths():
             by_op = [mine + theirs for mine, theirs in zip(by_op, path.by_op)]
             counters["replayed"] += path.replayed
+            counters["unauthenticated"] += path.unauthenticated
         return {
             "name": self.service_name,
             "requests": self.requests,

@@ -297,7 +297,8 @@ class HostedDht:
             self._place(storage)
             if self.medium == "ram" and snapshot.exists(self.home):
                 assert self.home is not None
-                loaded = snapshot.load(self.home, self.id, self.repos, self.label)
+                loaded = snapshot.load(self.home, self.id, {**self.repos, **self.backups},
+                                       self.label)
             if expected is not None and loaded != expected and self.medium == "ram":
                 where = snapshot.snapshot_path(self.home) if self.home else "no data dir"
                 raise StorageFault(f"{self.label}: service {self.service_name} saved "
@@ -324,7 +325,11 @@ class HostedDht:
             if self.home is None:
                 raise StorageFault(f"{self.label}: service {self.service_name} has no data "
                                    f"dir to save the records of a RAM DHT in; it stays active")
-            saved = snapshot.save(self.home, self.id, self.repos, self.label)
+            # (The backups held here too: a failover after the DHT is active
+            # again promotes them.  A bucket is a primary or a backup here,
+            # never both.)
+            saved = snapshot.save(self.home, self.id, {**self.repos, **self.backups},
+                                  self.label)
         else:
             assert self.store is not None
             self.store.flush()

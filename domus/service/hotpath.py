@@ -44,11 +44,13 @@ def rbtree_type() -> type | None:
 
 
 def make_fast_path(dhts: dict[int, tuple[dict[int, Any], int]],
-                   reply_cache: ReplyCache) -> Any:
+                   reply_cache: ReplyCache, key: bytes | None = None) -> Any:
     """A C FastPath over ``dhts`` (active DHT id -> (bucket -> repository,
-    numbering << 8 | layout tag)) and ``reply_cache``; None when the Python
+    numbering << 8 | layout tag)) and ``reply_cache``, checking datagrams'
+    MACs with ``key`` (None: an insecure deployment); None when the Python
     path must serve alone."""
     if FastPath is None:
         return None
     return FastPath(dhts, reply_cache.generations, rbtree_type(),
-                    current_limit=reply_cache.current_limit, dict_type=DictRepository)
+                    current_limit=reply_cache.current_limit, dict_type=DictRepository,
+                    key=key)

@@ -19,13 +19,14 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from domus._version import __version__
+from domus.errors import AuthenticationError
 from domus.service.handler import RequestHandler
 from domus.service.hosted import FREEZE_LEASE
 from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
 from domus.wire import address as addresses
-from domus.wire import launch
+from domus.wire import launch, secret
 from domus.wire import protocol as wire
 from domus.wire.control import ControlError, MessageProtocol, RemoteControlError
 
@@ -47,7 +48,7 @@ class DomusService(Service):
     def __init__(self, *, supervisor: str, listen: str, data_dir: str, name: str | None = None,
                  heartbeat: float = HEARTBEAT_INTERVAL,
                  resources: dict[str, Any] | None = None,
-                 cpus: list[int] | None = None) -> None:
+                 cpus: list[int] | None = None, secret_file: str | None = None) -> None:
         self.supervisor_address = addresses.parse(supervisor)
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
@@ -62,13 +63,19 @@ class DomusService(Service):
                     for argument in (f"--{field}", str(value))]
         if cpus:
             declared += ["--cpus", ",".join(map(str, cpus))]
+        # The deployment secret, found as every process finds it
+        # (domus.wire.secret); None: an insecure deployment.
+        self.keys = secret.keys(secret_file)
+        if self.keys is not None:
+            declared += ["--secret-file", os.path.abspath(self.keys.source)]
         self.launch = launch.record("service", self.address, [
             "service", "--name", self.service_name,
             "--supervisor", supervisor, "--listen", self.address,
             "--data-dir", self.data_dir, "--heartbeat", str(heartbeat), *declared],
             self.data_dir)
-        self.handler = RequestHandler(self.service_name, data_dir=data_dir)
-        self.peers = PeerLinks(self.service_name)
+        self.handler = RequestHandler(self.service_name, data_dir=data_dir,
+                                      data_key=self.keys.data if self.keys else None)
+        self.peers = PeerLinks(self.service_name, self.keys)
         self.handler.replicator = self.peers.forward
         self.handler.copy_failed = self._copy_failed
         self._reported: dict[tuple[int, str], float] = {}
@@ -99,6 +106,8 @@ class DomusService(Service):
             proto = original(addr)
             proto.data_handler = self.handler.handle_fast
             proto.control_handler = self._client_control
+            proto.accepting, proto.keys = True, self.keys
+            proto.auth_failures = self._auth_failed
             return proto
 
         data_factory.buildProtocol = build
@@ -154,7 +163,23 @@ class DomusService(Service):
         self._link_factory = factory
         reactor.connectTCP(host, port, factory, timeout=5)
 
+    def _auth_failed(self, why: str) -> None:
+        self.handler.counters["unauthenticated"] += 1
+
     def link_made(self, link: MessageProtocol) -> None:
+        link.authenticated.addCallbacks(self._authenticated, self._not_authenticated)
+
+    def _not_authenticated(self, failure: Any) -> None:
+        from twisted.internet import reactor
+
+        if failure.check(AuthenticationError):
+            # A wrong or missing secret: retrying cannot help.
+            log.error("service {name}: the supervisor refused it: {error}; stopping",
+                      name=self.service_name, error=failure.getErrorMessage())
+            self.exit_code = 2
+            reactor.stop()
+
+    def _authenticated(self, link: MessageProtocol) -> None:
         self.link = link
         link.peer_name = "supervisor"
         link.control_handler = self._supervisor_control
@@ -362,8 +387,9 @@ class PeerLinks:
     a lost link or a sweep of those older than REPLICATE_TIMEOUT (no timer
     and no Deferred per change: this is the replicated write path)."""
 
-    def __init__(self, service_name: str) -> None:
+    def __init__(self, service_name: str, keys: secret.Keys | None = None) -> None:
         self.service_name = service_name
+        self.keys = keys
         self._links: dict[str, MessageProtocol] = {}
         self._connecting: dict[str, list[tuple[bytes, Any, tuple[Any, ...]]]] = {}
         # request id -> (done, args, sent at, link)
@@ -426,10 +452,18 @@ class PeerLinks:
         from twisted.internet import reactor
         from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 
-        host, port = addresses.parse(address)
+        try:
+            host, port = addresses.parse(address)
+        except ValueError as exc:
+            # (Failed at once, each change waiting for it: none is left
+            # waiting on a connection that was never begun.)
+            for _request, done, args in self._connecting.pop(peer, []):
+                done(ConnectionError(f"cannot reach service {peer}: {exc}"), *args)
+            return
         link = MessageProtocol()
         link.peer_name = f"service {peer} (a backup)"
         link.reply_handler = self._answered
+        link.keys = self.keys
 
         def made(made_link: MessageProtocol) -> None:
             self._links[peer] = made_link
@@ -442,7 +476,8 @@ class PeerLinks:
                 done(reason.value, *args)
 
         connectProtocol(TCP4ClientEndpoint(reactor, host, port, timeout=REPLICATE_TIMEOUT),
-                        link).addCallbacks(made, failed)
+                        link).addCallback(lambda made_link: made_link.authenticated
+                                          ).addCallbacks(made, failed)
 
     def close(self) -> None:
         if self._sweeper is not None and self._sweeper.running:
@@ -466,6 +501,7 @@ class _SupervisorLinkFactory(protocol.ReconnectingClientFactory):
         self.resetDelay()
         link = MessageProtocol()
         link.factory = self
+        link.keys = self.service.keys
         link.connectionMade = lambda: (MessageProtocol.connectionMade(link),  # type: ignore[method-assign]
                                        self.service.link_made(link))
         link.lost.addCallback(lambda _: self.service.link_lost())

@@ -25,6 +25,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from domus.service.handler import RequestHandler
+from domus.wire import auth
 from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
@@ -134,16 +135,27 @@ class UdpServer:
                         service=self.handler.service_name)
 
     # ------------------------------------------------------------ the Python path
-    def _answer_in_python(self, data: bytes, peer: Any) -> None:
-        answer = self.handler.handle(data, wire.MAX_UDP_PAYLOAD)
-        if isinstance(answer, bytes):
-            self._send_later(answer, peer)
-        elif answer is not None:                # (a replicated change: later)
-            answer.addCallback(self._send_later, peer)
-
-    def _send_later(self, answer: bytes, peer: Any) -> None:
-        if self._fd == -1:
+    def _answer_in_python(self, data: bytes, peer: Any, stamp: bytes | None = None) -> None:
+        """A datagram the C path left to Python: without its trailer, and
+        ``stamp``, its time, on a secure deployment (its MAC checked)."""
+        key = self.handler.data_key
+        if stamp is not None and not auth.fresh(stamp):
+            self._send_later(self.handler.stale(data), peer, data, stamp)
             return
+        answer = self.handler.handle(data, wire.MAX_UDP_PAYLOAD - (key is not None)
+                                     * auth.REPLY_TRAILER)
+        if isinstance(answer, bytes):
+            self._send_later(answer, peer, data, stamp)
+        elif answer is not None:                # (a replicated change: later)
+            answer.addCallback(self._send_later, peer, data, stamp)
+
+    def _send_later(self, answer: bytes | None, peer: Any, request: bytes = b"",
+                    stamp: bytes | None = None) -> None:
+        if self._fd == -1 or answer is None:
+            return
+        if stamp is not None:
+            answer = auth.seal_reply(self.handler.data_key, answer,  # type: ignore[arg-type]
+                                     request[8:16], stamp)
         try:
             self.socket.sendto(answer, peer)
         except OSError:
@@ -162,6 +174,14 @@ class UdpServer:
                 if exc.errno not in TRANSIENT_ERRORS:
                     raise
                 self.recv_errors += 1
+                continue
+            key = self.handler.data_key
+            if key is not None:
+                opened = auth.open_request(key, data)
+                if opened is None:
+                    self.handler.counters["unauthenticated"] += 1
+                    continue
+                self._answer_in_python(opened[0], peer, opened[1])
                 continue
             answer = handle(data, wire.MAX_UDP_PAYLOAD)
             if isinstance(answer, bytes):

@@ -158,14 +158,17 @@ def apply_batch(groups: list[tuple[Repository, list[tuple[bytes, bytes | None]]]
     try:
         for repo, changes in groups:
             before = [(key, repo.get(key)) for key, _value in changes]
-            created += repo.apply(changes)
+            # (Noted before it is applied: the one that fails may have
+            # applied some of its changes, which are undone too.)
             done.append((repo, before[::-1]))
+            created += repo.apply(changes)
     except StorageFault:
         for repo, before in reversed(done):
-            try:
-                repo.apply(before)
-            except StorageFault:
-                pass            # (it keeps what it has; the fault is reported)
+            for change in before:       # one by one: an undo that fails skips no other
+                try:
+                    repo.apply([change])
+                except StorageFault:
+                    pass        # (it keeps what it has; the fault is reported)
         raise
     return created
 

@@ -168,17 +168,20 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
                                     for repo, _changes in groups):
             return NotImplemented
         counts = []
+        failing: BerkeleyRepository = self      # (the fault names its bucket)
         try:
             txn = self._env.txn_begin()
             try:
                 for repo, changes in groups:
+                    failing = repo                                  # type: ignore[assignment]
                     counts.append(repo._apply_in(txn, changes))    # type: ignore[attr-defined]
             except BaseException:
                 txn.abort()
                 raise
+            failing = self
             txn.commit()
         except (db.DBError, MemoryError) as exc:
-            raise self._fault(exc) from exc
+            raise failing._fault(exc) from exc
         for (repo, _changes), (created, deleted) in zip(groups, counts):
             repo.record_count += created - deleted                 # type: ignore[attr-defined]
         return sum(created for created, _deleted in counts)

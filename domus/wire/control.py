@@ -7,6 +7,13 @@ datagram, and its link to the supervisor carries calls both ways) and by the
 Twisted client.  Either end may send requests on a connection; replies are
 told from requests by their magic byte and matched by request id.
 
+Every connection opens with the handshake of domus.wire.auth (``keys``:
+the deployment's, or None on an insecure one; ``accepting``: the side that
+accepted the connection speaks first); nothing else is sent or taken
+before it ends, and on a secure deployment every frame after it is sealed
+with the connection's key.  ``authenticated`` fires once it has ended (or
+fails with AuthenticationError, and the connection is closed).
+
 A request with op CONTROL carries a msgpack map ``{"op": name, ...}``; the
 ``control_handler`` answers it with a msgpack-able value (or a Deferred of
 one), or raises ``ControlError``.  Any other op is passed, as raw bytes, to
@@ -25,8 +32,10 @@ from twisted.internet import defer
 from twisted.logger import Logger
 from twisted.protocols.basic import Int32StringReceiver
 
-from domus.errors import ProtocolError
+from domus.errors import AuthenticationError, ProtocolError
+from domus.wire import auth
 from domus.wire import protocol as wire
+from domus.wire.secret import Keys
 
 log = Logger(namespace="domus.wire.control")
 
@@ -60,6 +69,9 @@ class MessageProtocol(Int32StringReceiver):
 
     control_handler: ControlHandler | None = None
     data_handler: DataHandler | None = None
+    keys: Keys | None = None          # the deployment's (None: insecure)
+    accepting = False                 # the side that accepted the connection
+    auth_failures: Callable[[str], None] | None = None   # (accepting side: counted)
     # Replies to requests not sent with ``request`` (the service's copies
     # to its backups, which keep their own table): (status, id, frame).
     reply_handler: Callable[[int, int, bytes], None] | None = None
@@ -72,6 +84,17 @@ class MessageProtocol(Int32StringReceiver):
         self.client_id = int.from_bytes(os.urandom(8), "big")
         self.peer_name = ""
         self.lost = defer.Deferred()  # fires when the connection goes away
+        self.authenticated: defer.Deferred = defer.Deferred()
+        self._handshake: auth.Accepting | auth.Connecting | None = None
+        self._session: auth.Session | None = None
+        self._held: list[bytes] | None = []     # frames sent before the handshake ended
+        self._refusal: AuthenticationError | None = None    # (the handshake failed)
+
+    @property
+    def secure(self) -> bool:
+        """Whether this connection's frames are sealed (its handshake ended
+        with a secure deployment's session)."""
+        return self._session is not None
 
     def connectionMade(self) -> None:
         # Requests wait for their replies: no Nagle delay on either.
@@ -79,9 +102,74 @@ class MessageProtocol(Int32StringReceiver):
             self.transport.setTcpNoDelay(True)
         except (AttributeError, OSError):
             pass
+        if self.accepting:
+            self._handshake = auth.Accepting(self.keys)
+            Int32StringReceiver.sendString(self, self._handshake.hello())
+        else:
+            self._handshake = auth.Connecting(self.keys, self._peer())
+
+    def sendString(self, string: bytes) -> None:  # noqa: N802 (Twisted's name)
+        if self._held is not None:
+            self._held.append(string)           # (sent once the handshake ends)
+            return
+        if self._session is not None:
+            string = self._session.seal(string)
+        Int32StringReceiver.sendString(self, string)
+
+    def _handshake_frame(self, frame: bytes) -> None:
+        handshake = self._handshake
+        try:
+            if isinstance(handshake, auth.Accepting):
+                answer, self._session = handshake.proof(frame)
+                Int32StringReceiver.sendString(self, answer)
+            elif isinstance(handshake, auth.Connecting):
+                handshake.peer = self._peer()       # (named by now)
+                if not handshake.proved:
+                    Int32StringReceiver.sendString(self, handshake.hello(frame))
+                    return
+                self._session = handshake.verdict(frame)
+            else:
+                raise AuthenticationError("a frame before the connection was made")
+        except AuthenticationError as exc:
+            self._refuse(exc)
+            return
+        self._handshake = None
+        held, self._held = self._held or [], None
+        for string in held:
+            self.sendString(string)
+        if not self.authenticated.called:
+            self.authenticated.callback(self)
+
+    def _refuse(self, exc: AuthenticationError) -> None:
+        log.warn("{peer}: {error}", peer=self._peer(), error=str(exc))
+        if self.accepting:
+            if self.auth_failures is not None:
+                self.auth_failures(str(exc))
+            Int32StringReceiver.sendString(self, auth.Accepting.refusal(str(exc)))
+        self._held = []
+        self._refusal = exc
+        pending, self._pending = self._pending, {}
+        for deferred, timer in pending.values():
+            timer.cancel()
+            deferred.errback(exc)
+        if not self.accepting and not self.authenticated.called:
+            self.authenticated.errback(exc)     # (the side that connected waits on it)
+        if self.transport is not None:
+            self.transport.loseConnection()
 
     # -- incoming
     def stringReceived(self, frame: bytes) -> None:
+        if self._handshake is not None:
+            self._handshake_frame(frame)
+            return
+        if self._held is not None:
+            return                      # (refused: closing)
+        if self._session is not None:
+            try:
+                frame = self._session.open(frame)
+            except AuthenticationError as exc:
+                self._refuse(exc)
+                return
         if not frame:
             log.warn("empty frame from {peer}", peer=self._peer())
             return
@@ -165,6 +253,8 @@ class MessageProtocol(Int32StringReceiver):
                 timeout: float | None = None) -> defer.Deferred:
         """Send a whole request message; the Deferred fires with
         (status, reply frame) or fails with TimeoutError/ConnectionError."""
+        if self._refusal is not None:
+            return defer.fail(self._refusal)
         clock = self.clock
         if clock is None:
             from twisted.internet import reactor as clock
@@ -191,6 +281,9 @@ class MessageProtocol(Int32StringReceiver):
             pending[0].errback(TimeoutError(f"no reply from {self._peer()} in time"))
 
     def connectionLost(self, reason: Any = None) -> None:
+        if not self.accepting and not self.authenticated.called:
+            self.authenticated.errback(ConnectionError(
+                f"the connection to {self._peer()} closed before its handshake ended"))
         pending, self._pending = self._pending, {}
         for deferred, timer in pending.values():
             timer.cancel()

@@ -77,6 +77,7 @@ ST_UNSUPPORTED = 0x19
 ST_MOVING = 0x1A
 ST_STALE_LAYOUT = 0x1B
 ST_DATA_LOST = 0x1C
+ST_STALE_REQUEST = 0x1D
 ST_INTERNAL = 0x1F
 ST_CONTROL_ERROR = 0x20
 
@@ -90,6 +91,7 @@ STATUS_NAMES = {
     ST_MOVING: "bucket moving to another service; retry shortly",
     ST_STALE_LAYOUT: "the request's bucket numbering is not the DHT's: fetch its layout",
     ST_DATA_LOST: "every copy of the bucket was lost",
+    ST_STALE_REQUEST: "the request's time is too far from the service's clock",
     ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
 }
 

@@ -26,6 +26,7 @@ import pytest
 import domus
 from domus.errors import DomusError
 from domus.ops.deploy import LocalDeployment, free_port_block
+from domus.wire import secret
 
 from .support import (
     CLIENT_TIMEOUT,
@@ -101,7 +102,9 @@ def start_deployment(data_dir: Path, services: int = SERVICES,
     """Start a deployment on a free block of ports, trying another block if
     something grabbed this one before our processes bound it.  Its balancer
     is manual unless asked otherwise: a test's buckets stay where it put
-    them."""
+    them.  Its secret goes into $DOMUS_SECRET_FILE, as a job of it would
+    have it (domus.connect, the domus command, raw requests and
+    subprocesses find it there), until the test ends (_secret_of_the_test)."""
     for attempt in range(1, START_ATTEMPTS + 1):
         port = free_port_block(services + 1)
         deployment = TrackedDeployment(
@@ -109,7 +112,10 @@ def start_deployment(data_dir: Path, services: int = SERVICES,
             supervisor_args=["--down-after", str(DOWN_AFTER), "--push-timeout", str(PUSH_TIMEOUT),
                              *supervisor_args])
         try:
-            return deployment.start(timeout=START_TIMEOUT)
+            deployment.start(timeout=START_TIMEOUT)
+            if deployment.secret_file is not None:
+                os.environ[secret.ENVIRONMENT] = deployment.secret_file
+            return deployment
         except DomusError:
             deployment.stop_everything()
             if attempt == START_ATTEMPTS:
@@ -119,6 +125,17 @@ def start_deployment(data_dir: Path, services: int = SERVICES,
             deployment.stop_everything()
             raise
     raise AssertionError("unreachable")
+
+
+@pytest.fixture(autouse=True)
+def _secret_of_the_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$DOMUS_SECRET_FILE as it is now (a module's shared deployment's, or
+    none) comes back after each test, whichever deployment it started."""
+    current = os.environ.get(secret.ENVIRONMENT)
+    if current is None:
+        monkeypatch.delenv(secret.ENVIRONMENT, raising=False)
+    else:
+        monkeypatch.setenv(secret.ENVIRONMENT, current)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -155,11 +172,13 @@ def _print_logs_if_failed(request: pytest.FixtureRequest, deployment: TrackedDep
 
 @pytest.fixture(scope="module")
 def shared_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrackedDeployment]:
-    started = start_deployment(tmp_path_factory.mktemp("shared"))
-    try:
-        yield started
-    finally:
-        _stop_all(started)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(secret.ENVIRONMENT, raising=False)   # (restored after the module)
+        started = start_deployment(tmp_path_factory.mktemp("shared"))
+        try:
+            yield started
+        finally:
+            _stop_all(started)
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,8 @@ def join(cluster: domus.Cluster, deployment: LocalDeployment, python: str) -> su
     process = subprocess.Popen(
         [python, "-m", "domus", "service", "--name", "extra", "--supervisor",
          deployment.supervisor_address, "--listen", f"127.0.0.1:{port}", "--data-dir",
-         os.path.join(deployment.data_dir, "extra"), "--heartbeat", "0.2"],
+         os.path.join(deployment.data_dir, "extra"), "--heartbeat", "0.2",
+         "--secret-file", deployment.secret_file],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not any(entry["name"] == "extra" and entry["state"] == "up"
@@ -79,7 +80,7 @@ def main() -> int:
     with LocalDeployment(2, port=free_port_block(3), data_dir=args.data_dir,
                          heartbeat=0.2) as deployment:
         extra = None
-        with domus.connect(deployment.supervisor_address, timeout=10) as cluster:
+        with deployment.connect(timeout=10) as cluster:
             if args.extra_service:
                 extra = join(cluster, deployment, args.extra_service)
             try:

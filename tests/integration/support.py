@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from domus.client.blocking import Dht
 from domus.placement import assignment
 from domus.wire import address as addresses
+from domus.wire import auth, secret
 from domus.wire import protocol as wire
 from domus.wire.keys import bucket_of, encode_key
 
@@ -83,9 +84,12 @@ def service_addresses(cluster: Any) -> dict[str, str]:
 # ------------------------------------------------------------------ raw requests
 
 class RawUdp:
-    """A bare UDP socket to one service, for hand-built datagrams."""
+    """A bare UDP socket to one service, for hand-built datagrams: sealed
+    with the deployment's data key (found as every process finds it:
+    $DOMUS_SECRET_FILE, which the fixtures set) unless ``keys`` says
+    otherwise (False: none); ``send_unsealed`` sends one as it is."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, keys: secret.Keys | None | bool = True) -> None:
         host, port = addresses.parse(address)
         assert host == LOOPBACK, f"integration tests stay on {LOOPBACK}, not {host}"
         self.address = (host, port)
@@ -94,6 +98,9 @@ class RawUdp:
         self.sock.bind((LOOPBACK, 0))
         self.client_id = int.from_bytes(os.urandom(8), "big")
         self._ids = itertools.count(1)
+        if keys is True:
+            keys = secret.keys()
+        self.key = keys.data if isinstance(keys, secret.Keys) else None
 
     def close(self) -> None:
         self.sock.close()
@@ -107,8 +114,29 @@ class RawUdp:
     def next_id(self) -> int:
         return next(self._ids) & 0xFFFFFFFF
 
-    def send(self, datagram: bytes) -> None:
+    def send(self, datagram: bytes) -> bytes:
+        """Send ``datagram`` (sealed, on a secure deployment); the time it
+        was sealed with (b"": not sealed)."""
+        if self.key is None:
+            self.sock.sendto(datagram, self.address)
+            return b""
+        sealed = auth.seal_request(self.key, datagram)
+        self.sock.sendto(sealed, self.address)
+        return sealed[-12:-8]
+
+    def send_unsealed(self, datagram: bytes) -> None:
         self.sock.sendto(datagram, self.address)
+
+    def opened(self, data: bytes, request: bytes, stamps: list[bytes]) -> bytes | None:
+        """``data`` as the reply to ``request`` (sent with ``stamps``), its
+        MAC checked and taken off; None if it does not check."""
+        if self.key is None:
+            return data
+        for stamp in stamps:
+            reply = auth.open_reply(self.key, data, request[8:16], stamp)
+            if reply is not None:
+                return reply
+        return None
 
     def drain(self) -> int:
         """Throw away every reply waiting on the socket; how many there were."""
@@ -131,8 +159,9 @@ class RawUdp:
         message = wire.request_header(op, request_id, self.client_id) + body
         deadline = time.monotonic() + timeout
         wait = 0.1
+        stamps: list[bytes] = []
         while True:
-            self.send(message)
+            stamps.append(self.send(message))
             resend_at = time.monotonic() + wait
             while True:
                 left = min(resend_at, deadline) - time.monotonic()
@@ -143,6 +172,7 @@ class RawUdp:
                     data = self.sock.recv(65536)
                 except TimeoutError:
                     break
+                data = self.opened(data, message, stamps) or b""
                 if (len(data) >= wire.REPLY_HEADER_SIZE and data[0] == wire.REPLY_MAGIC
                         and wire.U32.unpack_from(data, 4)[0] == request_id):
                     return data[2], data[wire.REPLY_HEADER_SIZE:]

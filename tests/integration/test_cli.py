@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ import psutil
 import pytest
 
 import domus
+from domus.errors import AuthenticationError
 from domus.ops.deploy import free_port_block, port_is_free
 
 from .support import CLIENT_TIMEOUT, LOOPBACK, wait_until
@@ -247,7 +249,8 @@ def kill_tree(process: subprocess.Popen) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path):
+def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch):
+    monkeypatch.delenv("DOMUS_SECRET_FILE", raising=False)
     port = free_port_block(3)
     ports = [port, port + 1, port + 2]
     data_dir = tmp_path / "up"
@@ -257,10 +260,13 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path):
                           stdin=subprocess.DEVNULL, env=hermetic_env())
     try:
         address = f"{LOOPBACK}:{port}"
+        secret_file = data_dir / "supervisor" / "secret"
 
         def usable() -> bool:
             assert up.poll() is None, f"domus up exited with {up.returncode}"
-            with domus.connect(address, timeout=1) as cluster:
+            if not secret_file.exists():
+                return False
+            with domus.connect(address, timeout=1, secret_file=str(secret_file)) as cluster:
                 return [e["state"] for e in cluster.services()] == ["up", "up"]
 
         lines: list[str] = []
@@ -271,7 +277,11 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path):
         # a moment after the supervisor does)
         wait_until(lambda: any("Domus is up" in line for line in lines), timeout=15,
                    what="`domus up` to say it is up")
-        with domus.connect(address, timeout=CLIENT_TIMEOUT) as cluster:
+        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+        with pytest.raises(AuthenticationError, match="DOMUS_SECRET_FILE"):
+            domus.connect(address, timeout=CLIENT_TIMEOUT)          # (no secret given)
+        with domus.connect(address, timeout=CLIENT_TIMEOUT,
+                           secret_file=str(secret_file)) as cluster:
             names = sorted(entry["name"] for entry in cluster.services())
             dht = cluster.create_dht("up-test")
             dht.put_many({number: str(number) for number in range(100)})
@@ -290,6 +300,7 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path):
         assert stopped_in < 10, f"`domus up` took {stopped_in:.1f}s to stop"
         assert "Domus is up" in stdout and "Domus stopped." in stdout
         assert address in stdout and f"DOMUS_SUPERVISOR={address}" in stdout
+        assert f"DOMUS_SECRET_FILE={secret_file}" in stdout
         gone, alive = psutil.wait_procs(children, timeout=5)
         assert not alive, f"children survived `domus up`: {alive}"
         assert domus_processes(ports) == []

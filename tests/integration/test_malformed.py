@@ -10,9 +10,11 @@ import time
 
 import pytest
 
+from domus.client import transport
 from domus.errors import SupervisorError
 from domus.service.handler import RequestHandler
 from domus.wire import protocol as wire
+from domus.wire import secret
 from domus.wire.keys import encode_key
 
 from .support import (
@@ -258,17 +260,26 @@ def target_keys(dht, model) -> list:
 # ------------------------------------------------------------------ TCP
 
 class RawTcp:
-    def __init__(self, address: str) -> None:
+    """A bare TCP connection to a service; ``handshake``: it first proves
+    it holds the deployment's secret (domus.wire.auth), and its frames are
+    then sealed."""
+
+    def __init__(self, address: str, handshake: bool = True) -> None:
         host, port = address.rsplit(":", 1)
         assert host == LOOPBACK
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.client_id = 77
         self.request_id = 0
+        self.session = None
+        if handshake:
+            self.session = transport.handshake(self.sock, secret.keys(), f"service {address}")
 
     def close(self) -> None:
         self.sock.close()
 
     def send_frame(self, message: bytes) -> None:
+        if self.session is not None:
+            message = self.session.seal(message)
         self.sock.sendall(FRAME.pack(len(message)) + message)
 
     def recv_exactly(self, size: int) -> bytes:
@@ -283,7 +294,8 @@ class RawTcp:
 
     def recv_frame(self) -> bytes:
         (size,) = FRAME.unpack(self.recv_exactly(FRAME.size))
-        return self.recv_exactly(size)
+        frame = self.recv_exactly(size)
+        return self.session.open(frame) if self.session is not None else frame
 
     def call(self, message: bytes) -> tuple[int, bytes]:
         self.send_frame(message)
@@ -326,7 +338,7 @@ def test_a_tcp_frame_over_the_limit_closes_only_that_connection(cluster, stored,
     with RawUdp(address) as raw:
         before = raw.stats()
     bystander = RawTcp(address)          # another client's connection, opened before
-    offender = RawTcp(address)
+    offender = RawTcp(address, handshake=False)
     try:
         offender.sock.sendall(FRAME.pack(claimed) + b"\x00" * 1000)
         assert offender.closed_by_peer(timeout=10), "the service kept an oversized frame open"

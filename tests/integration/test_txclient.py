@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from domus.client import blocking as client
 from domus.ops.deploy import LocalDeployment, free_port_block
 
 JOB = Path(__file__).with_name("txclient_job.py")
@@ -36,7 +35,10 @@ job = _load_job()
 def tx_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalDeployment]:
     data_dir = tmp_path_factory.mktemp("txclient")
     with LocalDeployment(3, port=free_port_block(4), data_dir=str(data_dir),
-                         supervisor_args=["--balance", "manual"]) as deployment:
+                         supervisor_args=["--balance", "manual"]) as deployment, \
+            pytest.MonkeyPatch.context() as patch:
+        # (the job, a subprocess, finds the secret as any job would)
+        patch.setenv("DOMUS_SECRET_FILE", deployment.secret_file)
         yield deployment
 
 
@@ -52,7 +54,7 @@ def run_job(*args: str) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
 
 def test_twisted_client_against_a_real_deployment(tx_deployment: LocalDeployment) -> None:
     # What the sync client writes, the Twisted job reads back (and checks).
-    with client.connect(tx_deployment.supervisor_address) as cluster:
+    with tx_deployment.connect() as cluster:
         cluster.create_dht("from_sync", buckets=16).put_many(job.interop_items("sync"))
 
     finished, summary = run_job(tx_deployment.supervisor_address)
@@ -64,7 +66,7 @@ def test_twisted_client_against_a_real_deployment(tx_deployment: LocalDeployment
 
     # What the Twisted job wrote, the sync client reads back identically.
     expected = job.interop_items("tx")
-    with client.connect(tx_deployment.supervisor_address) as cluster:
+    with tx_deployment.connect() as cluster:
         from_tx = cluster.open_dht("from_tx")
         assert from_tx.get_many(list(expected)) == expected
         assert {key: from_tx[key] for key in expected} == expected
@@ -73,9 +75,11 @@ def test_twisted_client_against_a_real_deployment(tx_deployment: LocalDeployment
         assert len(cluster.open_dht("tx_model")) == summary["records"]
 
 
-def test_a_dead_service_fails_only_its_own_buckets(tmp_path: Path) -> None:
+def test_a_dead_service_fails_only_its_own_buckets(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     with LocalDeployment(3, port=free_port_block(4), data_dir=str(tmp_path)) as deployment:
-        with client.connect(deployment.supervisor_address) as cluster:
+        monkeypatch.setenv("DOMUS_SECRET_FILE", deployment.secret_file)
+        with deployment.connect() as cluster:
             cluster.create_dht("tx_dead", buckets=16)
         deployment.kill_service("s3")
 

@@ -934,7 +934,7 @@ def test_handling_requests_leaks_no_memory(platform):
 def test_serving_datagrams_leaks_no_memory():
     handler = make_handler()
     with udp_pair(socket.AF_INET, "127.0.0.1") as (server, client):
-        def answer(data, peer):
+        def answer(data, peer, stamp):
             server.sendto(handler.handle(data), peer)
 
         def round_of_datagrams(number):
@@ -990,7 +990,7 @@ def drain(fast, server, expected, fallback=None, **options):
     return read
 
 
-def no_fallback(data, peer):
+def no_fallback(data, peer, stamp):
     raise AssertionError(f"C declined {data!r} from {peer}")
 
 
@@ -1015,7 +1015,7 @@ def test_serve_answers_over_real_sockets_and_falls_back_with_the_peer(family):
     handler = make_handler()
     fallen_back = []
 
-    def fallback(data, peer):
+    def fallback(data, peer, stamp):
         fallen_back.append((data, peer))
         server.sendto(handler.handle(data), peer)
 
@@ -1099,7 +1099,7 @@ def test_serve_reports_what_it_cannot_go_past():
         handler.fast.serve(fd, no_fallback)
     assert raised.value.errno == errno.EBADF
 
-    def broken(data, peer):
+    def broken(data, peer, stamp):
         raise RuntimeError("the Python path broke")
 
     with udp_pair(socket.AF_INET, "127.0.0.1") as (server, client):

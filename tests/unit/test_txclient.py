@@ -294,6 +294,7 @@ def answer_from_supervisor(reactor: MemoryReactorClock, answer: dict[str, Any]) 
     every control call with ``answer``; returns the calls it received."""
     calls: list[dict[str, Any]] = []
     supervisor = MessageProtocol()
+    supervisor.accepting = True          # (it speaks the handshake first; insecure here)
     supervisor.control_handler = lambda body, link: calls.append(body) or answer
     (_host, _port, factory, _timeout, _bind), = reactor.tcpClients
     link = factory.buildProtocol(None)
@@ -511,6 +512,7 @@ def test_a_service_that_does_not_know_the_dht_sends_the_client_to_the_supervisor
         raise ControlError("UnknownDht", "no DHT named 'words'")
 
     supervisor = MessageProtocol()
+    supervisor.accepting = True
     supervisor.control_handler = refuse
     (_host, _port, factory, _timeout, _bind), = reactor.tcpClients
     link = factory.buildProtocol(None)

@@ -1,0 +1,26 @@
+"""Where a benchmark's numbers come from: date, commit, machine, load."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def machine() -> dict[str, Any]:
+    """The date, the commit measured, the machine and its load average
+    (this machine is shared by other work: a high load makes slow numbers)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit,
+            "machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.platform()}",
+            "load_average": [round(load, 2) for load in os.getloadavg()],
+            "command": " ".join(["python -m", sys.argv[0].rsplit("/", 2)[-2] + "."
+                                 + sys.argv[0].rsplit("/", 1)[-1].removesuffix(".py"),
+                                 *sys.argv[1:]]) if sys.argv and sys.argv[0] else ""}
