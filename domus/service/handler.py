@@ -416,8 +416,8 @@ class RequestHandler:
         a replay, or a clock that is off (the message says which time this
         service has)."""
         self.counters["stale"] += 1
-        if len(data) < wire.REQUEST_HEADER_SIZE:
-            return None
+        if len(data) < wire.REQUEST_HEADER_SIZE or data[0] != wire.REQUEST_MAGIC:
+            return None     # (as handle: no request id to answer to)
         return self._error(wire.ST_STALE_REQUEST, data[4:8],
                            f"the request's time is more than {auth.TIME_WINDOW}s from service "
                            f"{self.service_name}'s clock ({int(time.time())}); a replay, or a "

@@ -437,6 +437,19 @@ def test_a_replayed_request_outside_the_time_window_is_refused_as_stale(service)
     assert handler.stats()["stale"] == 1
 
 
+def test_a_stale_datagram_that_is_not_a_request_goes_unanswered(service):
+    # As handle(): without the request magic there is no request id to
+    # answer to (found by the sealed_udp fuzz target).
+    handler, reactor, client = service
+    old = int(time.time()) - auth.TIME_WINDOW - 60
+    not_a_request = b"\xff" + put(10)[1:]
+    answered = auth.seal_request(KEYS.data, get(11), seconds=old)
+    replies = exchange(reactor, client,
+                       [auth.seal_request(KEYS.data, not_a_request, seconds=old), answered], 1)
+    assert [reply[4:8] for reply in replies] == [(11).to_bytes(4, "big")]
+    assert handler.stats()["stale"] == 2
+
+
 # ------------------------------------------------------------ the clients
 
 def test_the_twisted_client_seals_each_try_afresh_and_takes_only_a_sealed_reply(monkeypatch):
