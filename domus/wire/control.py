@@ -159,6 +159,8 @@ class MessageProtocol(Int32StringReceiver):
 
     # -- incoming
     def stringReceived(self, frame: bytes) -> None:
+        if self._refusal is not None:
+            return      # (refused: closing; nor the rest of what came in with it)
         if self._handshake is not None:
             self._handshake_frame(frame)
             return

@@ -322,6 +322,36 @@ def test_a_forged_frame_on_an_authenticated_link_closes_it():
     assert len(refusals) == 1
 
 
+def test_a_refused_peer_is_refused_once_and_nothing_it_sent_after_is_read():
+    # Frames that came in with the one refused were read on: each counted
+    # and refused again, and the side that connected, having refused an
+    # insecure impostor, took its ACCEPT and answered its calls (found by
+    # the handshake fuzz target).
+    from twisted.internet.testing import StringTransport
+
+    server = MessageProtocol()
+    server.accepting, server.keys = True, KEYS
+    refusals = []
+    server.auth_failures = refusals.append
+    server.makeConnection(StringTransport())
+    garbage = struct.pack(">I", 4) + b"junk"
+    server.dataReceived(garbage * 3)
+    assert len(refusals) == 1
+    assert server.transport.value().count(b"\xda\x01X") == 1
+
+    client = MessageProtocol()
+    client.keys = KEYS          # given explicitly: it refuses an insecure peer
+    client.control_handler = lambda body, link: "answered"
+    client.makeConnection(StringTransport())
+    outcome = results(client.authenticated)
+    impostor = [auth.Accepting(None).hello(), auth._frame(auth.ACCEPT, bytes(32)),
+                wire.encode_control(5, 6, {"op": "x"})]
+    client.dataReceived(b"".join(struct.pack(">I", len(frame)) + frame for frame in impostor))
+    assert isinstance(outcome[0].value, AuthenticationError)
+    assert client.transport.value() == b"" and not client.secure
+    assert client.transport.disconnecting
+
+
 # ------------------------------------------------------------ the UDP service
 
 def descriptor():
