@@ -2,13 +2,17 @@
 the supervisor, every service and the Twisted client speak, and of the
 blocking client's reading of the supervisor's replies.
 
-``control_stream``: the bytes a peer sends on a TCP connection, as
+``control_stream``: the bytes a peer sends on a TCP connection, once its
+handshake is done (fuzz/handshake.py fuzzes the handshake), as
 ``MessageProtocol`` receives them: length-prefixed frames carrying control
 calls (msgpack maps), data requests for the service's handler, and replies
-to a call this end made.  Nothing may escape ``dataReceived``; every frame
-sent back is a well-formed reply to a request that came in; the call made
-ends with its result or a documented error; and the stream cut in two
-anywhere gives the same answers as in one piece.
+to a call this end made.  An input is a settings byte (bit 0: a secure
+deployment's connection, whose every whole frame the harness seals as the
+peer's session would), then the stream.  Nothing may escape
+``dataReceived``; every frame sent back is a well-formed reply to a request
+that came in (sealed, on a secure connection); the call made ends with its
+result or a documented error; and the stream cut in two anywhere gives the
+same answers as in one piece.
 
 ``control_reply``: a reply frame to a control call, as the blocking
 client (domus.client.transport) and the Twisted side (domus.wire.control)
@@ -31,10 +35,11 @@ from twisted.python.failure import Failure
 from domus.client import transport as client_transport
 from domus.errors import DomusError, ProtocolError, SupervisorError
 from domus.service.handler import RequestHandler
-from domus.wire import control
+from domus.wire import auth, control
 from domus.wire import protocol as wire
 from domus.wire.control import ControlError, MessageProtocol, RemoteControlError
 from domus.wire.keys import encode_key
+from domus.wire.secret import Keys
 from fuzz.harness import Finding, check, describe, documented, outcome, target
 
 FRAME = struct.Struct(">I")
@@ -42,6 +47,7 @@ FRAME = struct.Struct(">I")
 # logged as critical, which Twisted prints until logging begins): nowhere.
 QUIET = Logger(namespace="domus.wire.control", observer=lambda _event: None)
 CALL_ID = 1         # the id of the first call a MessageProtocol makes
+KEYS = Keys.from_secret(bytes(range(32)), "fuzz")
 KEY = encode_key("k")
 DHT = {"id": 1, "name": "t1", "buckets": 8, "hash": "xxh3", "storage": "ram",
        "platform": "python-dict", "routing": "chord", "lookup": "D", "state": "active",
@@ -65,21 +71,57 @@ def control_handler(body: dict[str, Any], _link: MessageProtocol) -> Any:
 class Connection:
     """One end of a control connection, in memory: a MessageProtocol with
     the handlers above and a service's request handler for data requests,
-    which has made one call (``call``) and has not had its answer yet."""
+    on the side that connected (a service's link to the supervisor), its
+    handshake done (``secure``: with a deployment's secret), which has made
+    one call (``call``) and has not had its answer yet.  ``peer`` is the
+    other side's session (None: insecure)."""
 
-    def __init__(self) -> None:
+    def __init__(self, secure: bool = False) -> None:
         self.protocol = MessageProtocol()
         self.protocol.clock = Clock()
         self.protocol.control_handler = control_handler
+        self.protocol.keys = KEYS if secure else None
         service = RequestHandler("s1")
         service.assign(DHT)
         self.protocol.data_handler = service.handle_fast
         self.transport = StringTransport()
-        self.protocol.makeConnection(self.transport)
         self.call: list[Any] = []
-        self.protocol.call("stats").addBoth(self.call.append)
+        logger, control.log = control.log, QUIET
+        try:
+            self.protocol.makeConnection(self.transport)
+            self.protocol.call("stats").addBoth(self.call.append)
+            check(self.transport.value() == b"", "a call went out before the handshake")
+            peer = auth.Accepting(self.protocol.keys)
+            self.protocol.dataReceived(framed(peer.hello()))
+            proof = frames(self.transport.value())
+            check(len(proof) == 1, f"the answer to HELLO is not one frame: {proof!r}")
+            self.transport.clear()
+            accept, self.peer = peer.proof(proof[0])
+            self.protocol.dataReceived(framed(accept))
+        finally:
+            control.log = logger
+        check(self.protocol.authenticated.called and self.protocol.secure == secure,
+              "the handshake did not end")
         self.sent = self.transport.value()
         self.transport.clear()
+
+    def seal(self, data: bytes) -> bytes:
+        """A stream as the peer sends it: each whole frame sealed by its
+        session (none on an insecure connection), the rest as it is."""
+        if self.peer is None:
+            return data
+        whole = frames(data)
+        rest = data[len(framed(*whole)):]
+        return framed(*(self.peer.seal(frame) for frame in whole)) + rest
+
+    def open(self, frame: bytes) -> bytes:
+        """A frame this end sent, as the peer reads it."""
+        if self.peer is None:
+            return frame
+        try:
+            return self.peer.open(frame)
+        except DomusError as exc:
+            raise Finding(f"a frame sent back does not open: {frame[:80]!r}") from exc
 
     def feed(self, pieces: list[bytes]) -> tuple[bytes, list[Any]]:
         """The pieces, in turn, as TCP delivers them (none after the
@@ -114,6 +156,11 @@ def framed(*messages: bytes) -> bytes:
 
 
 def stream_seeds() -> list[bytes]:
+    """Each stream on an insecure connection and on a secure one."""
+    return [bytes((secure,)) + stream for stream in streams() for secure in (0, 1)]
+
+
+def streams() -> list[bytes]:
     control_call = wire.encode_control
     reply = wire.reply
     return [
@@ -153,22 +200,29 @@ def _well_formed_reply(frame: bytes, asked: dict[bytes, int]) -> None:
                   f"a control error without its class and message: {error!r}")
 
 
-@target("control_stream", seeds=stream_seeds, smoke=1000, max_len=16384,
+@target("control_stream", seeds=stream_seeds, fixed=1, smoke=1000, max_len=16384,
         c_sources=("cext/hotpath.c",))
 def fuzz_control_stream(data: bytes) -> None:
-    """A TCP stream into MessageProtocol (control calls, data requests,
-    replies to the call it made): nothing escapes dataReceived, every frame
-    sent back is a well-formed reply to a request received, the call ends
-    with its result or a documented error, and the stream cut in two gives
-    the same answers."""
-    whole = Connection()
-    replies, call = whole.feed([data])
-    check(whole.sent[:4] == FRAME.pack(len(whole.sent) - 4), "the call was not one frame")
+    """A TCP stream into MessageProtocol after its handshake (control calls,
+    data requests, replies to the call it made; sealed on a secure
+    connection): nothing escapes dataReceived, every frame sent back is a
+    well-formed reply to a request received, the call ends with its result
+    or a documented error, and the stream cut in two gives the same
+    answers."""
+    if not data:
+        return
+    secure, data = bool(data[0] & 1), data[1:]
+    whole = Connection(secure)
+    sent = frames(whole.sent)
+    check(len(sent) == 1 and framed(*sent) == whole.sent, "the call was not one frame")
+    whole.open(sent[0])
+    replies, call = whole.feed([whole.seal(data)])
     asked = {}
     for frame in frames(data):
         if len(frame) >= wire.REQUEST_HEADER_SIZE and frame[0] == wire.REQUEST_MAGIC:
             asked[frame[4:8]] = frame[2]
-    for frame in frames(replies):
+    opened = [whole.open(frame) for frame in frames(replies)]
+    for frame in opened:
         _well_formed_reply(frame, asked)
     check(framed(*frames(replies)) == replies,
           f"what was sent back is not whole frames: {replies[:80]!r}")
@@ -179,11 +233,14 @@ def fuzz_control_stream(data: bytes) -> None:
         if not isinstance(error, (RemoteControlError, ProtocolError, ConnectionError)):
             raise Finding(f"the call failed with {type(error).__name__}: {error}, not a "
                           f"documented error") from error
-    cut = len(data) // 2
-    in_two = Connection()
-    replies_in_two, call_in_two = in_two.feed([data[:cut], data[cut:]])
-    check(replies_in_two == replies, "the stream cut in two was answered differently: "
-          f"{replies_in_two[:80]!r} / {replies[:80]!r}")
+    in_two = Connection(secure)
+    in_two.open(frames(in_two.sent)[0])
+    stream = in_two.seal(data)
+    cut = len(stream) // 2
+    replies_in_two, call_in_two = in_two.feed([stream[:cut], stream[cut:]])
+    opened_in_two = [in_two.open(frame) for frame in frames(replies_in_two)]
+    check(opened_in_two == opened, "the stream cut in two was answered differently: "
+          f"{opened_in_two[:3]!r} / {opened[:3]!r}")
     check(_ending(call_in_two[0]) == _ending(ended),
           f"the call ended {_ending(ended)} in one piece, {_ending(call_in_two[0])} in two")
 

@@ -39,7 +39,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REGRESSIONS = HERE / "regressions"
 # The modules that register targets, in the order they are listed.
-MODULES = ("fuzz.service", "fuzz.client", "fuzz.control")
+MODULES = ("fuzz.service", "fuzz.sealed", "fuzz.client", "fuzz.control", "fuzz.handshake")
 
 
 class Finding(AssertionError):

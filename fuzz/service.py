@@ -167,9 +167,10 @@ def descriptor(dht_id: int, technology: str, state: str = "active",
 
 
 def make_service(technology: str, small_cache: bool, data_dir: str | None,
-                 reference: bool) -> RequestHandler:
+                 reference: bool, data_key: bytes | None = None) -> RequestHandler:
     """A service in the state every input starts from (the module's doc);
-    the ``reference`` applies REPLICATE requests in Python too."""
+    the ``reference`` applies REPLICATE requests in Python too.  With a
+    ``data_key`` it is a secure deployment's (sealed datagrams)."""
     ids = itertools.count(1000)
 
     def _put(handler: RequestHandler, dht: int, bucket: int, key: bytes, value: bytes,
@@ -181,7 +182,8 @@ def make_service(technology: str, small_cache: bool, data_dir: str | None,
     clock = FixedClock()
     cache = ReplyCache(max_entries=SMALL_CACHE if small_cache else DEFAULT_MAX_ENTRIES,
                        clock=clock)
-    handler = RequestHandler("s1", reply_cache=cache, clock=clock, data_dir=data_dir)
+    handler = RequestHandler("s1", reply_cache=cache, clock=clock, data_dir=data_dir,
+                             data_key=data_key)
     if reference:
         handler.backup_fast = None
     handler.assign(descriptor(MAIN, technology))
@@ -255,25 +257,29 @@ def counters(handler: RequestHandler) -> tuple[Any, ...]:
     requests change, without the rest of its work."""
     by_op = handler.by_op
     replayed = handler.counters["replayed"]
+    unauthenticated = handler.counters["unauthenticated"]
     for fast in (handler.fast, handler.backup_fast):
-        if fast is not None and fast.requests:
+        if fast is not None:
             by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
             replayed += fast.replayed
+            unauthenticated += fast.unauthenticated
     cache = handler.reply_cache
-    return (handler.requests, by_op, {**handler.counters, "replayed": replayed},
+    return (handler.requests, by_op, {**handler.counters, "replayed": replayed,
+                                      "unauthenticated": unauthenticated},
             len(cache), cache.evicted_early)
 
 
 class Pair:
     """A reference service and an accelerated one, in the same state."""
 
-    def __init__(self, technology: str, small_cache: bool) -> None:
+    def __init__(self, technology: str, small_cache: bool,
+                 data_key: bytes | None = None) -> None:
         self.data_dir = tempfile.mkdtemp(prefix="domus-fuzz-") \
             if ALL_TECHNOLOGIES[technology][1] == "disk" else None
         self.reference = make_service(technology, small_cache, self._home("reference"),
-                                      reference=True)
+                                      reference=True, data_key=data_key)
         self.accelerated = make_service(technology, small_cache, self._home("accelerated"),
-                                        reference=False)
+                                        reference=False, data_key=data_key)
         if self.accelerated.fast is None:
             raise RuntimeError("domus._hotpath is not built (or DOMUS_PURE_PYTHON=1): "
                                "there is no C path to fuzz")
@@ -380,7 +386,9 @@ class Pair:
         accelerated = self.accelerated
         peers = []
 
-        def fallback(data: bytes, peer: Any) -> None:
+        def fallback(data: bytes, peer: Any, stamp: bytes | None) -> None:
+            if stamp is not None:
+                raise Finding(f"an unkeyed FastPath passed the stamp {stamp!r} to Python")
             peers.append(peer)
             reply = accelerated.handle(data, wire.MAX_UDP_PAYLOAD)
             if reply is not None:
@@ -427,8 +435,11 @@ def is_stats(message: bytes) -> bool:
 
 
 def without_fallbacks(reply: bytes) -> tuple[bytes, Any]:
+    """A STATS reply without what says which path serves (the sealed
+    target's reference service has no C path)."""
     stats = wire.unpack(reply[wire.REPLY_HEADER_SIZE:])
     stats.pop("hot_path_fallbacks", None)
+    stats.pop("hot_path", None)
     return reply[:wire.REPLY_HEADER_SIZE], stats
 
 

@@ -65,7 +65,7 @@ if UNDER_ASAN:
 
 def test_the_targets_cover_every_entry_point():
     assert sorted(TARGETS) == sorted([
-        "service", "service_udp",
+        "service", "service_udp", "sealed_udp", "open_datagram", "handshake",
         "unpack_value", "get_many_take", "decode_get_many_reply", "decode_scan_reply",
         "decode_range_reply", "lookup_reply", "decode_key", "client_roundtrip",
         "control_stream", "control_reply"])
