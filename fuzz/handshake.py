@@ -220,7 +220,8 @@ def end_keys(byte: int) -> Keys | None:
     return KEYS if byte & 8 or not byte & 1 else IMPLICIT_KEYS
 
 
-@target("handshake", seeds=lambda: handshake_seeds(), fixed=1, smoke=3000, max_len=4096)
+@target("handshake", seeds=lambda: handshake_seeds(), sweep_seeds=lambda: sweep_seeds(),
+        fixed=1, smoke=1500, max_len=4096)
 def fuzz_handshake(data: bytes) -> None:
     """A new TCP connection's bytes into MessageProtocol on either side,
     with or without the secret: authenticated exactly when the spec says,
@@ -316,11 +317,19 @@ def _utf8(data: bytes) -> bool:
     return True
 
 
-def handshake_seeds() -> list[bytes]:
+def sweep_seeds() -> list[bytes]:
+    """Each handshake, followed by one small request only: what follows the
+    handshake is control_stream's to sweep."""
+    return handshake_seeds(framed(wire.request_header(wire.OP_PING, 9, 1)))
+
+
+def handshake_seeds(after: bytes | None = None) -> list[bytes]:
     """Handshakes made by domus.wire.auth's own classes (the peer's nonce
-    fixed), each followed by a control call and a data request."""
-    after = framed(wire.encode_control(7, 1, {"op": "echo", "value": 1}),
-                   wire.encode_keyed(wire.OP_GET, 8, 1, 1, 0, KEY))
+    fixed), each followed by ``after``: a control call and a data request
+    unless told."""
+    if after is None:
+        after = framed(wire.encode_control(7, 1, {"op": "echo", "value": 1}),
+                       wire.encode_keyed(wire.OP_GET, 8, 1, 1, 0, KEY))
     found = []
     for keys, peer_keys, proving in ((KEYS, KEYS, True), (KEYS, OTHER_KEYS, False),
                                      (KEYS, None, False), (None, None, False),
