@@ -349,7 +349,8 @@ def _split(context: bytes) -> tuple[bytes, bytes]:
     return context[:8], context[8:12]
 
 
-@target("open_datagram", seeds=open_seeds, fixed=1, smoke=3000, max_len=2048)
+@target("open_datagram", seeds=open_seeds, fixed=1, smoke=3000, max_len=2048,
+        c_sources=("cext/codec.c",))
 def fuzz_open_datagram(data: bytes) -> None:
     """auth.open_request / open_reply on any bytes, with the C SipHash and
     its Python twin: the same answer, no exception, and what opens is what
