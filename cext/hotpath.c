@@ -146,7 +146,10 @@ typedef struct {
     unsigned long long fallbacks;
     unsigned long long send_errors;
     unsigned long long recv_errors;
+    unsigned long long bytes_received;  /* datagrams serve() read */
+    unsigned long long bytes_sent;      /* replies serve() sent */
     unsigned long long by_op[256];
+    unsigned long long by_status[256];  /* replies given, by status byte */
     int keyed;                          /* a secure deployment: datagrams carry MACs */
     unsigned char key[16];              /* the data plane's SipHash key */
     unsigned long long unauthenticated; /* datagrams dropped: no MAC, or a wrong one */
@@ -1129,7 +1132,9 @@ sample_request(FastPath *self, int op, const unsigned char *data,
 
 /* Answers one request: HANDLED with *reply filled (the caller clears it),
  * DECLINED with nothing changed, or -1 with an exception set.  Counts the
- * request (handled or declined) in the counters. */
+ * request (handled or declined) in the counters: a handled one by its op
+ * and by its reply's status byte, as the Python handler counts the
+ * requests it answers. */
 static int
 handle_request(FastPath *self, const unsigned char *data, Py_ssize_t size,
                Py_ssize_t limit, Reply *reply)
@@ -1159,6 +1164,10 @@ handle_request(FastPath *self, const unsigned char *data, Py_ssize_t size,
                 sample_request(self, op, data, size);
             }
             self->by_op[op]++;
+            unsigned char status = reply->whole != NULL
+                ? (unsigned char)PyBytes_AS_STRING(reply->whole)[2]
+                : reply->head[2];
+            self->by_status[status]++;
             return HANDLED;
         }
     }
@@ -1533,7 +1542,7 @@ is_transient(int error)
 }
 
 /* Sends a handled reply to `peer`, never blocking; a failure is counted
- * (the client retries). */
+ * (the client retries), and so are the bytes of a reply sent. */
 static void
 send_reply(FastPath *self, int fd, Reply *reply,
            const struct sockaddr_storage *peer, socklen_t peer_length,
@@ -1585,6 +1594,9 @@ send_reply(FastPath *self, int fd, Reply *reply,
     } while (sent < 0 && errno == EINTR);
     if (sent < 0) {
         self->send_errors++;
+    }
+    else {
+        self->bytes_sent += (unsigned long long)sent;
     }
 }
 
@@ -1646,6 +1658,7 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
             return PyErr_SetFromErrno(PyExc_OSError);
         }
         received++;
+        self->bytes_received += (unsigned long long)size;
         const unsigned char *stamp = NULL;
         Py_ssize_t length = size;
         int fresh = 1;
@@ -1706,22 +1719,35 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
     return PyLong_FromSsize_t(received);
 }
 
+/* A new list of the 256 counts in `table`, or NULL with an exception set. */
 static PyObject *
-FastPath_get_by_op(FastPath *self, void *closure)
+count_list(const unsigned long long *table)
 {
     PyObject *counts = PyList_New(256);
     if (counts == NULL) {
         return NULL;
     }
-    for (Py_ssize_t op = 0; op < 256; op++) {
-        PyObject *count = PyLong_FromUnsignedLongLong(self->by_op[op]);
+    for (Py_ssize_t index = 0; index < 256; index++) {
+        PyObject *count = PyLong_FromUnsignedLongLong(table[index]);
         if (count == NULL) {
             Py_DECREF(counts);
             return NULL;
         }
-        PyList_SET_ITEM(counts, op, count);
+        PyList_SET_ITEM(counts, index, count);
     }
     return counts;
+}
+
+static PyObject *
+FastPath_get_by_op(FastPath *self, void *closure)
+{
+    return count_list(self->by_op);
+}
+
+static PyObject *
+FastPath_get_by_status(FastPath *self, void *closure)
+{
+    return count_list(self->by_status);
 }
 
 PyDoc_STRVAR(FastPath_take_samples_doc,
@@ -1775,6 +1801,10 @@ static PyMemberDef FastPath_members[] = {
      "replies serve() could not send (the client retries)"},
     {"recv_errors", T_ULONGLONG, offsetof(FastPath, recv_errors), READONLY,
      "errors serve() read from the socket and went past"},
+    {"bytes_received", T_ULONGLONG, offsetof(FastPath, bytes_received),
+     READONLY, "bytes of the datagrams serve() read (declined and dropped ones too)"},
+    {"bytes_sent", T_ULONGLONG, offsetof(FastPath, bytes_sent), READONLY,
+     "bytes of the replies serve() sent (not those the fallback sends)"},
     {"unauthenticated", T_ULONGLONG, offsetof(FastPath, unauthenticated), READONLY,
      "datagrams serve() dropped: too short for a MAC, or one that did not check"},
     {"current_limit", T_PYSSIZET, offsetof(FastPath, current_limit),
@@ -1785,6 +1815,8 @@ static PyMemberDef FastPath_members[] = {
 static PyGetSetDef FastPath_getset[] = {
     {"by_op", (getter)FastPath_get_by_op, NULL,
      "requests answered in C, per op code (a list of 256 counts)", NULL},
+    {"by_status", (getter)FastPath_get_by_status, NULL,
+     "replies given in C, per status byte (a list of 256 counts)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -11,10 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import domus
 from domus.errors import AuthenticationError
@@ -83,6 +85,14 @@ def test_status_json_parses(deployment, cluster):
     assert all(entry["state"] == "up" for entry in services.values())
     assert services["s1"]["buckets"]["shown"]["storage"] == 16
     assert [dht["name"] for dht in status["dhts"]] == ["shown"]
+    # the stats the docs name, once a heartbeat has brought them
+    for entry in services.values():
+        assert entry["hot_path"] in ("c", "python")
+    wait_until(lambda: all("storage_errors" in entry["stats"] for entry in cluster.services()),
+               timeout=15, what="heartbeats with the services' stats")
+    for entry in cluster.services():
+        assert entry["stats"]["storage_errors"] == 0 and entry["stats"]["internal_errors"] == 0
+        assert entry["stats"]["hot_path"] == entry["hot_path"]
 
 
 def test_service_list(deployment):
@@ -131,6 +141,9 @@ def test_put_get_del_round_trip(deployment, cluster):
 
     ok("put", "data", "42", "forty-two", "--int-key", *sup)
     assert dht[42] == "forty-two" and "42" not in dht
+    # the digits without --int-key are the string "42": the answer says so
+    assert "the integer 42 is: keys are strings unless --int-key is given" in fails(
+        "get", "data", "42", *sup)
     dht[-7] = [b"raw", 3]
     assert json.loads(ok("get", "data", "-7", "--int-key", *sup)) == ["raw", 3]
 
@@ -251,11 +264,13 @@ def kill_tree(process: subprocess.Popen) -> None:
 @pytest.mark.timeout(120)
 def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch):
     monkeypatch.delenv("DOMUS_SECRET_FILE", raising=False)
-    port = free_port_block(3)
+    port = free_port_block(6)
     ports = [port, port + 1, port + 2]
+    metrics = port + 3                  # the supervisor's; the services' on the next two
     data_dir = tmp_path / "up"
     up = subprocess.Popen([sys.executable, "-m", "domus", "up", "--services", "2", "--port",
-                           str(port), "--data-dir", str(data_dir)],
+                           str(port), "--data-dir", str(data_dir), "--metrics-port",
+                           str(metrics)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           stdin=subprocess.DEVNULL, env=hermetic_env())
     try:
@@ -286,6 +301,19 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch
             dht = cluster.create_dht("up-test")
             dht.put_many({number: str(number) for number in range(100)})
             assert len(dht) == 100
+        # --metrics-port: each process's metrics, as the line it printed says
+        assert any(f"s2 http://{LOOPBACK}:{metrics + 2}/metrics" in line for line in lines)
+        stored = 0
+        for offset, name in ((1, "s1"), (2, "s2")):
+            with urllib.request.urlopen(f"http://{LOOPBACK}:{metrics + offset}/metrics",
+                                        timeout=10) as page:
+                families = {family.name: family for family in
+                            text_string_to_metric_families(page.read().decode())}
+            stored += sum(sample.value for sample in families["domus_service_records"].samples
+                          if sample.labels == {"service": name, "dht": "up-test"})
+        assert stored == 100
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{metrics}/metrics", timeout=10) as page:
+            assert b'domus_supervisor_services{state="up"} 2.0' in page.read()
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) == 3, [child.cmdline() for child in children]
         assert len(domus_processes(ports)) == 3
@@ -301,6 +329,9 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch
         assert "Domus is up" in stdout and "Domus stopped." in stdout
         assert address in stdout and f"DOMUS_SUPERVISOR={address}" in stdout
         assert f"DOMUS_SECRET_FILE={secret_file}" in stdout
+        # what stopping lost, and how it could have been kept
+        assert "stopping loses what RAM DHTs hold: up-test (100 records)" in stderr
+        assert "domus deployment shutdown" in stderr
         gone, alive = psutil.wait_procs(children, timeout=5)
         assert not alive, f"children survived `domus up`: {alive}"
         assert domus_processes(ports) == []
@@ -313,26 +344,47 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch
             process.kill()
 
 
+def test_up_refuses_metrics_ports_that_overlap_its_own(tmp_path):
+    stderr = fails("up", "--services", "2", "--port", "27700", "--metrics-port", "27702",
+                   "--data-dir", str(tmp_path / "up"))
+    assert "metrics ports 27702-27704 overlap the deployment's ports 27700-27702" in stderr
+    assert not (tmp_path / "up" / "supervisor").exists()      # nothing was started
+    assert "--metrics-port" in fails("up", "--metrics-port", "0")
+
+
 @pytest.mark.timeout(60)
-def test_up_fails_cleanly_when_its_port_is_taken(tmp_path):
+@pytest.mark.parametrize("taken, name", [(0, "supervisor"), (2, "s2")])
+def test_up_fails_cleanly_when_a_port_is_taken(tmp_path, taken, name):
+    """Another deployment (or anything) on one of its ports: `domus up`
+    exits non-zero naming the port and the process it was for, and never
+    says it is up (a second `domus up` on the ports of a running one)."""
     squatter = socket.socket()
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     port = free_port_block(3)
-    squatter.bind((LOOPBACK, port))
+    squatter.bind((LOOPBACK, port + taken))
     squatter.listen(8)
     up = subprocess.Popen([sys.executable, "-m", "domus", "up", "--services", "2", "--port",
                            str(port), "--data-dir", str(tmp_path / "up")],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           stdin=subprocess.DEVNULL, env=hermetic_env())
     try:
-        _stdout, stderr = up.communicate(timeout=40)
-        assert up.returncode != 0
-        assert "supervisor" in stderr
+        stdout, stderr = up.communicate(timeout=40)
+        assert up.returncode == 1, (stdout, stderr)
+        assert f"port {port + taken} on {LOOPBACK} (for {name}) is in use" in stderr
+        assert "Domus is up" not in stdout
         assert domus_processes([port, port + 1, port + 2]) == []
     finally:
         squatter.close()
         if up.poll() is None:
             kill_tree(up)
+
+
+def test_up_refuses_ports_past_the_last(tmp_path):
+    result = domus_cmd("up", "--services", "2", "--port", "65535", "--data-dir",
+                       str(tmp_path / "up"))
+    assert result.returncode == 1
+    assert "port 65536 (for s1) is out of range" in result.stderr
+    assert "Domus is up" not in result.stdout
 
 
 @pytest.mark.timeout(120)

@@ -202,7 +202,7 @@ def state(handler):
 def counters(handler):
     stats = handler.stats()
     return {name: stats[name] for name in (
-        "requests", "by_op", "malformed", "errors", "replayed", "internal_errors",
+        "requests", "by_op", "by_status", "malformed", "errors", "replayed", "internal_errors",
         "reply_cache", "reply_cache_evicted_early")}
 
 
@@ -326,11 +326,15 @@ def test_c_answers_the_common_requests_itself(platform):
     assert fast.requests == 8
     assert fast.fallbacks == 0
     assert [fast.by_op[op] for op in range(1, 7)] == [1, 2, 2, 1, 1, 1]
+    # by reply status: the GET and DELETE of a missing key are NOT_FOUND
+    assert fast.by_status[wire.ST_OK] == 6 and fast.by_status[wire.ST_NOT_FOUND] == 2
+    assert sum(fast.by_status) == 8
     assert handler.dhts[DHT_ID].repos[0].get(key) == b"a"
     stats = handler.stats()
     assert stats["requests"] == 8
     assert stats["by_op"] == {"put": 1, "get": 2, "delete": 2, "contains": 1,
                               "put_many": 1, "get_many": 1}
+    assert stats["by_status"] == {"ok": 6, "not_found": 2}
 
 
 def test_changes_answered_in_c_are_cached_in_the_current_generation():
@@ -359,6 +363,8 @@ def test_a_retry_is_answered_from_the_cache_and_not_applied_again(platform, rota
         wire.reply(wire.ST_OK, 9, b"from-b")
     assert fast.replayed == 1
     assert handler.stats()["replayed"] == 1
+    # the retry's reply (from the cache) is counted by its status, as any reply
+    assert handler.stats()["by_status"] == {"ok": 4}
 
 
 def test_a_retry_of_a_delete_in_c_does_not_delete_a_later_write():
@@ -1035,6 +1041,14 @@ def test_serve_answers_over_real_sockets_and_falls_back_with_the_peer(family):
         assert handler.fast.serve(server.fileno(), fallback) == 0        # empty now
     assert handler.fast.requests == 5
     assert handler.fast.send_errors == 0
+    # every datagram read is counted, the declined one too; the replies C
+    # sent, not the one the fallback sent
+    assert handler.fast.bytes_received == sum(map(len, requests))
+    assert handler.fast.bytes_sent == sum(len(reply) for index, reply in enumerate(replies)
+                                          if index != 4)
+    assert handler.fast.by_status[wire.ST_OK] == 4
+    assert handler.fast.by_status[wire.ST_NOT_FOUND] == 1
+    assert sum(handler.by_status) == 1 and handler.by_status[replies[4][2]] == 1
 
 
 def test_serve_stops_after_max_datagrams():
