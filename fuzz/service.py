@@ -258,9 +258,10 @@ def counters(handler: RequestHandler) -> tuple[Any, ...]:
     by_op = handler.by_op
     replayed = handler.counters["replayed"]
     unauthenticated = handler.counters["unauthenticated"]
+    if handler.fast is not None:
+        by_op = [mine + theirs for mine, theirs in zip(by_op, handler.fast.by_op)]
     for fast in (handler.fast, handler.backup_fast):
         if fast is not None:
-            by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
             replayed += fast.replayed
             unauthenticated += fast.unauthenticated
     cache = handler.reply_cache

@@ -212,9 +212,9 @@ class RequestHandler:
     @property
     def requests(self) -> int:
         """Requests received, whichever path answered them (a REPLICATE's
-        change counts as a request, as the Python path counts it, when the
-        C path for backups applies it too)."""
-        return self._requests + sum(fast.requests for fast in self._fast_paths())
+        change is not one: the C path for backups counts the changes it
+        applies, which the stats leave out, as handle leaves them)."""
+        return self._requests + (self.fast.requests if self.fast is not None else 0)
 
     def _fast_paths(self) -> list[Any]:
         return [fast for fast in (self.fast, self.backup_fast) if fast is not None]
@@ -832,9 +832,10 @@ class RequestHandler:
         fast = self.fast
         by_op, by_status = self.by_op, self.by_status
         counters = dict(self.counters)
-        for path in self._fast_paths():
-            by_op = [mine + theirs for mine, theirs in zip(by_op, path.by_op)]
-            by_status = [mine + theirs for mine, theirs in zip(by_status, path.by_status)]
+        if fast is not None:
+            by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
+            by_status = [mine + theirs for mine, theirs in zip(by_status, fast.by_status)]
+        for path in self._fast_paths():     # (a retried REPLICATE is a replay either way)
             counters["replayed"] += path.replayed
             counters["unauthenticated"] += path.unauthenticated
         return {
