@@ -211,8 +211,13 @@ class RequestHandler:
 
     @property
     def requests(self) -> int:
-        """Requests received, whichever path answered them."""
+        """Requests received, whichever path answered them (a REPLICATE's
+        change is not one: the C path for backups counts the changes it
+        applies, which the stats leave out, as handle leaves them)."""
         return self._requests + (self.fast.requests if self.fast is not None else 0)
+
+    def _fast_paths(self) -> list[Any]:
+        return [fast for fast in (self.fast, self.backup_fast) if fast is not None]
 
     # ------------------------------------------------------------ dispatch
     def handle(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD,
@@ -424,14 +429,13 @@ class RequestHandler:
         hosted = self._hosted(wire.U32.unpack_from(inner, 16)[0])
         answer = self.backup_fast.handle(inner, limit) if self.backup_fast is not None else None
         if answer is None:
-            token = inner[4:16]
-            answer = self.reply_cache.get(token)
-            if answer is None:
-                self._as_backup = True
-                try:
-                    answer = self.handle(inner, limit, forward=False)
-                finally:
-                    self._as_backup = False
+            # (A retry is answered from the reply cache by handle, and
+            # counted there as the C path counts it.)
+            self._as_backup = True
+            try:
+                answer = self.handle(inner, limit, forward=False)
+            finally:
+                self._as_backup = False
         self.counters["replicated"] += 1
         del hosted
         return _OK + request_id + answer            # type: ignore[operator]
@@ -445,8 +449,8 @@ class RequestHandler:
         these over uncounted."""
         self.counters["stale"] += 1
         self._requests += 1
-        if len(data) < wire.REQUEST_HEADER_SIZE:
-            return None
+        if len(data) < wire.REQUEST_HEADER_SIZE or data[0] != wire.REQUEST_MAGIC:
+            return None     # (as handle: no request id to answer to)
         self.by_op[data[2]] += 1
         self.by_status[wire.ST_STALE_REQUEST] += 1
         return self._error(wire.ST_STALE_REQUEST, data[4:8],
@@ -831,8 +835,9 @@ class RequestHandler:
         if fast is not None:
             by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
             by_status = [mine + theirs for mine, theirs in zip(by_status, fast.by_status)]
-            counters["replayed"] += fast.replayed
-            counters["unauthenticated"] += fast.unauthenticated
+        for path in self._fast_paths():     # (a retried REPLICATE is a replay either way)
+            counters["replayed"] += path.replayed
+            counters["unauthenticated"] += path.unauthenticated
         return {
             "name": self.service_name,
             "requests": self.requests,
@@ -841,7 +846,7 @@ class RequestHandler:
                           for status, count in enumerate(by_status) if count},
             **counters,
             "hot_path": "c" if fast is not None else "python",
-            "hot_path_fallbacks": fast.fallbacks if fast is not None else 0,
+            "hot_path_fallbacks": sum(path.fallbacks for path in self._fast_paths()),
             "reply_cache": len(self.reply_cache),
             "reply_cache_evicted_early": self.reply_cache.evicted_early,
             "dhts": {hosted.name: self._dht_stats(hosted) for hosted in self.dhts.values()},

@@ -110,7 +110,8 @@ def test_the_wheel_holds_every_module_of_the_source_tree():
     prefix = f"domus-{domus.__version__}/"
     for needed in ("cext/codec.c", "cext/hashes.h", "cext/rbtree_api.h", "setup.py",
                    "pyproject.toml", "tests/integration/install_smoke.py",
-                   "supervisor/server.py"):
+                   "supervisor/server.py", "fuzz/harness.py",
+                   "fuzz/regressions/control_reply/control-error-body-is-an-int"):
         assert prefix + needed in names, f"{needed} is not in the sdist"
 
 

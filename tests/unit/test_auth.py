@@ -322,6 +322,36 @@ def test_a_forged_frame_on_an_authenticated_link_closes_it():
     assert len(refusals) == 1
 
 
+def test_a_refused_peer_is_refused_once_and_nothing_it_sent_after_is_read():
+    # Frames that came in with the one refused were read on: each counted
+    # and refused again, and the side that connected, having refused an
+    # insecure impostor, took its ACCEPT and answered its calls (found by
+    # the handshake fuzz target).
+    from twisted.internet.testing import StringTransport
+
+    server = MessageProtocol()
+    server.accepting, server.keys = True, KEYS
+    refusals = []
+    server.auth_failures = refusals.append
+    server.makeConnection(StringTransport())
+    garbage = struct.pack(">I", 4) + b"junk"
+    server.dataReceived(garbage * 3)
+    assert len(refusals) == 1
+    assert server.transport.value().count(b"\xda\x01X") == 1
+
+    client = MessageProtocol()
+    client.keys = KEYS          # given explicitly: it refuses an insecure peer
+    client.control_handler = lambda body, link: "answered"
+    client.makeConnection(StringTransport())
+    outcome = results(client.authenticated)
+    impostor = [auth.Accepting(None).hello(), auth._frame(auth.ACCEPT, bytes(32)),
+                wire.encode_control(5, 6, {"op": "x"})]
+    client.dataReceived(b"".join(struct.pack(">I", len(frame)) + frame for frame in impostor))
+    assert isinstance(outcome[0].value, AuthenticationError)
+    assert client.transport.value() == b"" and not client.secure
+    assert client.transport.disconnecting
+
+
 # ------------------------------------------------------------ the UDP service
 
 def descriptor(platform="python-dict"):
@@ -474,6 +504,19 @@ def test_a_replayed_request_outside_the_time_window_is_refused_as_stale(service)
     assert b"clock" in opened
     assert stored(handler) == {}
     assert handler.stats()["stale"] == 1
+
+
+def test_a_stale_datagram_that_is_not_a_request_goes_unanswered(service):
+    # As handle(): without the request magic there is no request id to
+    # answer to (found by the sealed_udp fuzz target).
+    handler, reactor, client = service
+    old = int(time.time()) - auth.TIME_WINDOW - 60
+    not_a_request = b"\xff" + put(10)[1:]
+    answered = auth.seal_request(KEYS.data, get(11), seconds=old)
+    replies = exchange(reactor, client,
+                       [auth.seal_request(KEYS.data, not_a_request, seconds=old), answered], 1)
+    assert [reply[4:8] for reply in replies] == [(11).to_bytes(4, "big")]
+    assert handler.stats()["stale"] == 2
 
 
 # ------------------------------------------------------------ the clients

@@ -537,6 +537,26 @@ def test_declines_of_every_kind_change_nothing(platform):
     pair.check()
 
 
+def test_a_replicate_applied_by_c_is_counted_as_the_python_handler_counts_it():
+    # A backup counts the REPLICATE, not the change inside it (as handle
+    # counts it), whichever path applies the change; a retry is a replay.
+    backed_up = dict(descriptor(5, "python-dict"), replicas=2,
+                     storage_backups=[[[0, 4, "s2"], [4, 8, "s1"]]])
+    reference, accelerated = make_handler(), make_handler()
+    for handler in (reference, accelerated):
+        handler.assign(backed_up)
+    reference.backup_fast = None
+    change = wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, 5, 4, b"\x03k", b"v")
+    for request_id in (2, 3):                   # applied, then a retry from the cache
+        request = wire.encode_replicate(request_id, 0x5A, change)
+        assert accelerated.handle(request) == reference.handle(request)
+    assert accelerated.backup_fast.requests == 2
+    assert counters(accelerated) == counters(reference)
+    assert accelerated.stats()["by_op"] == {"replicate": 2}
+    assert accelerated.stats()["requests"] == 2
+    assert accelerated.stats()["replayed"] == 1
+
+
 def test_a_malformed_cache_list_makes_c_decline_changes_but_not_reads():
     repos = {0: {b"k": b"v"}}
     for generations in ([{}], [{}, {}, {}], ["current", {}], [{}, []]):
