@@ -16,6 +16,7 @@ from typing import Any
 from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
+from twisted.protocols import policies
 from twisted.python.failure import Failure
 
 from domus._version import __version__
@@ -51,8 +52,12 @@ class DomusService(Service):
                  heartbeat: float = HEARTBEAT_INTERVAL,
                  resources: dict[str, Any] | None = None,
                  cpus: list[int] | None = None, secret_file: str | None = None,
+                 metrics: str | None = None,
                  disk_reserve: Reserve = DEFAULT_RESERVE) -> None:
         self.supervisor_address = addresses.parse(supervisor)
+        if metrics is not None:
+            addresses.parse(metrics)        # (a bad address fails before anything starts)
+        self.metrics_address = metrics      # where /metrics is served; None: nowhere
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
         self.service_name = name or self.address
@@ -66,6 +71,8 @@ class DomusService(Service):
                     for argument in (f"--{field}", str(value))]
         if cpus:
             declared += ["--cpus", ",".join(map(str, cpus))]
+        if metrics:
+            declared += ["--metrics", metrics]
         if disk_reserve != DEFAULT_RESERVE:
             declared += ["--disk-reserve", str(disk_reserve)]
         # The deployment secret, found as every process finds it
@@ -117,8 +124,16 @@ class DomusService(Service):
             return proto
 
         data_factory.buildProtocol = build
-        self._ports.append(reactor.listenTCP(self.listen_port, data_factory,
+        counted = policies.WrappingFactory(data_factory)
+        counted.protocol = _CountedBytes
+        self._ports.append(reactor.listenTCP(self.listen_port, counted,
                                              interface=self.listen_host))
+        if self.metrics_address:
+            from domus.service import metrics
+
+            self._ports.append(metrics.listen(reactor, self.metrics_address, self))
+            log.info("service {name}: metrics at http://{address}/metrics",
+                     name=self.service_name, address=self.metrics_address)
         log.info("service {name} serving on {address} (UDP and TCP, {path} hot path), "
                  "data dir {dir}", name=self.service_name, address=self.address,
                  path="C" if self.handler.fast is not None else "pure-Python",
@@ -397,6 +412,30 @@ class DomusService(Service):
             return self.handler.stats()
         raise ControlError("DomusError", f"service {self.service_name} takes control op "
                            f"{body['op']!r} only from the supervisor")
+
+
+class _CountedBytes(policies.ProtocolWrapper):
+    """A connection to the service's TCP port, whose bytes are counted as
+    they cross the socket, each way (frame headers, the handshake and the
+    frames' tags included), in the handler's counters, which the metrics
+    read."""
+
+    def _count(self, name: str, size: int) -> None:
+        counters = self.factory.wrappedFactory.counters
+        counters[name] = counters.get(name, 0) + size
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's name)
+        self._count("tcp_bytes_received", len(data))
+        super().dataReceived(data)
+
+    def write(self, data: bytes) -> None:
+        self._count("tcp_bytes_sent", len(data))
+        super().write(data)
+
+    def writeSequence(self, data: Any) -> None:  # noqa: N802
+        data = list(data)
+        self._count("tcp_bytes_sent", sum(map(len, data)))
+        super().writeSequence(data)
 
 
 class PeerLinks:
