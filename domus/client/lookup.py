@@ -62,6 +62,7 @@ from domus.errors import (
     ProtocolError,
     RemoteError,
     StorageError,
+    StorageFull,
     UnknownDht,
     ValueTooLarge,
     WrongService,
@@ -777,6 +778,8 @@ def reply_error(dht: str, reply: bytes, channel: Any, bucket: int | None) -> Dom
         return UnknownDht(f"DHT {dht!r} is not on {where} any more (destroyed?): {text}")
     if status == wire.ST_NOT_OWNER:
         return WrongService(f"{where}: {text}", status)
+    if status == wire.ST_STORAGE_FULL:
+        return StorageFull(f"{where}: {text}", status)
     if status == wire.ST_STORAGE_ERROR:
         return StorageError(f"{where}, bucket {bucket}: {text}", status)
     if status == wire.ST_DATA_LOST:

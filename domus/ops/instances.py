@@ -53,6 +53,14 @@ def instance_commands(args: Any, cpus: list[int]) -> list[list[str]]:
                             ("--secret-file", args.secret_file)):
             if value is not None:
                 command += [flag, str(value)]
+        reserve = getattr(args, "disk_reserve", None)     # (parsed: a size or a percent)
+        if reserve is not None:
+            command += ["--disk-reserve", f"{reserve.percent:g}%" if reserve.percent is not None
+                        else str(reserve.size)]
+        metrics = getattr(args, "metrics", None)
+        if metrics is not None:             # instance I serves its metrics on PORT + I
+            metrics_host, metrics_port = addresses.parse(metrics)
+            command += ["--metrics", f"{metrics_host}:{metrics_port + index}"]
         if not args.no_pin:
             command += ["--cpus", str(cpus[index % len(cpus)])]
         commands.append(command)
