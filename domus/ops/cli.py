@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from domus.errors import AuthenticationError, DomusError
+from domus.service import limits
 from domus.supervisor.balancer import Settings
 from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from domus.wire import address as addresses
@@ -113,10 +114,20 @@ def cmd_service(args: argparse.Namespace) -> int:
     overrides = {key: value for key, value in
                  (("cores", args.cores), ("ram", args.ram), ("disk", args.disk))
                  if value is not None}
+    try:
+        bounds = limits.Limits(
+            max_connections=args.max_connections,
+            max_connections_per_host=args.max_connections_per_host,
+            idle_timeout=args.idle_timeout, write_timeout=args.write_timeout,
+            max_scans=args.max_scans, udp_reply_factor=args.udp_reply_factor,
+            shed_after=args.shed_after)
+    except ValueError as exc:
+        raise SystemExit(f"domus service: {exc}") from None
     return _run_reactor(DomusService(supervisor=addresses.supervisor_address(args.supervisor),
                                      listen=args.listen, data_dir=args.data_dir, name=args.name,
                                      heartbeat=args.heartbeat, resources=overrides,
-                                     cpus=args.cpus, secret_file=args.secret_file))
+                                     cpus=args.cpus, secret_file=args.secret_file,
+                                     limits=bounds))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -607,6 +618,30 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
                      help="run on these CPUs only, e.g. 2 or 0,1 or 4-7 (default: those it "
                      "was started with); its cores and node load count these only")
+    bounds = svc.add_argument_group("bounds", "what peers can make the service hold "
+                                    "(docs/operations.md, Bounds)")
+    bounds.add_argument("--max-connections", type=int, default=limits.MAX_CONNECTIONS,
+                        metavar="N", help="TCP connections open at once (default %(default)s, "
+                        "fewer if the file descriptor limit is lower)")
+    bounds.add_argument("--max-connections-per-host", type=int,
+                        default=limits.MAX_CONNECTIONS_PER_HOST, metavar="N",
+                        help="TCP connections open at once from one address "
+                        "(default %(default)s)")
+    bounds.add_argument("--idle-timeout", type=float, default=limits.IDLE_TIMEOUT,
+                        metavar="SECONDS", help="close a TCP connection that completes no "
+                        "frame for this long (default %(default)s)")
+    bounds.add_argument("--write-timeout", type=float, default=limits.WRITE_TIMEOUT,
+                        metavar="SECONDS", help="abort a TCP connection that leaves its "
+                        "replies unread for this long (default %(default)s)")
+    bounds.add_argument("--max-scans", type=int, default=limits.MAX_SCANS, metavar="N",
+                        help="SCANs open at once (default %(default)s)")
+    bounds.add_argument("--udp-reply-factor", type=int, default=limits.UDP_REPLY_FACTOR,
+                        metavar="F", help="on an insecure deployment, a UDP reply is at most "
+                        "F times its request (larger ones go over TCP; 0: no bound; "
+                        "default %(default)s)")
+    bounds.add_argument("--shed-after", type=float, default=limits.SHED_AFTER,
+                        metavar="SECONDS", help="answer BUSY to a datagram that waited "
+                        "longer than this (0: never shed; default %(default)s)")
     svc.set_defaults(func=cmd_service)
 
     secret_parser = commands.add_parser("secret", help="make a deployment secret (for job "

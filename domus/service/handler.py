@@ -39,6 +39,8 @@ from twisted.logger import Logger
 from domus.errors import ProtocolError
 from domus.service import hotpath
 from domus.service.hosted import MAX_NUMBERING, HostedDht
+from domus.service.limits import DEFAULT as DEFAULT_LIMITS
+from domus.service.limits import Limits
 from domus.service.replycache import ReplyCache
 from domus.storage import Repository, StorageFault
 from domus.storage.base import apply_batch
@@ -54,13 +56,13 @@ _REPLACED = b"\x00"
 _KEYED_END = wire.KEYED_END
 _KEYED_UNPACK = wire.KEYED.unpack_from
 _CHANGING = wire.CHANGING_OPS
+_APPLIED = (wire.ST_OK, wire.ST_NOT_FOUND)
 # Every op whose request names a DHT (its id at byte 16).
 _DHT_OPS = frozenset({wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS,
                       wire.OP_PUT_MANY, wire.OP_GET_MANY, wire.OP_LENGTH, wire.OP_SCAN,
                       wire.OP_RANGE, wire.OP_LOOKUP})
 
 SCAN_TTL = 120.0
-MAX_SCANS = 4096
 # Which buckets are hot: one request in SAMPLE_EVERY is sampled, as the C
 # path does (domus._hotpath.FastPath.take_samples), keeping SAMPLE_RING.
 SAMPLE_EVERY = 16
@@ -142,10 +144,31 @@ class _Join:
             self.handler._replicated(self)
 
 
+class _Snapshot:
+    """A bucket's keys as a scan's first page found them, shared by the
+    scans that started while the bucket was unchanged."""
+
+    __slots__ = ("version", "keys", "count", "users")
+
+    def __init__(self, version: tuple[int, ...], keys: list[bytes], count: int) -> None:
+        self.version, self.keys, self.count = version, keys, count
+        self.users = 0
+
+
+class _Scan:
+    __slots__ = ("expires", "dht_id", "bucket", "snapshot", "client")
+
+    def __init__(self, expires: float, dht_id: int, bucket: int, snapshot: _Snapshot,
+                 client: bytes) -> None:
+        self.expires, self.dht_id, self.bucket = expires, dht_id, bucket
+        self.snapshot, self.client = snapshot, client
+
+
 class RequestHandler:
     def __init__(self, service_name: str, reply_cache: ReplyCache | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 data_dir: str | None = None, data_key: bytes | None = None) -> None:
+                 data_dir: str | None = None, data_key: bytes | None = None,
+                 limits: Limits = DEFAULT_LIMITS) -> None:
         self.service_name = service_name
         self.data_dir = data_dir      # where disk DHTs keep their files
         self.dhts: dict[int, HostedDht] = {}
@@ -159,10 +182,18 @@ class RequestHandler:
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
                                          "internal_errors": 0, "storage_errors": 0,
                                          "replicated": 0, "replication_failures": 0,
-                                         "unauthenticated": 0, "stale": 0}
-        # scan id -> (expiry, dht id, bucket, key snapshot, bucket count then)
-        self._scans: OrderedDict[int, tuple[float, int, int, list[bytes], int]] = OrderedDict()
+                                         "unauthenticated": 0, "stale": 0, "busy": 0,
+                                         "shed": 0, "scans_forgotten": 0}
+        self.limits = limits
+        # Open scans, least recently used first; their number per client
+        # id; the shared snapshots by (DHT id, bucket); the keys held by
+        # all snapshots in use.
+        self._scans: OrderedDict[int, _Scan] = OrderedDict()
+        self._scans_of: dict[bytes, int] = {}
+        self._snapshots: dict[tuple[int, int], _Snapshot] = {}
+        self._scan_keys = 0
         self._scan_ids = itertools.count(1)
+        self._changed = 0           # changes applied by the Python path
         self._ops: dict[int, Callable[[bytes, bytes, int], bytes]] = {
             wire.OP_PUT: self._put,
             wire.OP_GET: self._get,
@@ -226,11 +257,16 @@ class RequestHandler:
             self._sample(op, data)
         changing = op in _CHANGING
         if changing:
-            token = data[4:16]
+            token = self.reply_cache.key(data)
             cached = self.reply_cache.get(token)
             if cached is not None:
                 self.counters["replayed"] += 1
                 return cached
+            if self.reply_cache.full():
+                # (Every entry may still be retried: none is dropped for
+                # this one, which is not applied; the client backs off.)
+                self.counters["busy"] += 1
+                return bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_BUSY, 0)) + request_id
             if forward and self.replicator is not None and len(data) >= 20:
                 hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
                 if hosted is not None and hosted.replicated and hosted.active:
@@ -265,10 +301,12 @@ class RequestHandler:
             hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
             if hosted is not None and hosted.layout_tag:
                 answer = answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
-        if changing and answer[2] != wire.ST_MOVING:
-            # (MOVING applied nothing: a retry with the same id must be tried
-            # again, not told MOVING from the cache once the move is done.)
+        if changing and answer[2] in _APPLIED:
+            # (Only what was applied: a refused change -- junk, MOVING, a
+            # bucket not here -- changed nothing, and its retry is judged
+            # afresh, never told an old refusal once it could succeed.)
             self.reply_cache.put(token, answer)
+            self._changed += 1
         return answer
 
     # ------------------------------------------------------------ replication
@@ -394,7 +432,7 @@ class RequestHandler:
         hosted = self._hosted(wire.U32.unpack_from(inner, 16)[0])
         answer = self.backup_fast.handle(inner, limit) if self.backup_fast is not None else None
         if answer is None:
-            token = inner[4:16]
+            token = self.reply_cache.key(inner)
             answer = self.reply_cache.get(token)
             if answer is None:
                 self._as_backup = True
@@ -661,32 +699,46 @@ class RequestHandler:
         return _OK + request_id + wire.U64.pack(hosted.records())
 
     # ------------------------------------------------------------ scans
+    # A scan walks a snapshot of its bucket's keys (references to the key
+    # objects, 8 bytes a key), taken by its first page.  Scans that start
+    # while a bucket is unchanged share one snapshot: its version is the
+    # bucket's repository, the count of changes applied to it (by C, per
+    # bucket; by Python, all together) and the DHT's bucket count, and a
+    # scan that starts when the version moved on takes a new one.  Bounds:
+    # MAX_SCANS open scans and MAX_SCAN_KEYS keys held in snapshots, in
+    # total (past either, a first page gets BUSY: nothing live is dropped),
+    # and MAX_SCANS_PER_CLIENT per client id (past it, that client's own
+    # least recently used scan is forgotten); a scan idle for SCAN_TTL is
+    # forgotten.
     def _scan(self, data: bytes, request_id: bytes, limit: int) -> bytes:
         """One page of a bucket's records.  The first page (scan id 0) takes a
-        snapshot of the bucket's keys; later pages walk that snapshot, so a
-        scan sees every key present for its whole duration exactly once,
-        skips keys deleted meanwhile, and may miss keys added meanwhile."""
+        snapshot of the bucket's keys (or shares one); later pages walk it,
+        so a scan sees every key present for its whole duration exactly
+        once, skips keys deleted meanwhile, and may miss keys added
+        meanwhile."""
         dht_id, bucket, scan_id, offset = wire.decode_scan(data)
         hosted = self._hosted(dht_id)
         now = self._clock()
         self._expire_scans(now)
         if scan_id == 0:
             self._numbered_as(hosted, data)
-            self._repo(dht_id, bucket)              # (NOT_OWNER, MOVING...)
+            repo = self._repo(dht_id, bucket)              # (NOT_OWNER, MOVING...)
+            snapshot = self._snapshot(hosted, dht_id, bucket, repo)
+            client = data[8:16]
+            self._forget_clients_oldest_scan(client)
             scan_id = next(self._scan_ids) & 0xFFFFFFFF or next(self._scan_ids)
-            keys = hosted.bucket_keys(bucket)
-            count_then = hosted.bucket_count
-            self._scans[scan_id] = (now + SCAN_TTL, dht_id, bucket, keys, count_then)
-            if len(self._scans) > MAX_SCANS:
-                self._scans.popitem(last=False)
+            snapshot.users += 1
+            self._scans[scan_id] = _Scan(now + SCAN_TTL, dht_id, bucket, snapshot, client)
+            self._scans_of[client] = self._scans_of.get(client, 0) + 1
+            session = self._scans[scan_id]
         else:
             session = self._scans.get(scan_id)
-            if session is None or session[1:3] != (dht_id, bucket):
+            if session is None or (session.dht_id, session.bucket) != (dht_id, bucket):
                 raise RequestFailed(wire.ST_MALFORMED, f"scan {scan_id} of bucket {bucket} "
                                     f"expired or unknown; start the iteration again")
-            keys, count_then = session[3], session[4]
-            self._scans[scan_id] = (now + SCAN_TTL, *session[1:])
+            session.expires = now + SCAN_TTL
             self._scans.move_to_end(scan_id)
+        keys, count_then = session.snapshot.keys, session.snapshot.count
         if hosted.bucket_count == count_then:
             repo = self._repo(dht_id, bucket)
             value_of = repo.get
@@ -720,9 +772,69 @@ class RequestHandler:
                 entries.append((key, value))
             position += 1
         if position >= len(keys):
-            self._scans.pop(scan_id, None)
+            self._end_scan(scan_id)
             position = wire.SCAN_END
         return wire.encode_scan_reply(wire.U32.unpack(request_id)[0], scan_id, position, entries)
+
+    def _snapshot(self, hosted: HostedDht, dht_id: int, bucket: int,
+                  repo: Repository) -> _Snapshot:
+        """The snapshot a scan starting now walks: the bucket's shared one
+        if the bucket has not changed since it was taken, else a new one;
+        BUSY if a new one would pass a bound."""
+        limits = self.limits
+        if len(self._scans) >= limits.max_scans:
+            self.counters["busy"] += 1
+            raise RequestFailed(wire.ST_BUSY, "")
+        version = (id(repo), self._changed, hosted.bucket_count,
+                   self.fast.generation(dht_id, bucket) if self.fast is not None else 0)
+        shared = self._snapshots.get((dht_id, bucket))
+        if shared is not None and shared.version == version:
+            return shared
+        try:
+            expected = len(repo)        # (a part holding several buckets: more)
+        except TypeError:
+            expected = 0
+        if self._scan_keys + expected > limits.max_scan_keys:
+            self.counters["busy"] += 1
+            raise RequestFailed(wire.ST_BUSY, "")
+        keys = hosted.bucket_keys(bucket)
+        snapshot = _Snapshot(version, keys, hosted.bucket_count)
+        self._scan_keys += len(keys)
+        self._snapshots[(dht_id, bucket)] = snapshot
+        return snapshot
+
+    def _forget_clients_oldest_scan(self, client: bytes) -> None:
+        if self._scans_of.get(client, 0) < self.limits.max_scans_per_client:
+            return
+        for scan_id, session in self._scans.items():
+            if session.client == client:
+                self.counters["scans_forgotten"] += 1
+                self._end_scan(scan_id)
+                return
+
+    def _end_scan(self, scan_id: int) -> None:
+        session = self._scans.pop(scan_id, None)
+        if session is None:
+            return
+        left = self._scans_of[session.client] - 1
+        if left:
+            self._scans_of[session.client] = left
+        else:
+            del self._scans_of[session.client]
+        snapshot = session.snapshot
+        snapshot.users -= 1
+        if not snapshot.users:
+            self._scan_keys -= len(snapshot.keys)
+            place = (session.dht_id, session.bucket)
+            if self._snapshots.get(place) is snapshot:
+                del self._snapshots[place]
+
+    def _expire_scans(self, now: float) -> None:
+        while self._scans:
+            scan_id, session = next(iter(self._scans.items()))
+            if session.expires > now:
+                break
+            self._end_scan(scan_id)
 
     # ------------------------------------------------------------ key ranges
     def _range(self, data: bytes, request_id: bytes, limit: int) -> bytes:
@@ -774,13 +886,6 @@ class RequestHandler:
             entries.append((key, value))
         return wire.encode_range_reply(wire.U32.unpack(request_id)[0], entries, more)
 
-    def _expire_scans(self, now: float) -> None:
-        while self._scans:
-            scan_id, (expires, *_session) = next(iter(self._scans.items()))
-            if expires > now:
-                break
-            del self._scans[scan_id]
-
     # ------------------------------------------------------------ service info
     def _ping(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
         return _OK + request_id + wire.pack({"name": self.service_name,
@@ -796,6 +901,8 @@ class RequestHandler:
         if fast is not None:
             by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
             counters["replayed"] += fast.replayed
+            counters["busy"] += fast.busy
+            counters["shed"] += fast.shed
             counters["unauthenticated"] += fast.unauthenticated
         return {
             "name": self.service_name,
@@ -805,7 +912,9 @@ class RequestHandler:
             "hot_path": "c" if fast is not None else "python",
             "hot_path_fallbacks": fast.fallbacks if fast is not None else 0,
             "reply_cache": len(self.reply_cache),
-            "reply_cache_evicted_early": self.reply_cache.evicted_early,
+            "reply_cache_limit": self.reply_cache.current_limit,
+            "scans": len(self._scans),
+            "scan_keys": self._scan_keys,
             "dhts": {hosted.name: self._dht_stats(hosted) for hosted in self.dhts.values()},
         }
 

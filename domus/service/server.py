@@ -20,8 +20,11 @@ from twisted.python.failure import Failure
 
 from domus._version import __version__
 from domus.errors import AuthenticationError
+from domus.service.connections import DataFactory
 from domus.service.handler import RequestHandler
 from domus.service.hosted import FREEZE_LEASE
+from domus.service.limits import DEFAULT as DEFAULT_LIMITS
+from domus.service.limits import Limits
 from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
@@ -48,7 +51,8 @@ class DomusService(Service):
     def __init__(self, *, supervisor: str, listen: str, data_dir: str, name: str | None = None,
                  heartbeat: float = HEARTBEAT_INTERVAL,
                  resources: dict[str, Any] | None = None,
-                 cpus: list[int] | None = None, secret_file: str | None = None) -> None:
+                 cpus: list[int] | None = None, secret_file: str | None = None,
+                 limits: Limits = DEFAULT_LIMITS) -> None:
         self.supervisor_address = addresses.parse(supervisor)
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
@@ -73,8 +77,10 @@ class DomusService(Service):
             "--supervisor", supervisor, "--listen", self.address,
             "--data-dir", self.data_dir, "--heartbeat", str(heartbeat), *declared],
             self.data_dir)
+        self.limits = limits
         self.handler = RequestHandler(self.service_name, data_dir=data_dir,
-                                      data_key=self.keys.data if self.keys else None)
+                                      data_key=self.keys.data if self.keys else None,
+                                      limits=limits)
         self.peers = PeerLinks(self.service_name, self.keys)
         self.handler.replicator = self.peers.forward
         self.handler.copy_failed = self._copy_failed
@@ -98,19 +104,15 @@ class DomusService(Service):
         super().startService()
         self.udp = UdpServer(self.handler, self.listen_host, self.listen_port)
         self.udp.start(reactor)
-        data_factory = protocol.Factory.forProtocol(MessageProtocol)
-        data_factory.counters = self.handler.counters
-        original = data_factory.buildProtocol
-
-        def build(addr: Any) -> MessageProtocol:
-            proto = original(addr)
+        def configure(proto: MessageProtocol) -> None:
             proto.data_handler = self.handler.handle_fast
             proto.control_handler = self._client_control
             proto.accepting, proto.keys = True, self.keys
             proto.auth_failures = self._auth_failed
-            return proto
 
-        data_factory.buildProtocol = build
+        # (Bounded: connections, their output, input and idle time.)
+        data_factory = DataFactory(self.service_name, self.limits, self.handler.counters,
+                                   configure)
         self._ports.append(reactor.listenTCP(self.listen_port, data_factory,
                                              interface=self.listen_host))
         log.info("service {name} serving on {address} (UDP and TCP, {path} hot path), "

@@ -12,12 +12,26 @@ Either way: one recvfrom and one sendto per datagram, at most
 
 A datagram or reply that is lost (a full socket buffer, an ICMP error from
 an earlier peer) is counted and forgotten: the client retries it.
+
+Bounds (domus.service.limits), the same on both paths:
+- **Overload.** The socket stamps each datagram with its arrival time
+  (SO_TIMESTAMPNS); one that waited longer than ``shed_after`` in the queue
+  is answered BUSY without being served (``shed``): the service is behind,
+  its client may have sent it again already, and BUSY makes it back off.
+- **Amplification.** A reply to a request that does not parse (MALFORMED,
+  BAD_VERSION, UNKNOWN_OP) is never larger than the request: its message
+  is cut.  On an insecure deployment (where any source address can be
+  spoofed) every reply is at most ``udp_reply_factor`` times the request;
+  a larger one is answered REPLY_TOO_LARGE and the client asks over TCP.
+  A secure deployment answers no datagram whose MAC does not check.
 """
 
 from __future__ import annotations
 
 import errno
 import socket
+import struct
+import time
 from typing import Any
 
 from twisted.internet.interfaces import IReadDescriptor
@@ -33,6 +47,9 @@ log = Logger(namespace="domus.service")
 SOCKET_BUFFER = 8 * 1024 * 1024
 MAX_DATAGRAMS = 256
 RECV_SIZE = 65536       # more than any UDP payload: no datagram is cut
+_TIMESPEC = struct.Struct("@qq")
+_STAMP_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)       # (Linux)
 # Errors a UDP socket reports about an earlier datagram (ICMP) or a passing
 # shortage; the service goes on.
 TRANSIENT_ERRORS = frozenset({
@@ -73,6 +90,15 @@ class UdpServer:
             self.socket.close()
             raise
         enlarge_buffers(self.socket)
+        limits = handler.limits
+        self.shed_after = limits.shed_after
+        self.reply_factor = limits.udp_reply_factor
+        if self.shed_after > 0:
+            self.socket.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        fast = handler.fast
+        if fast is not None:
+            fast.shed_after_ns = int(self.shed_after * 1e9)
+            fast.reply_factor = self.reply_factor
         self.address = self.socket.getsockname()
         self._fd = self.socket.fileno()
         self._reactor: Any = None
@@ -135,24 +161,50 @@ class UdpServer:
                         service=self.handler.service_name)
 
     # ------------------------------------------------------------ the Python path
+    def _limit(self, data: bytes, stamp: bytes | None) -> int:
+        """The largest reply to ``data`` (see the module)."""
+        if stamp is not None:
+            return wire.MAX_UDP_PAYLOAD - auth.REPLY_TRAILER
+        if self.reply_factor > 0:
+            return min(wire.MAX_UDP_PAYLOAD, len(data) * self.reply_factor)
+        return wire.MAX_UDP_PAYLOAD
+
     def _answer_in_python(self, data: bytes, peer: Any, stamp: bytes | None = None) -> None:
         """A datagram the C path left to Python: without its trailer, and
         ``stamp``, its time, on a secure deployment (its MAC checked)."""
-        key = self.handler.data_key
         if stamp is not None and not auth.fresh(stamp):
             self._send_later(self.handler.stale(data), peer, data, stamp)
             return
-        answer = self.handler.handle(data, wire.MAX_UDP_PAYLOAD - (key is not None)
-                                     * auth.REPLY_TRAILER)
+        answer = self.handler.handle(data, self._limit(data, stamp))
         if isinstance(answer, bytes):
             self._send_later(answer, peer, data, stamp)
         elif answer is not None:                # (a replicated change: later)
             answer.addCallback(self._send_later, peer, data, stamp)
 
+    def _bounded(self, answer: bytes, request: bytes, stamp: bytes | None) -> bytes:
+        """``answer`` within the bounds on replies to ``request``."""
+        if len(answer) <= len(request):
+            return answer
+        status = answer[2] if len(answer) > 2 else 0
+        if status in wire.MALFORMED_STATUSES:
+            return trim(answer, len(request))
+        limit = self._limit(request, stamp)
+        if len(answer) <= limit:
+            return answer
+        # (An OK reply a handler made too large, a redirect, a STATS map:
+        # the client asks again over TCP.)
+        self.handler.counters["reply_too_large"] = \
+            self.handler.counters.get("reply_too_large", 0) + 1
+        return trim(bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_REPLY_TOO_LARGE, answer[3]))
+                    + answer[4:8] + b"the reply is over this datagram's bound; ask over TCP",
+                    limit)
+
     def _send_later(self, answer: bytes | None, peer: Any, request: bytes = b"",
                     stamp: bytes | None = None) -> None:
         if self._fd == -1 or answer is None:
             return
+        if request:
+            answer = self._bounded(answer, request, stamp)
         if stamp is not None:
             answer = auth.seal_reply(self.handler.data_key, answer,  # type: ignore[arg-type]
                                      request[8:16], stamp)
@@ -162,12 +214,13 @@ class UdpServer:
             self.send_errors += 1  # the client retries
 
     def _drain_in_python(self) -> None:
-        recvfrom = self.socket.recvfrom
+        recvmsg = self.socket.recvmsg
         sendto = self.socket.sendto
         handle = self.handler.handle
+        shed_after = self.shed_after
         for _ in range(MAX_DATAGRAMS):
             try:
-                data, peer = recvfrom(RECV_SIZE)
+                data, ancillary, _flags, peer = recvmsg(RECV_SIZE, _STAMP_SPACE)
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -176,18 +229,50 @@ class UdpServer:
                 self.recv_errors += 1
                 continue
             key = self.handler.data_key
+            stamp = None
             if key is not None:
                 opened = auth.open_request(key, data)
                 if opened is None:
                     self.handler.counters["unauthenticated"] += 1
                     continue
-                self._answer_in_python(opened[0], peer, opened[1])
+                data, stamp = opened
+            if (shed_after > 0 and len(data) >= wire.REQUEST_HEADER_SIZE
+                    and data[0] == wire.REQUEST_MAGIC
+                    and (stamp is None or auth.fresh(stamp))
+                    and waited(ancillary) > shed_after):
+                self.handler.counters["shed"] += 1
+                self._send_later(bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_BUSY, 0))
+                                 + data[4:8], peer, data, stamp)
                 continue
-            answer = handle(data, wire.MAX_UDP_PAYLOAD)
+            if key is not None:
+                self._answer_in_python(data, peer, stamp)
+                continue
+            answer = handle(data, self._limit(data, None))
             if isinstance(answer, bytes):
                 try:
-                    sendto(answer, peer)
+                    sendto(self._bounded(answer, data, None), peer)
                 except OSError:
                     self.send_errors += 1
             elif answer is not None:
-                answer.addCallback(self._send_later, peer)
+                answer.addCallback(self._send_later, peer, data)
+
+
+def waited(ancillary: list[tuple[int, int, bytes]]) -> float:
+    """How long a datagram waited in the socket's queue, in seconds, from
+    its SO_TIMESTAMPNS arrival time (0 without one)."""
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS \
+                and len(payload) >= _TIMESPEC.size:
+            seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
+            return time.time() - (seconds + nanoseconds / 1e9)
+    return 0.0
+
+
+def trim(answer: bytes, size: int) -> bytes:
+    """An error reply cut to at most ``size`` bytes (at least its header),
+    its message cut at a character boundary."""
+    if len(answer) <= size:
+        return answer
+    head = answer[:wire.REPLY_HEADER_SIZE]
+    body = answer[wire.REPLY_HEADER_SIZE:max(size, wire.REPLY_HEADER_SIZE)]
+    return head + body.decode("utf-8", "ignore").encode("utf-8")

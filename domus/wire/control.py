@@ -192,11 +192,14 @@ class MessageProtocol(Int32StringReceiver):
             if isinstance(answer, bytes):
                 self.sendString(answer)
             elif answer is not None:            # (answered later)
-                answer.addCallback(self._send_if_connected)
+                self._answer_later(answer)
         else:
             self.sendString(wire.error_reply(
                 wire.ST_UNKNOWN_OP, request_id,
                 f"op 0x{op:02x} is not served on this connection"))
+
+    def _answer_later(self, answer: Any) -> None:
+        answer.addCallback(self._send_if_connected)
 
     def _send_if_connected(self, frame: bytes) -> None:
         if self.transport is not None and self.connected:

@@ -78,6 +78,7 @@ ST_MOVING = 0x1A
 ST_STALE_LAYOUT = 0x1B
 ST_DATA_LOST = 0x1C
 ST_STALE_REQUEST = 0x1D
+ST_BUSY = 0x1E
 ST_INTERNAL = 0x1F
 ST_CONTROL_ERROR = 0x20
 
@@ -92,6 +93,7 @@ STATUS_NAMES = {
     ST_STALE_LAYOUT: "the request's bucket numbering is not the DHT's: fetch its layout",
     ST_DATA_LOST: "every copy of the bucket was lost",
     ST_STALE_REQUEST: "the request's time is too far from the service's clock",
+    ST_BUSY: "the service is overloaded; back off and retry",
     ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
 }
 
@@ -101,6 +103,16 @@ STATUS_NAMES = {
 # arrives after its reply is forgotten and applies the change again.
 REPLY_CACHE_TTL = 30.0
 MAX_DEADLINE = REPLY_CACHE_TTL / 2
+# Statuses a reply to a request that could not be parsed has: it is never
+# larger than the request (domus.service.udp trims it), so that a spoofed
+# source gains nothing by sending junk.
+MALFORMED_STATUSES = frozenset({ST_MALFORMED, ST_BAD_VERSION, ST_UNKNOWN_OP})
+# BUSY: the service is behind (a full reply cache, too many open scans, or a
+# request that waited too long in its queue) and did nothing; the client
+# backs off (BUSY_BACKOFF, doubling to BUSY_BACKOFF_MAX, with jitter) and
+# sends the same request again, within its deadline.
+BUSY_BACKOFF = 0.01
+BUSY_BACKOFF_MAX = 0.5
 
 # Moves.  A frozen bucket is a lease, not a lock: its source thaws it by
 # itself FREEZE_LEASE seconds after freezing it, so a supervisor that dies

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from domus.service import limits
 from domus.service.handler import RequestHandler
 from domus.service.udp import UdpServer
 from domus.wire import protocol as wire
@@ -97,7 +98,11 @@ def test_requests_are_answered_as_the_handler_answers_them(path, family):
                     wire.request_header(wire.OP_PING, 3, 7),         # Python answers
                     request(wire.OP_DELETE, 4), b"junk"]             # junk: no answer
         replies = served(server, client, requests, reactor, expected=4)
-        assert replies == [reference.handle(data) for data in requests[:4]]
+        # (An insecure deployment: a reply is at most UDP_REPLY_FACTOR times
+        # its request; the 3,000-byte value is REPLY_TOO_LARGE.)
+        assert replies == [reference.handle(data, len(data) * limits.UDP_REPLY_FACTOR)
+                           for data in requests[:4]]
+        assert replies[1][2] == wire.ST_REPLY_TOO_LARGE
         assert handler.requests == 5
     finally:
         client.close()
