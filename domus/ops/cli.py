@@ -119,7 +119,8 @@ def cmd_service(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             max_connections_per_host=args.max_connections_per_host,
             idle_timeout=args.idle_timeout, write_timeout=args.write_timeout,
-            max_scans=args.max_scans, udp_reply_factor=args.udp_reply_factor,
+            input_budget=args.input_budget, max_scans=args.max_scans,
+            max_scan_keys=args.max_scan_keys, udp_reply_factor=args.udp_reply_factor,
             shed_after=args.shed_after)
     except ValueError as exc:
         raise SystemExit(f"domus service: {exc}") from None
@@ -633,8 +634,14 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_argument("--write-timeout", type=float, default=limits.WRITE_TIMEOUT,
                         metavar="SECONDS", help="abort a TCP connection that leaves its "
                         "replies unread for this long (default %(default)s)")
+    bounds.add_argument("--input-budget", type=int, default=limits.INPUT_BUDGET,
+                        metavar="BYTES", help="bytes of partial TCP frames held, all "
+                        "connections together (default %(default)s)")
     bounds.add_argument("--max-scans", type=int, default=limits.MAX_SCANS, metavar="N",
                         help="SCANs open at once (default %(default)s)")
+    bounds.add_argument("--max-scan-keys", type=int, default=limits.MAX_SCAN_KEYS,
+                        metavar="N", help="keys held by open SCANs' snapshots, all together "
+                        "(default %(default)s)")
     bounds.add_argument("--udp-reply-factor", type=int, default=limits.UDP_REPLY_FACTOR,
                         metavar="F", help="on an insecure deployment, a UDP reply is at most "
                         "F times its request (larger ones go over TCP; 0: no bound; "

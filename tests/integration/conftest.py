@@ -97,7 +97,8 @@ class TrackedDeployment(LocalDeployment):
 
 
 def start_deployment(data_dir: Path, services: int = SERVICES,
-                     supervisor_args: tuple[str, ...] = ("--balance", "manual")
+                     supervisor_args: tuple[str, ...] = ("--balance", "manual"),
+                     service_args: tuple[str, ...] = (), insecure: bool = False
                      ) -> TrackedDeployment:
     """Start a deployment on a free block of ports, trying another block if
     something grabbed this one before our processes bound it.  Its balancer
@@ -110,7 +111,8 @@ def start_deployment(data_dir: Path, services: int = SERVICES,
         deployment = TrackedDeployment(
             services, port=port, heartbeat=HEARTBEAT, data_dir=str(data_dir / f"run{attempt}"),
             supervisor_args=["--down-after", str(DOWN_AFTER), "--push-timeout", str(PUSH_TIMEOUT),
-                             *supervisor_args])
+                             *supervisor_args],
+            service_args=list(service_args), insecure=insecure)
         try:
             deployment.start(timeout=START_TIMEOUT)
             if deployment.secret_file is not None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from domus.client.blocking import Dht
+from domus.client.transport import ServiceChannel
 from domus.placement import assignment
 from domus.wire import address as addresses
 from domus.wire import auth, secret
@@ -175,11 +176,25 @@ class RawUdp:
                 data = self.opened(data, message, stamps) or b""
                 if (len(data) >= wire.REPLY_HEADER_SIZE and data[0] == wire.REPLY_MAGIC
                         and wire.U32.unpack_from(data, 4)[0] == request_id):
+                    if data[2] == wire.ST_BUSY:
+                        break               # (overloaded: sent again, as clients do)
+                    if data[2] == wire.ST_REPLY_TOO_LARGE:
+                        # (an insecure deployment bounds UDP replies: over TCP)
+                        data = self.over_tcp(message, timeout)
                     return data[2], data[wire.REPLY_HEADER_SIZE:]
             if time.monotonic() >= deadline:
                 raise AssertionError(f"service at {self.address} did not answer op "
                                      f"0x{op:02x} within {timeout}s")
             wait = min(wait * 2, 1.0)
+
+    def over_tcp(self, message: bytes, timeout: float) -> bytes:
+        host, port = self.address
+        channel = ServiceChannel("raw", f"{host}:{port}", deadline=timeout,
+                                 keys=secret.keys() if self.key is not None else None)
+        try:
+            return channel.request_tcp(message)
+        finally:
+            channel.close()
 
     def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         status, body = self.call(wire.OP_STATS, timeout=timeout)
