@@ -193,8 +193,6 @@ class UdpServer:
             return answer
         # (An OK reply a handler made too large, a redirect, a STATS map:
         # the client asks again over TCP.)
-        self.handler.counters["reply_too_large"] = \
-            self.handler.counters.get("reply_too_large", 0) + 1
         return trim(bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_REPLY_TOO_LARGE, answer[3]))
                     + answer[4:8] + b"the reply is over this datagram's bound; ask over TCP",
                     limit)

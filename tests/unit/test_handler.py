@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from domus.errors import ProtocolError
 from domus.service.handler import SCAN_TTL, RequestHandler
+from domus.service.limits import Limits
 from domus.service.replycache import ReplyCache
 from domus.wire import protocol as wire
 from domus.wire.keys import bucket_of, encode_key
@@ -40,8 +41,9 @@ class FakeClock:
         return self.now
 
 
-def make_handler(clock=None, data_dir=None, **changes):
-    handler = RequestHandler("s1", clock=clock or FakeClock(), data_dir=data_dir)
+def make_handler(clock=None, data_dir=None, limits=None, **changes):
+    handler = RequestHandler("s1", clock=clock or FakeClock(), data_dir=data_dir,
+                             **({"limits": limits} if limits is not None else {}))
     handler.assign(descriptor(**changes))
     return handler
 
@@ -694,6 +696,69 @@ def test_an_idle_scan_is_forgotten_after_its_ttl():
     scan_id, offset, _entries = wire.decode_scan_reply(answer)
     clock.now += SCAN_TTL                                            # idle too long
     assert scan_page(handler, 0, scan_id, offset, 100)[0] == wire.ST_MALFORMED
+
+
+def scan_from(handler, bucket, client, limit=100):
+    request = wire.encode_scan(next_id(), client, DHT_ID, bucket, 0, 0)
+    answer = handler.handle(request, limit)
+    return parse(answer, request)[0], answer
+
+
+def test_scans_started_while_the_bucket_is_unchanged_share_one_snapshot():
+    # Issue 15: each first page copied the bucket's key list.
+    handler = make_handler()
+    keys = keys_in(0, 50)
+    for key in keys:
+        put(handler, key, b"v")
+    for client in range(100):
+        assert scan_from(handler, 0, client)[0] == wire.ST_OK
+    assert handler.stats()["scans"] == 100
+    assert handler.stats()["scan_keys"] == 50          # not 100 copies
+    # A change makes the next scan take its own snapshot, which sees it.
+    put(handler, keys_in(0, 51)[-1], b"new")
+    _status, answer = scan_from(handler, 0, 500, limit=wire.MAX_FRAME_BYTES)
+    assert len(wire.decode_scan_reply(answer)[2]) == 51
+    assert handler.stats()["scan_keys"] == 50           # (that scan ended: freed)
+    # Every scan still walks its own snapshot to the end, once each.
+    records, _pages = scan_bucket(handler, 0, limit=150)
+    assert sorted(key for key, _value in records) == sorted(keys_in(0, 51))
+
+
+def test_snapshots_past_the_key_bound_are_refused_busy_and_none_is_dropped():
+    handler = make_handler(limits=Limits(max_scan_keys=100))
+    keys = keys_in(1, 40)
+    for key in keys:
+        put(handler, key, b"v")
+    started = []
+    for client in range(4):
+        status, answer = scan_from(handler, 1, client)
+        started.append((status, answer))
+        put(handler, keys[client], b"changed")      # the next scan needs a snapshot of its own
+    assert [status for status, _answer in started] == [wire.ST_OK] * 2 + [wire.ST_BUSY] * 2
+    assert handler.stats()["scan_keys"] == 80 and handler.counters["busy"] == 2
+    # The open ones go on to the end.
+    scan_id, offset, _entries = wire.decode_scan_reply(started[0][1])
+    while offset != wire.SCAN_END:
+        status, answer = scan_page(handler, 1, scan_id, offset, 100)
+        assert status == wire.ST_OK
+        scan_id, offset, _entries = wire.decode_scan_reply(answer)
+    assert scan_from(handler, 1, 9)[0] == wire.ST_OK       # room again
+
+
+def test_open_scans_are_bounded_in_total_and_per_client():
+    handler = make_handler(limits=Limits(max_scans=5, max_scans_per_client=2))
+    for key in keys_in(2, 30):
+        put(handler, key, b"v")
+    _status, oldest = scan_from(handler, 2, CLIENT_A)
+    scan_from(handler, 2, CLIENT_A)
+    scan_from(handler, 2, CLIENT_A)                     # past 2: A's oldest is forgotten
+    scan_id, offset, _entries = wire.decode_scan_reply(oldest)
+    assert scan_page(handler, 2, scan_id, offset, 100)[0] == wire.ST_MALFORMED
+    assert handler.counters["scans_forgotten"] == 1
+    for client in (7, 8, 9):
+        assert scan_from(handler, 2, client)[0] == wire.ST_OK
+    assert scan_from(handler, 2, 10)[0] == wire.ST_BUSY   # 5 open: others' are kept
+    assert handler.stats()["scans"] == 5
 
 
 def test_scan_of_a_record_bigger_than_the_limit_is_reply_too_large():

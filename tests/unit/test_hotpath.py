@@ -1165,3 +1165,18 @@ def test_c_samples_one_request_in_sample_every_for_the_hot_bucket_report():
     samples, taken = handler.fast.take_samples()             # the ring went round
     assert len(samples) == _hotpath.SAMPLE_RING and taken == _hotpath.SAMPLE_RING + 5
     assert handler.bucket_load(1.0) == {}                    # (taken already)
+
+
+def test_c_counts_each_buckets_changes_for_scans_to_share_snapshots():
+    handler = make_handler()
+    fast = handler.fast
+    before = [fast.generation(DHT_ID, bucket) for bucket in range(4)]
+    assert fast.handle(keyed(wire.OP_PUT, b"\x03k", b"v", request_id=1)) is not None
+    assert fast.handle(keyed(wire.OP_GET, b"\x03k", request_id=2)) is not None
+    after = [fast.generation(DHT_ID, bucket) for bucket in range(4)]
+    assert after[0] == before[0] + 1                    # the put's bucket; the get is no change
+    batch = wire.encode_put_many(3, CLIENT_A, DHT_ID, [(0, b"\x03a", b"1"), (0, b"\x03b", b"2")])
+    assert fast.handle(batch) is not None
+    assert fast.generation(DHT_ID, 0) == before[0] + 3
+    with pytest.raises(OverflowError):
+        fast.generation(2**32, 0)
