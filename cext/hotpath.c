@@ -57,6 +57,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <stdint.h>
 #include <string.h>
@@ -118,6 +119,14 @@
  * its keys was taken and share that snapshot (a counter that moved is only
  * ever a snapshot taken afresh). */
 #define GENERATIONS 4096
+/* Overload: the service is *behind* when, over a whole SHED_INTERVAL, every
+ * datagram it read had waited more than shed_after in the socket's queue (a
+ * standing queue, as CoDel tells one from a burst), and stays behind until
+ * an interval in which one had waited less than half that.  While behind,
+ * a datagram that waited more than shed_after is answered BUSY unserved.
+ * A burst (or a pause of the process) that drains within an interval sheds
+ * nothing.  domus.service.udp.Shedder is the Python twin. */
+#define SHED_INTERVAL_NS 100000000LL
 
 #define HANDLED 1
 #define DECLINED 0
@@ -168,6 +177,9 @@ typedef struct {
     unsigned long long busy;            /* changes refused: the reply cache is full */
     unsigned long long shed;            /* datagrams answered BUSY: they waited too long */
     long long shed_after_ns;            /* how long is too long; <= 0: never shed */
+    long long interval_end_ns;          /* the end of this shedding interval */
+    long long interval_min_ns;          /* the least wait seen in it */
+    int behind;                         /* the last interval said: shed */
     int reply_factor;                   /* insecure: replies <= factor * request; 0: any */
     uint64_t generations_of[GENERATIONS];   /* changes per bucket (hashed) */
 } FastPath;
@@ -1664,23 +1676,38 @@ send_reply(FastPath *self, int fd, Reply *reply,
     }
 }
 
-/* How long the datagram `message` waited in the socket's queue, in
- * nanoseconds, from the kernel's receive time (SO_TIMESTAMPNS, which the
- * caller switches on); 0 without one. */
-static long long
-waited_ns(struct msghdr *message)
+/* Whether to shed the datagram `message` (see SHED_INTERVAL_NS): reads its
+ * kernel receive time (SO_TIMESTAMPNS, which the caller switches on; a
+ * datagram without one is never shed) and keeps the interval's state. */
+static int
+should_shed(FastPath *self, struct msghdr *message)
 {
     for (struct cmsghdr *item = CMSG_FIRSTHDR(message); item != NULL;
          item = CMSG_NXTHDR(message, item)) {
-        if (item->cmsg_level == SOL_SOCKET && item->cmsg_type == SCM_TIMESTAMPNS) {
-            struct timespec received, now;
-            memcpy(&received, CMSG_DATA(item), sizeof(received));
-            if (clock_gettime(CLOCK_REALTIME, &now) < 0) {
-                return 0;
-            }
-            return (long long)(now.tv_sec - received.tv_sec) * 1000000000LL
-                   + (now.tv_nsec - received.tv_nsec);
+        if (item->cmsg_level != SOL_SOCKET || item->cmsg_type != SCM_TIMESTAMPNS) {
+            continue;
         }
+        struct timespec received, now;
+        memcpy(&received, CMSG_DATA(item), sizeof(received));
+        if (clock_gettime(CLOCK_REALTIME, &now) < 0) {
+            return 0;
+        }
+        long long received_ns = (long long)received.tv_sec * 1000000000LL
+                                + received.tv_nsec;
+        long long waited = (long long)now.tv_sec * 1000000000LL + now.tv_nsec
+                           - received_ns;
+        long long target = self->shed_after_ns;
+        if (received_ns >= self->interval_end_ns) {
+            if (self->interval_end_ns != 0) {
+                self->behind = self->interval_min_ns > (self->behind ? target / 2 : target);
+            }
+            self->interval_min_ns = LLONG_MAX;
+            self->interval_end_ns = received_ns + SHED_INTERVAL_NS;
+        }
+        if (waited < self->interval_min_ns) {
+            self->interval_min_ns = waited;
+        }
+        return self->behind && waited > target;
     }
     return 0;
 }
@@ -1698,7 +1725,8 @@ PyDoc_STRVAR(FastPath_serve_doc,
 "is not within TIME_WINDOW seconds of this clock goes to the fallback;\n"
 "stamp is the request's time (4 bytes), or None without a key.\n"
 "Overload: with shed_after_ns > 0 and the socket's SO_TIMESTAMPNS on, a\n"
-"request that waited longer than that in the socket's queue is answered\n"
+"request that waited longer than that in the socket's queue while the\n"
+"service is behind (a standing queue: see SHED_INTERVAL_NS) is answered\n"
 "BUSY, unserved (counted: shed).  Without a key and with reply_factor > 0,\n"
 "a reply is at most reply_factor times its request (larger ones go to the\n"
 "fallback, which answers REPLY_TOO_LARGE).");
@@ -1778,8 +1806,7 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
         }
         Reply reply = {NULL, {0}, NULL};
         if (fresh && self->shed_after_ns > 0 && length >= REQUEST_HEADER_SIZE
-                && self->buffer[0] == REQUEST_MAGIC
-                && waited_ns(&message) > self->shed_after_ns) {
+                && self->buffer[0] == REQUEST_MAGIC && should_shed(self, &message)) {
             /* Behind: this request waited too long to be worth serving
              * (its client may have sent it again already).  BUSY costs no
              * work and tells the client to back off. */
@@ -1943,7 +1970,11 @@ static PyMemberDef FastPath_members[] = {
     {"shed", T_ULONGLONG, offsetof(FastPath, shed), READONLY,
      "datagrams serve() answered BUSY: they had waited over shed_after_ns"},
     {"shed_after_ns", T_LONGLONG, offsetof(FastPath, shed_after_ns), 0,
-     "serve() answers BUSY to a datagram that waited longer (<= 0: never)"},
+     "while behind, serve() answers BUSY to a datagram that waited longer "
+     "(<= 0: never)"},
+    {"behind", T_INT, offsetof(FastPath, behind), READONLY,
+     "whether the last interval found a standing queue (datagrams that "
+     "waited longer than shed_after_ns are shed)"},
     {"reply_factor", T_INT, offsetof(FastPath, reply_factor), 0,
      "without a key: a reply is at most this many times its request (0: any)"},
     {NULL, 0, 0, 0, NULL},
@@ -2014,7 +2045,9 @@ PyInit__hotpath(void)
             || PyModule_AddIntConstant(module, "SAMPLE_RING", SAMPLE_RING) < 0
             || PyModule_AddIntConstant(module, "ST_BUSY", ST_BUSY) < 0
             || PyModule_AddIntConstant(module, "CACHE_KEY_SIZE", CACHE_KEY_SIZE) < 0
-            || PyModule_AddIntConstant(module, "GENERATIONS", GENERATIONS) < 0) {
+            || PyModule_AddIntConstant(module, "GENERATIONS", GENERATIONS) < 0
+            || PyModule_AddIntConstant(module, "SHED_INTERVAL_NS",
+                                       (long)SHED_INTERVAL_NS) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -403,31 +403,35 @@ class PeerLinks:
         """Send ``request`` to ``peer`` as a REPLICATE; ``done(result,
         *args)`` is called once, with the change's own reply, or with the
         exception that kept the backup from answering."""
+        self._forward(peer, address, request, done, args, False)
+
+    def _forward(self, peer: str, address: str, request: bytes, done: Any,
+                 args: tuple[Any, ...], again: bool) -> None:
         link = self._links.get(peer)
         if link is not None and link.connected:
-            self._send(link, request, done, args)
+            self._send(link, request, done, args, (peer, address, again))
             return
         waiting = self._connecting.get(peer)
         if waiting is not None:
-            waiting.append((request, done, args))
+            waiting.append((request, done, args, again))
             return
-        self._connecting[peer] = [(request, done, args)]
+        self._connecting[peer] = [(request, done, args, again)]
         self._connect(peer, address)
 
     def _send(self, link: MessageProtocol, request: bytes, done: Any,
-              args: tuple[Any, ...]) -> None:
+              args: tuple[Any, ...], where: tuple[str, str, bool]) -> None:
         if self._sweeper is None:
             self._sweeper = task.LoopingCall(self._sweep)
             self._sweeper.start(REPLICATE_TIMEOUT / 4, now=False)
         request_id = next(self._ids) & 0xFFFFFFFF
-        self._waiting[request_id] = (done, args, time.monotonic(), link)
+        self._waiting[request_id] = (done, args, time.monotonic(), link, request, where)
         link.sendString(wire.encode_replicate(request_id, link.client_id, request))
 
     def _answered(self, status: int, request_id: int, frame: bytes) -> None:
         waiting = self._waiting.pop(request_id, None)
         if waiting is None:
             return                          # (timed out already)
-        done, args, _sent, _link = waiting
+        done, args = waiting[0], waiting[1]
         if status == wire.ST_OK:
             done(frame[wire.REPLY_HEADER_SIZE:], *args)
         else:
@@ -438,8 +442,8 @@ class PeerLinks:
 
     def _sweep(self) -> None:
         old = time.monotonic() - REPLICATE_TIMEOUT
-        for request_id in [rid for rid, (_d, _a, sent, _l) in self._waiting.items() if sent < old]:
-            done, args, _sent, link = self._waiting.pop(request_id)
+        for request_id in [rid for rid, entry in self._waiting.items() if entry[2] < old]:
+            done, args, _sent, link, _request, _where = self._waiting.pop(request_id)
             done(TimeoutError(f"{link.peer_name} did not answer within "
                               f"{REPLICATE_TIMEOUT:.0f}s"), *args)
 
@@ -447,7 +451,14 @@ class PeerLinks:
         if self._links.get(peer) is link:
             del self._links[peer]
         for request_id in [rid for rid, entry in self._waiting.items() if entry[3] is link]:
-            done, args, _sent, _link = self._waiting.pop(request_id)
+            done, args, _sent, _link, request, (peer, address, again) = \
+                self._waiting.pop(request_id)
+            if not again:
+                # Once more on a new link: the backup may have closed this
+                # one as idle as the change went out (a backup applies a
+                # change it has applied already from its reply cache).
+                self._forward(peer, address, request, done, args, True)
+                continue
             done(ConnectionError(f"the link to {link.peer_name} was lost"), *args)
 
     def _connect(self, peer: str, address: str) -> None:
@@ -459,7 +470,7 @@ class PeerLinks:
         except ValueError as exc:
             # (Failed at once, each change waiting for it: none is left
             # waiting on a connection that was never begun.)
-            for _request, done, args in self._connecting.pop(peer, []):
+            for _request, done, args, _again in self._connecting.pop(peer, []):
                 done(ConnectionError(f"cannot reach service {peer}: {exc}"), *args)
             return
         link = MessageProtocol()
@@ -470,11 +481,11 @@ class PeerLinks:
         def made(made_link: MessageProtocol) -> None:
             self._links[peer] = made_link
             made_link.lost.addCallback(lambda _: self._lost(peer, made_link))
-            for request, done, args in self._connecting.pop(peer, []):
-                self._send(made_link, request, done, args)
+            for request, done, args, again in self._connecting.pop(peer, []):
+                self._send(made_link, request, done, args, (peer, address, again))
 
         def failed(reason: Failure) -> None:
-            for _request, done, args in self._connecting.pop(peer, []):
+            for _request, done, args, _again in self._connecting.pop(peer, []):
                 done(reason.value, *args)
 
         connectProtocol(TCP4ClientEndpoint(reactor, host, port, timeout=REPLICATE_TIMEOUT),

@@ -15,9 +15,14 @@ an earlier peer) is counted and forgotten: the client retries it.
 
 Bounds (domus.service.limits), the same on both paths:
 - **Overload.** The socket stamps each datagram with its arrival time
-  (SO_TIMESTAMPNS); one that waited longer than ``shed_after`` in the queue
-  is answered BUSY without being served (``shed``): the service is behind,
-  its client may have sent it again already, and BUSY makes it back off.
+  (SO_TIMESTAMPNS).  The service is *behind* when, for a whole interval
+  (SHED_INTERVAL, 0.1 s), every datagram it read had waited longer than
+  ``shed_after`` (a standing queue, as CoDel tells one from a burst), until
+  an interval in which one waited less than half that; while behind, a
+  datagram that waited longer than ``shed_after`` is answered BUSY without
+  being served (``shed``): the client backs off, and the service spends its
+  time on requests it can answer in time.  A burst, or a pause of the
+  process, that drains within an interval sheds nothing.
 - **Amplification.** A reply to a request that does not parse (MALFORMED,
   BAD_VERSION, UNKNOWN_OP) is never larger than the request: its message
   is cut.  On an insecure deployment (where any source address can be
@@ -50,6 +55,31 @@ RECV_SIZE = 65536       # more than any UDP payload: no datagram is cut
 _TIMESPEC = struct.Struct("@qq")
 _STAMP_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)       # (Linux)
+SHED_INTERVAL = 0.1
+
+
+class Shedder:
+    """Whether a datagram is shed (see the module; the C path keeps the
+    same state in FastPath)."""
+
+    __slots__ = ("target", "interval_end", "interval_min", "behind")
+
+    def __init__(self, target: float) -> None:
+        self.target = target
+        self.interval_end = 0.0
+        self.interval_min = float("inf")
+        self.behind = False
+
+    def shed(self, received: float, waited: float) -> bool:
+        if received >= self.interval_end:
+            if self.interval_end:
+                self.behind = self.interval_min > (self.target / 2 if self.behind
+                                                   else self.target)
+            self.interval_min = float("inf")
+            self.interval_end = received + SHED_INTERVAL
+        if waited < self.interval_min:
+            self.interval_min = waited
+        return self.behind and waited > self.target
 # Errors a UDP socket reports about an earlier datagram (ICMP) or a passing
 # shortage; the service goes on.
 TRANSIENT_ERRORS = frozenset({
@@ -92,6 +122,7 @@ class UdpServer:
         enlarge_buffers(self.socket)
         limits = handler.limits
         self.shed_after = limits.shed_after
+        self.shedder = Shedder(self.shed_after)
         self.reply_factor = limits.udp_reply_factor
         if self.shed_after > 0:
             self.socket.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
@@ -211,6 +242,12 @@ class UdpServer:
         except OSError:
             self.send_errors += 1  # the client retries
 
+    def _shed(self, ancillary: list[tuple[int, int, bytes]]) -> bool:
+        received = received_at(ancillary)
+        if received is None:
+            return False
+        return self.shedder.shed(received, time.time() - received)
+
     def _drain_in_python(self) -> None:
         recvmsg = self.socket.recvmsg
         sendto = self.socket.sendto
@@ -227,7 +264,7 @@ class UdpServer:
                 self.recv_errors += 1
                 continue
             key = self.handler.data_key
-            stamp = None
+            stamp: bytes | None = None
             if key is not None:
                 opened = auth.open_request(key, data)
                 if opened is None:
@@ -237,7 +274,7 @@ class UdpServer:
             if (shed_after > 0 and len(data) >= wire.REQUEST_HEADER_SIZE
                     and data[0] == wire.REQUEST_MAGIC
                     and (stamp is None or auth.fresh(stamp))
-                    and waited(ancillary) > shed_after):
+                    and self._shed(ancillary)):
                 self.handler.counters["shed"] += 1
                 self._send_later(bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_BUSY, 0))
                                  + data[4:8], peer, data, stamp)
@@ -255,15 +292,15 @@ class UdpServer:
                 answer.addCallback(self._send_later, peer, data)
 
 
-def waited(ancillary: list[tuple[int, int, bytes]]) -> float:
-    """How long a datagram waited in the socket's queue, in seconds, from
-    its SO_TIMESTAMPNS arrival time (0 without one)."""
+def received_at(ancillary: list[tuple[int, int, bytes]]) -> float | None:
+    """A datagram's SO_TIMESTAMPNS arrival time (seconds since the epoch),
+    or None without one."""
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS \
                 and len(payload) >= _TIMESPEC.size:
             seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
-            return time.time() - (seconds + nanoseconds / 1e9)
-    return 0.0
+            return seconds + nanoseconds / 1e9
+    return None
 
 
 def trim(answer: bytes, size: int) -> bytes:

@@ -8,7 +8,7 @@ import pytest
 
 from domus.service import limits
 from domus.service.handler import RequestHandler
-from domus.service.udp import UdpServer
+from domus.service.udp import Shedder, UdpServer
 from domus.wire import protocol as wire
 
 DHT_ID = 1
@@ -191,4 +191,51 @@ def test_errors_left_by_icmp_do_not_stop_the_python_loop():
         assert server.recv_errors == 1
         client.close()
     finally:
+        server.stop()
+
+
+# ------------------------------------------------------------ overload
+
+def test_the_shedder_tells_a_standing_queue_from_a_burst():
+    shedder = Shedder(0.1)
+    # A burst after a pause: 300 ms old at first, drained within the
+    # interval: nothing is shed.
+    assert not any(shedder.shed(10.0 + n * 0.001, 0.3 - n * 0.003) for n in range(90))
+    # A standing queue: every datagram of a whole interval waited > 0.1 s.
+    assert not any(shedder.shed(20.0 + n * 0.01, 0.15) for n in range(10))
+    assert shedder.shed(20.1, 0.15)                          # behind from the next interval
+    assert not shedder.shed(20.11, 0.06)                     # (what waited less is served)
+    # It stays behind until an interval where one waited < 0.05 s.
+    assert shedder.shed(20.21, 0.12) and shedder.behind
+    shedder.shed(20.25, 0.01)
+    assert not shedder.shed(20.32, 0.2) and not shedder.behind
+
+
+def test_a_standing_queue_is_shed_with_busy_and_the_rest_served(path):
+    handler = make_handler(path)
+    handler.limits = limits.Limits(shed_after=0.05)
+    reactor = FakeReactor()
+    server = UdpServer(handler, "127.0.0.1", 0)
+    server.start(reactor)
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.connect(server.address[:2])
+    client.setblocking(False)
+    try:
+        # Datagrams queue up over 0.6 s while the service reads nothing
+        # (their age is what is tested: the pauses make it).
+        requests = []
+        for step in range(60):
+            for n in range(5):
+                requests.append(request(wire.OP_GET, step * 5 + n))
+                client.send(requests[-1])
+            time.sleep(0.01)
+        replies = served(server, client, [], reactor, expected=len(requests))
+        statuses = [reply[2] for reply in replies]
+        assert len(replies) == len(requests)
+        assert set(statuses) == {wire.ST_BUSY, wire.ST_NOT_FOUND}
+        assert all(len(reply) == wire.REPLY_HEADER_SIZE for reply in replies
+                   if reply[2] == wire.ST_BUSY)
+        assert handler.stats()["shed"] == statuses.count(wire.ST_BUSY)
+    finally:
+        client.close()
         server.stop()
