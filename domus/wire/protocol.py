@@ -110,9 +110,11 @@ MALFORMED_STATUSES = frozenset({ST_MALFORMED, ST_BAD_VERSION, ST_UNKNOWN_OP})
 # BUSY: the service is behind (a full reply cache, too many open scans, or a
 # request that waited too long in its queue) and did nothing; the client
 # backs off (BUSY_BACKOFF, doubling to BUSY_BACKOFF_MAX, with jitter) and
-# sends the same request again, within its deadline.
-BUSY_BACKOFF = 0.01
-BUSY_BACKOFF_MAX = 0.5
+# sends the same request again, within its deadline.  (The first wait is
+# of the order of the queue a shedding service keeps, --shed-after: sooner
+# would find the same queue.)
+BUSY_BACKOFF = 0.05
+BUSY_BACKOFF_MAX = 1.0
 
 # Moves.  A frozen bucket is a lease, not a lock: its source thaws it by
 # itself FREEZE_LEASE seconds after freezing it, so a supervisor that dies

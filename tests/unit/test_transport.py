@@ -178,8 +178,8 @@ def test_busy_is_backed_off_and_the_same_bytes_sent_again(first_try, serve):
     try:
         started = time.monotonic()
         assert channel.request(request(11)) == ok(request(11), b"v")
-        # Three backoffs of at least 0.5 x 10, 20 and 40 ms, jittered.
-        assert time.monotonic() - started >= 0.5 * 0.07
+        # Three backoffs of at least half of 50, 100 and 200 ms (jittered).
+        assert time.monotonic() - started >= 0.5 * 0.35
         assert (channel.busy, channel.timeouts) == (3, 0)
         assert service.received == [request(11)] * 4
     finally:
@@ -195,7 +195,7 @@ def test_a_service_busy_until_the_deadline_is_service_busy(first_try, serve):
             channel.request(request(12), "words", 2)
         assert time.monotonic() - started < 0.6 + 0.3
         assert (raised.value.dht, raised.value.bucket) == ("words", 2)
-        assert channel.busy >= 4
+        assert channel.busy >= 2
         assert all(data == request(12) for data in service.received)
     finally:
         channel.close()
