@@ -58,10 +58,10 @@ WINDOW = 64            # requests in flight per generator when measuring the pea
 SERVICE_CPU, GENERATOR_CPU = 0, 1
 
 
-def busy_backoff(tries: int) -> float:
+def busy_backoff(tries: int, reply: bytes) -> float:
     # (domus.client.transport.busy_backoff, without importing the client)
     base = min(wire.BUSY_BACKOFF * 2 ** min(tries - 1, 16), wire.BUSY_BACKOFF_MAX)
-    return base * random.uniform(0.5, 1.5)
+    return max(base, wire.busy_retry_after(reply)) * random.uniform(0.5, 1.5)
 
 
 def _pin(cpu: int) -> None:
@@ -123,7 +123,7 @@ class Generator:
             if data[2] == wire.ST_BUSY:
                 self.busy += 1
                 entry[2] += 1
-                pause = busy_backoff(entry[2])
+                pause = busy_backoff(entry[2], data)
                 if now + pause - entry[0] >= DEADLINE:
                     del self.pending[request_id]
                     self.failed_busy += 1

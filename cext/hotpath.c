@@ -127,6 +127,11 @@
  * A burst (or a pause of the process) that drains within an interval sheds
  * nothing.  domus.service.udp.Shedder is the Python twin. */
 #define SHED_INTERVAL_NS 100000000LL
+/* A shed request's BUSY carries a retry-after (u16, milliseconds): one
+ * interval, doubling with each interval the service has been behind in a
+ * row, up to 2 s, so that the clients of a service long behind come back
+ * later and fewer datagrams are spent on refusals. */
+#define RETRY_AFTER_MAX_MS 2000
 
 #define HANDLED 1
 #define DECLINED 0
@@ -180,6 +185,7 @@ typedef struct {
     long long interval_end_ns;          /* the end of this shedding interval */
     long long interval_min_ns;          /* the least wait seen in it */
     int behind;                         /* the last interval said: shed */
+    int behind_streak;                  /* intervals behind in a row (<= 6) */
     int reply_factor;                   /* insecure: replies <= factor * request; 0: any */
     uint64_t generations_of[GENERATIONS];   /* changes per bucket (hashed) */
 } FastPath;
@@ -1700,6 +1706,8 @@ should_shed(FastPath *self, struct msghdr *message)
         if (received_ns >= self->interval_end_ns) {
             if (self->interval_end_ns != 0) {
                 self->behind = self->interval_min_ns > (self->behind ? target / 2 : target);
+                self->behind_streak = self->behind ? (self->behind_streak < 6
+                                                      ? self->behind_streak + 1 : 6) : 0;
             }
             self->interval_min_ns = LLONG_MAX;
             self->interval_end_ns = received_ns + SHED_INTERVAL_NS;
@@ -1710,6 +1718,15 @@ should_shed(FastPath *self, struct msghdr *message)
         return self->behind && waited > target;
     }
     return 0;
+}
+
+/* The retry-after of a shed request's BUSY (see RETRY_AFTER_MAX_MS). */
+static uint16_t
+retry_after_ms(FastPath *self)
+{
+    long long wait = (SHED_INTERVAL_NS / 1000000) << (self->behind_streak > 0
+                                                      ? self->behind_streak - 1 : 0);
+    return (uint16_t)(wait < RETRY_AFTER_MAX_MS ? wait : RETRY_AFTER_MAX_MS);
 }
 
 PyDoc_STRVAR(FastPath_serve_doc,
@@ -1810,9 +1827,16 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
             /* Behind: this request waited too long to be worth serving
              * (its client may have sent it again already).  BUSY costs no
              * work and tells the client to back off. */
-            write_reply_header(reply.head, ST_BUSY, self->buffer, 0);
+            unsigned char busy[REPLY_HEADER_SIZE + 2];
+            write_reply_header(busy, ST_BUSY, self->buffer, 0);
+            write_u16(busy + REPLY_HEADER_SIZE, retry_after_ms(self));
+            reply.whole = PyBytes_FromStringAndSize((const char *)busy, sizeof(busy));
+            if (reply.whole == NULL) {
+                return NULL;
+            }
             self->shed++;
             send_reply(self, fd, &reply, &peer, peer_length, self->buffer, stamp);
+            reply_clear(&reply);
             continue;
         }
         Py_ssize_t limit = MAX_UDP_PAYLOAD - (stamp ? REPLY_TRAILER : 0);

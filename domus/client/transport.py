@@ -235,13 +235,13 @@ def _control_result(op: str, status: int, frame: bytes) -> Any:
                           f"{body.decode('utf-8', 'replace')}")
 
 
-def busy_backoff(tries: int) -> float:
+def busy_backoff(tries: int, reply: bytes = b"") -> float:
     """How long to wait before sending a request again after its ``tries``-th
-    BUSY answer: BUSY_BACKOFF doubling up to BUSY_BACKOFF_MAX, times a random
-    factor in [0.5, 1.5) so that clients refused together do not come back
-    together."""
+    BUSY answer ``reply``: BUSY_BACKOFF doubling up to BUSY_BACKOFF_MAX, or
+    the retry-after the reply carries if longer, times a random factor in
+    [0.5, 1.5) so that clients refused together do not come back together."""
     base = min(wire.BUSY_BACKOFF * 2 ** min(tries - 1, 16), wire.BUSY_BACKOFF_MAX)
-    return base * random.uniform(0.5, 1.5)
+    return max(base, wire.busy_retry_after(reply)) * random.uniform(0.5, 1.5)
 
 
 def service_busy(name: str, address: str, waited: float, tries: int, dht: str = "",
@@ -323,16 +323,17 @@ class ServiceChannel:
         reply = self._request(message, dht, bucket, self.deadline)
         if reply[2] != wire.ST_BUSY:
             return reply
-        return self._while_busy(message, dht, bucket, started, self._request)
+        return self._while_busy(message, dht, bucket, started, self._request, reply)
 
     def _while_busy(self, message: bytes, dht: str, bucket: int | None, started: float,
-                    send: Any) -> bytes:
+                    send: Any, first: bytes) -> bytes:
         """Send ``message`` again (with ``send``) while the service answers
         BUSY, backing off, within the deadline since ``started``."""
         tries = 1
+        reply = first
         while True:
             self.busy += 1
-            pause = busy_backoff(tries)
+            pause = busy_backoff(tries, reply)
             elapsed = time.monotonic() - started
             if elapsed + pause >= self.deadline:
                 raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
@@ -447,7 +448,7 @@ class ServiceChannel:
             return reply
         return self._while_busy(message, dht, bucket, started,
                                 lambda message, dht, bucket, _left:
-                                self._request_tcp(message, dht, bucket))
+                                self._request_tcp(message, dht, bucket), reply)
 
     def _request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None,
                      _deadline: float | None = None) -> bytes:
@@ -557,7 +558,7 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
                     # slot, so the whole window slows down), then again.
                     tries = busy[data[4:8]] = busy.get(data[4:8], 0) + 1
                     channel.busy += 1
-                    pause = busy_backoff(tries)
+                    pause = busy_backoff(tries, data)
                     first = entry[3]
                     if time.monotonic() + pause - first >= channel.deadline:
                         raise service_busy(channel.name, channel.address, channel.deadline,

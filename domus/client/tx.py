@@ -289,14 +289,14 @@ class DatagramRequests(protocol.DatagramProtocol):
         entry.timeout = min(entry.timeout * 2, max(channel.deadline - elapsed, 0.001))
         self._send(entry)
 
-    def _busy(self, entry: _Pending) -> None:
+    def _busy(self, entry: _Pending, reply: bytes) -> None:
         """The service answered BUSY: send the same request again after a
         backoff (keeping its window slot, so the channel slows down), or
         fail with ServiceBusy if that would pass the deadline."""
         entry.busy += 1
         channel = entry.channel
         channel.busy += 1
-        pause = busy_backoff(entry.busy)
+        pause = busy_backoff(entry.busy, reply)
         elapsed = self.reactor.seconds() - entry.started
         if entry.timer is not None and entry.timer.active():
             entry.timer.cancel()
@@ -339,7 +339,7 @@ class DatagramRequests(protocol.DatagramProtocol):
                 self.unauthenticated += 1   # not the service's: wait on for its own
                 return
         if data[2] == wire.ST_BUSY:
-            self._busy(entry)
+            self._busy(entry, data)
             return
         self.forget(entry)
         if data[2] == wire.ST_REPLY_TOO_LARGE:
@@ -446,7 +446,7 @@ class TxChannel:
                 return frame
             tries += 1
             self.busy += 1
-            pause = busy_backoff(tries)
+            pause = busy_backoff(tries, frame)
             if reactor.seconds() - started + pause >= self.deadline:
                 raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
             await task.deferLater(reactor, pause, lambda: None)

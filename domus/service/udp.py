@@ -56,25 +56,34 @@ _TIMESPEC = struct.Struct("@qq")
 _STAMP_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)       # (Linux)
 SHED_INTERVAL = 0.1
+RETRY_AFTER_MAX = 2.0
 
 
 class Shedder:
     """Whether a datagram is shed (see the module; the C path keeps the
     same state in FastPath)."""
 
-    __slots__ = ("target", "interval_end", "interval_min", "behind")
+    __slots__ = ("target", "interval_end", "interval_min", "behind", "streak")
 
     def __init__(self, target: float) -> None:
         self.target = target
         self.interval_end = 0.0
         self.interval_min = float("inf")
         self.behind = False
+        self.streak = 0
+
+    def retry_after(self) -> int:
+        """A shed request's retry-after, in milliseconds: one interval,
+        doubling with each interval behind in a row, up to 2 s."""
+        return min(int(SHED_INTERVAL * 1000) << max(self.streak - 1, 0),
+                   int(RETRY_AFTER_MAX * 1000))
 
     def shed(self, received: float, waited: float) -> bool:
         if received >= self.interval_end:
             if self.interval_end:
                 self.behind = self.interval_min > (self.target / 2 if self.behind
                                                    else self.target)
+                self.streak = min(self.streak + 1, 6) if self.behind else 0
             self.interval_min = float("inf")
             self.interval_end = received + SHED_INTERVAL
         if waited < self.interval_min:
@@ -277,7 +286,8 @@ class UdpServer:
                     and self._shed(ancillary)):
                 self.handler.counters["shed"] += 1
                 self._send_later(bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_BUSY, 0))
-                                 + data[4:8], peer, data, stamp)
+                                 + data[4:8] + wire.U16.pack(self.shedder.retry_after()),
+                                 peer, data, stamp)
                 continue
             if key is not None:
                 self._answer_in_python(data, peer, stamp)

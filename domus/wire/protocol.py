@@ -116,6 +116,14 @@ MALFORMED_STATUSES = frozenset({ST_MALFORMED, ST_BAD_VERSION, ST_UNKNOWN_OP})
 BUSY_BACKOFF = 0.05
 BUSY_BACKOFF_MAX = 1.0
 
+
+def busy_retry_after(reply: bytes) -> float:
+    """The retry-after a BUSY reply carries, in seconds (its body: u16
+    milliseconds, from a service shedding load; 0 without one)."""
+    if len(reply) >= REPLY_HEADER_SIZE + 2:
+        return int.from_bytes(reply[REPLY_HEADER_SIZE:REPLY_HEADER_SIZE + 2], "big") / 1000
+    return 0.0
+
 # Moves.  A frozen bucket is a lease, not a lock: its source thaws it by
 # itself FREEZE_LEASE seconds after freezing it, so a supervisor that dies
 # mid-move leaves nothing frozen for long.  Two rules keep that safe: the

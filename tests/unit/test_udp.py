@@ -209,6 +209,17 @@ def test_the_shedder_tells_a_standing_queue_from_a_burst():
     assert shedder.shed(20.21, 0.12) and shedder.behind
     shedder.shed(20.25, 0.01)
     assert not shedder.shed(20.32, 0.2) and not shedder.behind
+    assert shedder.retry_after() == 100
+
+
+def test_the_retry_after_doubles_while_the_service_stays_behind():
+    shedder = Shedder(0.1)
+    waits = []
+    for interval in range(8):
+        for n in range(10):
+            shedder.shed(30.0 + interval * 0.1 + n * 0.01 + 0.0001, 0.5)
+        waits.append(shedder.retry_after())
+    assert waits == [100, 100, 200, 400, 800, 1600, 2000, 2000]
 
 
 def test_a_standing_queue_is_shed_with_busy_and_the_rest_served(path):
@@ -233,8 +244,12 @@ def test_a_standing_queue_is_shed_with_busy_and_the_rest_served(path):
         statuses = [reply[2] for reply in replies]
         assert len(replies) == len(requests)
         assert set(statuses) == {wire.ST_BUSY, wire.ST_NOT_FOUND}
-        assert all(len(reply) == wire.REPLY_HEADER_SIZE for reply in replies
+        # Each BUSY carries a retry-after: 100 ms, doubling with each
+        # interval the service stayed behind, at most 2 s.
+        waits = {wire.busy_retry_after(reply) for reply in replies if reply[2] == wire.ST_BUSY}
+        assert all(len(reply) == wire.REPLY_HEADER_SIZE + 2 for reply in replies
                    if reply[2] == wire.ST_BUSY)
+        assert waits <= {0.1, 0.2, 0.4, 0.8, 1.6, 2.0} and 0.1 in waits
         assert handler.stats()["shed"] == statuses.count(wire.ST_BUSY)
     finally:
         client.close()
