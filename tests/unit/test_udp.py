@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from domus.service import limits
+from domus.service import limits, udp
 from domus.service.handler import RequestHandler
 from domus.service.udp import Shedder, UdpServer
 from domus.wire import protocol as wire
@@ -222,7 +222,32 @@ def test_the_retry_after_doubles_while_the_service_stays_behind():
     assert waits == [100, 100, 200, 400, 800, 1600, 2000, 2000]
 
 
-def test_a_standing_queue_is_shed_with_busy_and_the_rest_served(path):
+@pytest.fixture
+def arrival_stamps():
+    """Linux stamps datagrams on arrival only once some socket asked for it
+    (and turns that on a little later, in the background): until then a
+    datagram is stamped when it is read, and looks fresh.  A socket of
+    ours asks, and a probe datagram shows when arrival stamps are on."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.setsockopt(socket.SOL_SOCKET, udp.SO_TIMESTAMPNS, 1)
+    probe.bind(("127.0.0.1", 0))
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            probe.sendto(b"probe", probe.getsockname())
+            sent = time.time()
+            time.sleep(0.05)            # (the age a stamp on arrival shows)
+            _data, ancillary, _flags, _peer = probe.recvmsg(64, 64)
+            received = udp.received_at(ancillary)
+            if received is not None and received - sent < 0.02:
+                break
+            assert time.monotonic() < deadline, "datagrams are not stamped on arrival"
+        yield
+    finally:
+        probe.close()
+
+
+def test_a_standing_queue_is_shed_with_busy_and_the_rest_served(path, arrival_stamps):
     handler = make_handler(path)
     handler.limits = limits.Limits(shed_after=0.05)
     reactor = FakeReactor()
