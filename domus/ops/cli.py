@@ -61,6 +61,11 @@ _MOVES = _number(int, 1, 1_000_000, "moves per round")
 _PERCENT = _number(float, 0.0, 1e6, "percentages")
 _CORES = _number(float, 0.01, 1e6, "cores")
 _BYTES = _number(int, 1, 2 ** 62, "sizes in bytes")
+_CONNECTIONS = _number(int, 1, 1_000_000, "connection counts")
+_SCANS = _number(int, 1, 100_000_000, "scan counts")
+_KEYS = _number(int, 1, 2 ** 40, "key counts")
+_FACTOR = _number(int, 0, 65_507, "reply factors")
+_SHED_AFTER = _number(float, 0.0, 3600.0, "seconds")
 
 
 def _fraction(text: str) -> float:
@@ -740,32 +745,32 @@ def build_parser() -> argparse.ArgumentParser:
                      "was started with); its cores and node load count these only")
     bounds = svc.add_argument_group("bounds", "what peers can make the service hold "
                                     "(docs/operations.md, Bounds)")
-    bounds.add_argument("--max-connections", type=int, default=limits.MAX_CONNECTIONS,
+    bounds.add_argument("--max-connections", type=_CONNECTIONS, default=limits.MAX_CONNECTIONS,
                         metavar="N", help="TCP connections open at once (default %(default)s, "
                         "fewer if the file descriptor limit is lower)")
-    bounds.add_argument("--max-connections-per-host", type=int,
+    bounds.add_argument("--max-connections-per-host", type=_CONNECTIONS,
                         default=limits.MAX_CONNECTIONS_PER_HOST, metavar="N",
                         help="TCP connections open at once from one address "
                         "(default %(default)s)")
-    bounds.add_argument("--idle-timeout", type=float, default=limits.IDLE_TIMEOUT,
+    bounds.add_argument("--idle-timeout", type=_positive_seconds, default=limits.IDLE_TIMEOUT,
                         metavar="SECONDS", help="close a TCP connection that completes no "
                         "frame for this long (default %(default)s)")
-    bounds.add_argument("--write-timeout", type=float, default=limits.WRITE_TIMEOUT,
+    bounds.add_argument("--write-timeout", type=_positive_seconds, default=limits.WRITE_TIMEOUT,
                         metavar="SECONDS", help="abort a TCP connection that leaves its "
                         "replies unread for this long (default %(default)s)")
-    bounds.add_argument("--input-budget", type=int, default=limits.INPUT_BUDGET,
+    bounds.add_argument("--input-budget", type=_BYTES, default=limits.INPUT_BUDGET,
                         metavar="BYTES", help="bytes of partial TCP frames held, all "
                         "connections together (default %(default)s)")
-    bounds.add_argument("--max-scans", type=int, default=limits.MAX_SCANS, metavar="N",
+    bounds.add_argument("--max-scans", type=_SCANS, default=limits.MAX_SCANS, metavar="N",
                         help="SCANs open at once (default %(default)s)")
-    bounds.add_argument("--max-scan-keys", type=int, default=limits.MAX_SCAN_KEYS,
+    bounds.add_argument("--max-scan-keys", type=_KEYS, default=limits.MAX_SCAN_KEYS,
                         metavar="N", help="keys held by open SCANs' snapshots, all together "
                         "(default %(default)s)")
-    bounds.add_argument("--udp-reply-factor", type=int, default=limits.UDP_REPLY_FACTOR,
+    bounds.add_argument("--udp-reply-factor", type=_FACTOR, default=limits.UDP_REPLY_FACTOR,
                         metavar="F", help="on an insecure deployment, a UDP reply is at most "
                         "F times its request (larger ones go over TCP; 0: no bound; "
                         "default %(default)s)")
-    bounds.add_argument("--shed-after", type=float, default=limits.SHED_AFTER,
+    bounds.add_argument("--shed-after", type=_SHED_AFTER, default=limits.SHED_AFTER,
                         metavar="SECONDS", help="answer BUSY to a datagram that waited "
                         "longer than this (0: never shed; default %(default)s)")
     svc.set_defaults(func=cmd_service)
