@@ -127,6 +127,10 @@
  * A burst (or a pause of the process) that drains within an interval sheds
  * nothing.  domus.service.udp.Shedder is the Python twin. */
 #define SHED_INTERVAL_NS 100000000LL
+/* ... and a standing queue is one of at least SHED_MIN_DATAGRAMS datagrams
+ * an interval: a few requests that waited because the process was not
+ * scheduled (a machine shared with other work) are late, not a queue. */
+#define SHED_MIN_DATAGRAMS 32
 /* A shed request's BUSY carries a retry-after (u16, milliseconds): one
  * interval, doubling with each interval the service has been behind in a
  * row, up to 2 s, so that the clients of a service long behind come back
@@ -184,6 +188,7 @@ typedef struct {
     long long shed_after_ns;            /* how long is too long; <= 0: never shed */
     long long interval_end_ns;          /* the end of this shedding interval */
     long long interval_min_ns;          /* the least wait seen in it */
+    long long interval_count;           /* datagrams read in it */
     int behind;                         /* the last interval said: shed */
     int behind_streak;                  /* intervals behind in a row (<= 6) */
     int reply_factor;                   /* insecure: replies <= factor * request; 0: any */
@@ -1705,13 +1710,16 @@ should_shed(FastPath *self, struct msghdr *message)
         long long target = self->shed_after_ns;
         if (received_ns >= self->interval_end_ns) {
             if (self->interval_end_ns != 0) {
-                self->behind = self->interval_min_ns > (self->behind ? target / 2 : target);
+                self->behind = self->interval_count >= SHED_MIN_DATAGRAMS
+                               && self->interval_min_ns > (self->behind ? target / 2 : target);
                 self->behind_streak = self->behind ? (self->behind_streak < 6
                                                       ? self->behind_streak + 1 : 6) : 0;
             }
             self->interval_min_ns = LLONG_MAX;
+            self->interval_count = 0;
             self->interval_end_ns = received_ns + SHED_INTERVAL_NS;
         }
+        self->interval_count++;
         if (waited < self->interval_min_ns) {
             self->interval_min_ns = waited;
         }

@@ -16,8 +16,9 @@ an earlier peer) is counted and forgotten: the client retries it.
 Bounds (domus.service.limits), the same on both paths:
 - **Overload.** The socket stamps each datagram with its arrival time
   (SO_TIMESTAMPNS).  The service is *behind* when, for a whole interval
-  (SHED_INTERVAL, 0.1 s), every datagram it read had waited longer than
-  ``shed_after`` (a standing queue, as CoDel tells one from a burst), until
+  (SHED_INTERVAL, 0.1 s), every datagram it read -- at least
+  SHED_MIN_DATAGRAMS of them -- had waited longer than ``shed_after`` (a
+  standing queue, as CoDel tells one from a burst), until
   an interval in which one waited less than half that; while behind, a
   datagram that waited longer than ``shed_after`` is answered BUSY without
   being served (``shed``): the client backs off, and the service spends its
@@ -56,6 +57,7 @@ _TIMESPEC = struct.Struct("@qq")
 _STAMP_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)       # (Linux)
 SHED_INTERVAL = 0.1
+SHED_MIN_DATAGRAMS = 32     # fewer an interval are late (an unscheduled process), not a queue
 RETRY_AFTER_MAX = 2.0
 
 
@@ -63,12 +65,14 @@ class Shedder:
     """Whether a datagram is shed (see the module; the C path keeps the
     same state in FastPath)."""
 
-    __slots__ = ("target", "interval_end", "interval_min", "behind", "streak")
+    __slots__ = ("target", "interval_end", "interval_min", "interval_count", "behind",
+                 "streak")
 
     def __init__(self, target: float) -> None:
         self.target = target
         self.interval_end = 0.0
         self.interval_min = float("inf")
+        self.interval_count = 0
         self.behind = False
         self.streak = 0
 
@@ -81,11 +85,14 @@ class Shedder:
     def shed(self, received: float, waited: float) -> bool:
         if received >= self.interval_end:
             if self.interval_end:
-                self.behind = self.interval_min > (self.target / 2 if self.behind
-                                                   else self.target)
+                self.behind = (self.interval_count >= SHED_MIN_DATAGRAMS
+                               and self.interval_min > (self.target / 2 if self.behind
+                                                        else self.target))
                 self.streak = min(self.streak + 1, 6) if self.behind else 0
             self.interval_min = float("inf")
+            self.interval_count = 0
             self.interval_end = received + SHED_INTERVAL
+        self.interval_count += 1
         if waited < self.interval_min:
             self.interval_min = waited
         return self.behind and waited > self.target

@@ -201,12 +201,19 @@ def test_the_shedder_tells_a_standing_queue_from_a_burst():
     # A burst after a pause: 300 ms old at first, drained within the
     # interval: nothing is shed.
     assert not any(shedder.shed(10.0 + n * 0.001, 0.3 - n * 0.003) for n in range(90))
+    # A few late datagrams (a process not scheduled) are not a queue.
+    assert not any(shedder.shed(15.0 + n * 0.01, 0.5) for n in range(30))
+    assert not shedder.shed(15.3, 0.5)
     # A standing queue: every datagram of a whole interval waited > 0.1 s.
-    assert not any(shedder.shed(20.0 + n * 0.01, 0.15) for n in range(10))
+    assert not any(shedder.shed(20.0 + n * 0.002, 0.15) for n in range(50))
     assert shedder.shed(20.1, 0.15)                          # behind from the next interval
     assert not shedder.shed(20.11, 0.06)                     # (what waited less is served)
+    for n in range(40):
+        shedder.shed(20.12 + n * 0.001, 0.12)
     # It stays behind until an interval where one waited < 0.05 s.
     assert shedder.shed(20.21, 0.12) and shedder.behind
+    for n in range(40):
+        shedder.shed(20.22 + n * 0.001, 0.12)
     shedder.shed(20.25, 0.01)
     assert not shedder.shed(20.32, 0.2) and not shedder.behind
     assert shedder.retry_after() == 100
@@ -216,8 +223,8 @@ def test_the_retry_after_doubles_while_the_service_stays_behind():
     shedder = Shedder(0.1)
     waits = []
     for interval in range(8):
-        for n in range(10):
-            shedder.shed(30.0 + interval * 0.1 + n * 0.01 + 0.0001, 0.5)
+        for n in range(40):
+            shedder.shed(30.0 + interval * 0.1 + n * 0.0025 + 0.0001, 0.5)
         waits.append(shedder.retry_after())
     assert waits == [100, 100, 200, 400, 800, 1600, 2000, 2000]
 
