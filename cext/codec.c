@@ -72,6 +72,7 @@ typedef struct {
     PyObject *ProtocolError;
     PyObject *KeyTypeError;
     PyObject *KeyTooLarge;
+    PyObject *ValueDecodeError;
     PyObject *pack_value;     /* domus.wire.values.pack_value: msgpack, for the rest */
     PyObject *unpack_value;   /* domus.wire.values.unpack_value */
 } codec_state;
@@ -2072,12 +2073,47 @@ codec_unpack_value(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                       + offset, size - (Py_ssize_t)offset);
 }
 
+/* If the exception set is a ValueDecodeError, replaces it with the same
+ * error naming the key wanted[position], as the reference's
+ * `raise exc.with_key(wanted[position])` does; an exception raised on the
+ * way (wanted[position] fails) is set instead.  Any other exception is
+ * left as it is.  An exception is set on return. */
+static void
+name_the_key(codec_state *state, PyObject *wanted, PyObject *position)
+{
+    if (!PyErr_ExceptionMatches(state->ValueDecodeError)) {
+        return;
+    }
+    PyObject *type, *error, *traceback;
+    PyErr_Fetch(&type, &error, &traceback);
+    PyErr_NormalizeException(&type, &error, &traceback);
+    PyObject *key = PyObject_GetItem(wanted, position);
+    PyObject *method = key != NULL ? PyUnicode_FromString("with_key") : NULL;
+    PyObject *named = method != NULL
+                      ? PyObject_CallMethodObjArgs(error, method, key, NULL) : NULL;
+    if (named != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(named), named);
+        Py_DECREF(named);
+    }
+    Py_XDECREF(method);
+    Py_XDECREF(key);
+    if (!PyErr_Occurred()) {    /* with_key returned NULL without an error */
+        PyErr_Restore(type, error, traceback);
+        return;
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(error);
+    Py_XDECREF(traceback);
+}
+
 PyDoc_STRVAR(get_many_take_doc,
 "get_many_take(reply, batch, wanted, found, unpack, /)\n--\n\n"
 "Take in an OK GET_MANY reply: for each value present, in order,\n"
 "found[wanted[batch[i]]] = unpack(value) (unpack None: unpack_value).\n"
 "Returns how many entries the reply answers; ProtocolError (and nothing\n"
-"taken) if it is malformed.");
+"taken) if it is malformed.  A value that cannot be decoded stops the\n"
+"taking with its ValueDecodeError, naming its key (the values before it\n"
+"are taken).");
 
 static PyObject *
 codec_get_many_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -2143,6 +2179,9 @@ codec_get_many_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(raw);
         }
         offset += length;
+        if (value == NULL) {
+            name_the_key(state, wanted, position);
+        }
         PyObject *key = value != NULL ? PyObject_GetItem(wanted, position) : NULL;
         int failed = key == NULL || PyObject_SetItem(found, key, value) < 0;
         Py_DECREF(position);
@@ -2433,9 +2472,10 @@ codec_exec(PyObject *module)
     state->ProtocolError = PyObject_GetAttrString(errors, "ProtocolError");
     state->KeyTypeError = PyObject_GetAttrString(errors, "KeyTypeError");
     state->KeyTooLarge = PyObject_GetAttrString(errors, "KeyTooLarge");
+    state->ValueDecodeError = PyObject_GetAttrString(errors, "ValueDecodeError");
     Py_DECREF(errors);
     if (state->ProtocolError == NULL || state->KeyTypeError == NULL
-        || state->KeyTooLarge == NULL) {
+        || state->KeyTooLarge == NULL || state->ValueDecodeError == NULL) {
         return -1;
     }
     PyObject *values = PyImport_ImportModule("domus.wire.values");
@@ -2463,6 +2503,7 @@ codec_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state->ProtocolError);
     Py_VISIT(state->KeyTypeError);
     Py_VISIT(state->KeyTooLarge);
+    Py_VISIT(state->ValueDecodeError);
     Py_VISIT(state->pack_value);
     Py_VISIT(state->unpack_value);
     return 0;
@@ -2475,6 +2516,7 @@ codec_clear(PyObject *module)
     Py_CLEAR(state->ProtocolError);
     Py_CLEAR(state->KeyTypeError);
     Py_CLEAR(state->KeyTooLarge);
+    Py_CLEAR(state->ValueDecodeError);
     Py_CLEAR(state->pack_value);
     Py_CLEAR(state->unpack_value);
     return 0;

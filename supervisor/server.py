@@ -19,11 +19,14 @@ import time
 from typing import Any
 
 from domus.supervisor import balancer
+from domus.supervisor.metrics import SupervisorMetrics
+from domus.supervisor.metrics import listen as serve_metrics
 from domus.supervisor.state import SupervisorState
 from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from domus._version import __version__
 from domus.errors import InvalidAttribute, SupervisorError
@@ -65,7 +68,8 @@ class SupervisorService(Service):
     def __init__(self, *, listen: str, data_dir: str, down_after: float = DOWN_AFTER,
                  push_timeout: float = PUSH_TIMEOUT, balance: str = "auto",
                  balancer_settings: balancer.Settings | None = None,
-                 secret_file: str | None = None, insecure: bool = False) -> None:
+                 secret_file: str | None = None, insecure: bool = False,
+                 metrics: str | None = None) -> None:
         if not (down_after > 0 and push_timeout > 0):
             raise ValueError(f"down_after ({down_after}) and push_timeout ({push_timeout}) "
                              "must be positive numbers of seconds")
@@ -73,6 +77,10 @@ class SupervisorService(Service):
             raise ValueError(f"balance must be one of {BALANCE_MODES}, not {balance!r}")
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
+        if metrics is not None:
+            addresses.parse(metrics)        # (a bad address fails before anything starts)
+        self.metrics_address = metrics      # where /metrics is served; None: nowhere
+        self.metrics = SupervisorMetrics(self)
         data_dir = os.path.abspath(data_dir)
         self.state = SupervisorState(data_dir)
         # The deployment secret (domus.wire.secret): given, or made at the
@@ -100,6 +108,8 @@ class SupervisorService(Service):
                 ("--balance-smoothing", knobs.smoothing, balancer.Settings.smoothing)):
             if value != default:
                 timing += [flag, repr(value)]
+        if metrics is not None:
+            timing += ["--metrics", metrics]
         if insecure:
             timing.append("--insecure")
         elif secret_file is not None:
@@ -131,6 +141,7 @@ class SupervisorService(Service):
         # change at a time (activation, deactivation, a bucket move).
         self._changing: dict[str, str] = {}
         self._port: Any = None
+        self._metrics_port: Any = None
         self._watch: task.LoopingCall | None = None
         self.started = time.time()
 
@@ -144,13 +155,18 @@ class SupervisorService(Service):
 
         def build(addr: Any) -> MessageProtocol:
             link = original(addr)
-            link.control_handler = self.control
+            link.control_handler = counted
             link.accepting, link.keys = True, self.keys
             link.auth_failures = self._auth_failed
             return link
 
+        counted = self.metrics.counted(self.control)
         factory.buildProtocol = build
         self._port = reactor.listenTCP(self.listen_port, factory, interface=self.listen_host)
+        if self.metrics_address:
+            self._metrics_port = serve_metrics(reactor, self.metrics_address, self.metrics)
+            log.info("supervisor: metrics at http://{address}/metrics",
+                     address=self.metrics_address)
         self.state.save()     # with this process's launch record
         self._watch = task.LoopingCall(self._watch_services)
         self._watch.start(1.0, now=False)
@@ -168,7 +184,8 @@ class SupervisorService(Service):
             if link.transport is not None:
                 link.transport.loseConnection()
         super().stopService()
-        return defer.maybeDeferred(self._port.stopListening) if self._port else defer.succeed(None)
+        ports = [port for port in (self._port, self._metrics_port) if port is not None]
+        return defer.DeferredList([defer.maybeDeferred(port.stopListening) for port in ports])
 
     def _auth_failed(self, why: str) -> None:
         self.auth_failures += 1
@@ -261,6 +278,7 @@ class SupervisorService(Service):
         log.info("service {name} registered from {address} (pid {pid}); {cores} cores, "
                  "{ram} MiB RAM", name=name, address=address, pid=pid,
                  cores=resources.get("cores"), ram=int(resources.get("ram", 0)) >> 20)
+        self.metrics.registrations += 1
         return {"dhts": self._descriptors_for(name), "supervisor_version": __version__}
 
     def _readdress(self, name: str, address: str) -> None:
@@ -306,6 +324,7 @@ class SupervisorService(Service):
             raise ControlError("UnknownService", f"service {name!r} is not registered on "
                                f"this link; register first")
         self.live[name] = {"last_seen": time.monotonic(), "load": load, "stats": stats or {}}
+        self.metrics.heartbeats += 1
         return {"ok": True}
 
     def _watch_services(self) -> None:
@@ -752,6 +771,8 @@ class SupervisorService(Service):
 
         def done(result: dict[str, Any]) -> dict[str, Any]:
             seconds = time.monotonic() - started
+            if link is not None:                # (_carry_out counts its own)
+                self.metrics.moved("hand", role, seconds)
             log.info("DHT {name!r}: {role} of bucket {bucket} moved from {source} to "
                      "{target} in {seconds:.2f}s{records}", name=name, role=role,
                      bucket=bucket, source=source, target=service, seconds=seconds,
@@ -760,6 +781,8 @@ class SupervisorService(Service):
 
         def finished(result: Any) -> Any:
             self._changing.pop(name, None)
+            if link is not None and isinstance(result, Failure):
+                self.metrics.move_failed("hand", role)
             return result
 
         return moving.addCallback(done).addBoth(finished)
@@ -841,6 +864,7 @@ class SupervisorService(Service):
                 result = yield self.op_move_bucket(None, name=move.dht, bucket=move.bucket,
                                                    role=move.role, service=move.target)
             except Exception as exc:  # reported, and the round ends
+                self.metrics.move_failed(by, move.role)
                 self.memory.note(time.monotonic(), f"{by}: moving {move.role} of bucket "
                                  f"{move.bucket} of DHT {move.dht!r} from {move.source} to "
                                  f"{move.target} failed: {_describe(exc)}", **move.as_dict())
@@ -849,6 +873,7 @@ class SupervisorService(Service):
                          error=_describe(exc))
                 break
             self.memory.moved_at[(move.dht, move.role, move.bucket)] = time.monotonic()
+            self.metrics.moved(by, move.role, result.get("seconds", 0.0))
             record = move.as_dict() | {"records": result.get("records"), "by": by,
                                        "seconds": round(result.get("seconds", 0.0), 3)}
             self.memory.note(time.monotonic(), f"{by}: moved {move.role} of bucket "
@@ -1169,11 +1194,16 @@ class SupervisorService(Service):
                     service: self.state.services[service]["address"] for service in candidates})
                 self._refuse_while_changing(dht, f"copy bucket {bucket} of")
                 self._changing[dht] = f"having a copy of bucket {bucket} made on {target}"
+                started = time.monotonic()
                 try:
                     result = yield self._copy_replica(descriptor, changed, bucket, source,
                                                       target)
+                except Exception:
+                    self.metrics.move_failed("drain", "backup")
+                    raise
                 finally:
                     self._changing.pop(dht, None)
+                self.metrics.moved("drain", "backup", time.monotonic() - started)
                 moved.append({"dht": dht, "bucket": bucket, "role": "backup", "source": name,
                               "target": target, "records": result["records"],
                               "why": f"{name} is draining"})
@@ -1313,7 +1343,13 @@ class SupervisorService(Service):
             current = self.state.dhts[name]
             changed = layout.move(current, "storage", bucket, target,
                                   self.state.services[target]["address"])
-            result = yield self._move_storage(current, changed, bucket, source, target)
+            started = time.monotonic()
+            try:
+                result = yield self._move_storage(current, changed, bucket, source, target)
+            except Exception:
+                self.metrics.move_failed("resize", "storage")
+                raise
+            self.metrics.moved("resize", "storage", time.monotonic() - started)
             moved += result.get("records") or 0
         storage = sorted(layout.owners(self.state.dhts[name], "storage").owners())
         failed, merged = yield self._regroup(name, storage, count // 2)
@@ -1419,6 +1455,7 @@ class SupervisorService(Service):
         if not changed_dhts:
             return
         self.state.save()
+        self.metrics.failovers += 1
         log.warn("failover: service {service} is out ({why}); DHTs {dhts} promote its "
                  "buckets' backups", service=service, why=why,
                  dhts=[descriptor["name"] for descriptor in changed_dhts])
@@ -1660,10 +1697,15 @@ class SupervisorService(Service):
         changed = replicas.with_backups(descriptor, copies,
                                         {target: self.state.services[target]["address"]})
         self._changing[name] = f"having a backup of bucket {bucket} moved to {target}"
+        started = time.monotonic()
         try:
             result = yield self._copy_replica(descriptor, changed, bucket, primary, target)
+        except Exception:
+            self.metrics.move_failed("balancer", "backup")
+            raise
         finally:
             self._changing.pop(name, None)
+        self.metrics.moved("balancer", "backup", time.monotonic() - started)
         self.memory.moved_at[(name, "backup", bucket)] = time.monotonic()
         self.memory.note(time.monotonic(), f"balancer: moved the backup of bucket {bucket} of "
                          f"DHT {name!r} from {source} to {target} (copies follow capacity)",
@@ -1698,6 +1740,7 @@ class SupervisorService(Service):
                     result = yield self._copy_replica(descriptor, changed, bucket, source,
                                                       target)
                 except Exception as exc:  # reported; the next round tries again
+                    self.metrics.repairs["failed"] += 1
                     self.memory.note(time.monotonic(), f"repair: copying bucket {bucket} of "
                                      f"DHT {name!r} to {target} failed: {_describe(exc)}",
                                      dht=name, bucket=bucket)
@@ -1705,6 +1748,7 @@ class SupervisorService(Service):
                 finally:
                     self._changing.pop(name, None)
                 done += 1
+                self.metrics.repairs["done"] += 1
                 log.info("repair: DHT {name!r}: bucket {bucket} copied from {source} to "
                          "{target} ({records} records)", name=name, bucket=bucket,
                          source=source, target=target, records=result["records"])

@@ -45,6 +45,7 @@ from domus.errors import (
     DomusError,
     ServiceUnavailable,
     UnknownDht,
+    ValueDecodeError,
     ValueTooLarge,
 )
 from domus.wire import address as addresses
@@ -71,6 +72,7 @@ _HEADER = wire.REPLY_HEADER_SIZE
 _keyed = codec.keyed
 _pack_value = codec.pack_value
 _unpack_value = codec.unpack_value
+_value_of = codec.value_of
 _entry_key = itemgetter(0)
 
 
@@ -456,13 +458,13 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         reply = self._request(_GET, key)
         if reply[2] == _NOT_FOUND:
             raise KeyError(key)
-        return _unpack_value(reply, _HEADER)
+        return _value_of(self.name, key, reply, _HEADER)
 
     def get(self, key: Any, default: Any = None) -> Any:
         reply = self._request(_GET, key)
         if reply[2] == _NOT_FOUND:
             return default
-        return _unpack_value(reply, _HEADER)
+        return _value_of(self.name, key, reply, _HEADER)
 
     def delete(self, key: Any) -> bool:
         """Remove ``key``; True if it was there."""
@@ -534,7 +536,10 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             if replies is None:             # a primary died: its backup took over
                 owners = self._owners
                 continue
-            moved = state.take(requests, batches, replies, self._batch_error)
+            try:
+                moved = state.take(requests, batches, replies, self._batch_error)
+            except ValueDecodeError as exc:
+                raise exc.with_dht(self.name) from None
             if moved or state.moving:
                 self._before_next_round(moved, state.moving, rounds)
                 owners = self._owners
@@ -706,7 +711,8 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         merged = heapq.merge(*pages, key=_entry_key, reverse=query.reverse)
         if items:
             for key, value in merged:
-                yield decode_key(key), _unpack_value(value, 0)
+                key = decode_key(key)
+                yield key, _value_of(self.name, key, value, 0)
         else:
             for key, _value in merged:
                 yield decode_key(key)
@@ -745,15 +751,21 @@ class _ScanItems(ItemsView):
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         for key, value in self._mapping._scan():
-            yield decode_key(key), _unpack_value(value, 0)
+            key = decode_key(key)
+            yield key, _value_of(self._mapping.name, key, value, 0)
 
 
 class _ScanValues(ValuesView):
     _mapping: Dht
 
     def __iter__(self) -> Iterator[Any]:
-        for _key, value in self._mapping._scan():
-            yield _unpack_value(value, 0)
+        name = self._mapping.name
+        for key, value in self._mapping._scan():
+            try:
+                decoded = _unpack_value(value, 0)
+            except ValueDecodeError as exc:
+                raise exc.with_key(decode_key(key)).with_dht(name) from None
+            yield decoded
 
 
 __all__ = ["connect", "Cluster", "Dht"]

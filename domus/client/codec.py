@@ -26,6 +26,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
+from domus.errors import ValueDecodeError
 from domus.wire import keys as _keys
 from domus.wire import protocol as wire
 from domus.wire import values as _values
@@ -170,18 +171,33 @@ def get_many_take(reply: bytes, batch: list[int], wanted: Sequence[Any], found: 
     """Take in an OK GET_MANY reply: for each value present, in order,
     ``found[wanted[batch[i]]] = unpack(value)`` (``unpack`` None:
     unpack_value).  Returns how many entries the reply answers;
-    ProtocolError (and nothing taken) if it is malformed."""
+    ProtocolError (and nothing taken) if it is malformed.  A value that
+    cannot be decoded stops the taking with its ValueDecodeError, naming
+    its key (the values before it are taken)."""
     values = decode_get_many_reply(reply)
     unpack = _values.unpack_value if unpack is None else unpack
     for position, value in zip(batch, values):
         if value is not None:
-            found[wanted[position]] = unpack(value)
+            try:
+                decoded = unpack(value)
+            except ValueDecodeError as exc:
+                raise exc.with_key(wanted[position]) from None
+            found[wanted[position]] = decoded
     return len(values)
 
 
 # ------------------------------------------------------------ values
 
 pack_value = _values.pack_value
+
+
+def value_of(dht: str, key: Any, data: bytes, offset: int) -> Any:
+    """``unpack_value(data, offset)``, the value of ``key`` in DHT ``dht``: a
+    ValueDecodeError names them (the clients' way to decode one value)."""
+    try:
+        return unpack_value(data, offset)
+    except ValueDecodeError as exc:
+        raise exc.with_key(key).with_dht(dht) from None
 
 
 def pack_values(values: Sequence[Any]) -> list[bytes]:
@@ -251,4 +267,4 @@ def hasher(name: str) -> Hasher:
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON", "reference", "accelerated", "hasher", "chunks",
            "group", "encode_key", "encode_keys", "bucket_of", "keyed", "put_many_requests",
            "get_many_requests", "decode_get_many_reply", "decode_scan_reply", "get_many_take",
-           "pack_value", "pack_values", "unpack_value", "roundtrip"]
+           "pack_value", "pack_values", "unpack_value", "value_of", "roundtrip"]

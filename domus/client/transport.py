@@ -228,9 +228,8 @@ def _control_result(op: str, status: int, frame: bytes) -> Any:
     if status == wire.ST_OK:
         return wire.unpack(body) if body else None
     if status == wire.ST_CONTROL_ERROR:
-        error = wire.unpack(body)
-        cls = SUPERVISOR_ERRORS.get(error.get("error"), SupervisorError)
-        raise cls(error.get("message") or f"{op!r} failed")
+        kind, message = wire.decode_control_error(body)
+        raise SUPERVISOR_ERRORS.get(kind, SupervisorError)(message or f"{op!r} failed")
     raise SupervisorError(f"{op!r} failed with status 0x{status:02x}: "
                           f"{body.decode('utf-8', 'replace')}")
 

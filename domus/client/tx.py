@@ -62,6 +62,7 @@ from domus.errors import (
     SupervisorError,
     SupervisorUnreachable,
     UnknownDht,
+    ValueDecodeError,
     ValueTooLarge,
 )
 from domus.wire import address as addresses
@@ -952,7 +953,7 @@ class TxDht(DirectLookup[TxChannel]):
             if raise_missing:
                 raise KeyError(key)
             return default
-        return codec.unpack_value(reply, wire.REPLY_HEADER_SIZE)
+        return codec.value_of(self.name, key, reply, wire.REPLY_HEADER_SIZE)
 
     def delete(self, key: Any) -> defer.Deferred:
         """Remove ``key``; fires with True if it was there."""
@@ -1063,7 +1064,10 @@ class TxDht(DirectLookup[TxChannel]):
             if replies is None:             # (a backup took over: the round again)
                 owners, shift = self._owners, self._shift
                 continue
-            moved = state.take(requests, batches, replies, self._batch_error)
+            try:
+                moved = state.take(requests, batches, replies, self._batch_error)
+            except ValueDecodeError as exc:
+                raise exc.with_dht(self.name) from None
             if moved or state.moving:
                 await self._before_next_round(moved, state.moving, rounds)
                 owners, shift = self._owners, self._shift

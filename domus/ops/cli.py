@@ -96,6 +96,15 @@ def _cpu_list(text: str) -> list[int]:
     return sorted(cpus)
 
 
+def _listen_address(text: str) -> str:
+    """A HOST:PORT to listen on (``--metrics``)."""
+    try:
+        addresses.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _run_reactor(service: Any) -> int:
     from twisted.internet import reactor
     from twisted.logger import (
@@ -143,7 +152,7 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
                                               cpu_busy=args.balance_cpu_busy,
                                               smoothing=args.balance_smoothing),
                                           secret_file=args.secret_file,
-                                          insecure=args.insecure))
+                                          insecure=args.insecure, metrics=args.metrics))
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -166,14 +175,19 @@ def cmd_service(args: argparse.Namespace) -> int:
                                      listen=args.listen, data_dir=args.data_dir, name=args.name,
                                      heartbeat=args.heartbeat, resources=overrides,
                                      cpus=args.cpus, secret_file=args.secret_file,
-                                     limits=bounds))
+                                     limits=bounds, metrics=args.metrics))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from domus.ops.deploy import LocalDeployment
 
-    deployment = LocalDeployment(args.services, port=args.port, data_dir=args.data_dir,
-                                 host=args.host, insecure=args.insecure)
+    try:
+        deployment = LocalDeployment(args.services, port=args.port, data_dir=args.data_dir,
+                                     host=args.host, insecure=args.insecure,
+                                     metrics_port=args.metrics_port)
+    except ValueError as exc:
+        print(f"domus up: {exc}", file=sys.stderr)
+        return 2
     stopping = False
     code = 0
 
@@ -191,6 +205,10 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"{args.services} services "
               f"({', '.join(deployment.service_address(i) for i in range(args.services))}); "
               f"logs in {os.path.join(deployment.data_dir, 'logs')}", flush=True)
+        if args.metrics_port is not None:
+            names = ["supervisor", *(deployment.service_name(i) for i in range(args.services))]
+            print("metrics: " + ", ".join(f"{name} http://{deployment.metrics_address(name)}"
+                                          f"/metrics" for name in names), flush=True)
         exports = " ".join(f"{name}={shlex.quote(value)}"
                            for name, value in deployment.environment().items())
         print(f"export {exports}; press Ctrl-C to stop", flush=True)
@@ -307,7 +325,32 @@ def format_status(status: dict[str, Any]) -> str:
                          f"{dht['storage']}/{dht['platform']}", dht["routing"], dht["lookup"],
                          ",".join(dht["routing_services"]), ",".join(dht["storage_services"])))
     lines += _table(dht_rows) if status["dhts"] else ["no DHTs"]
+    stored = _stored_rows(status["services"])
+    if stored:
+        lines += ["", *_table(stored)]
     return "\n".join(lines)
+
+
+def _stored_rows(services: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """What each service stores of each DHT, as its last heartbeat said: the
+    records and the bytes its platform counts holding for them (record-tree
+    arenas, Berkeley DB pages; "-" where the platform cannot tell)."""
+    rows = [("SERVICE", "DHT", "RECORDS", "HELD", "BYTES/RECORD")]
+    for service in services:
+        dhts = (service.get("stats") or {}).get("dhts") or {}
+        for name, held in sorted(dhts.items()):
+            if not held.get("storage_buckets"):
+                continue
+            records = held.get("records", 0)
+            size = held.get("storage_bytes")
+            rows.append((service["name"], name, f"{records:,}",
+                         "-" if size is None else _bytes(size),
+                         "-" if size is None or not records else f"{size / records:,.0f}"))
+    return rows if len(rows) > 1 else []
+
+
+def _bytes(value: float) -> str:
+    return _size(value) if value >= 1 << 20 else f"{value / 1024:.1f} KiB"
 
 
 def _size(value: float | None) -> str:
@@ -603,7 +646,7 @@ def _version_line() -> str:
     from domus._version import __version__
 
     try:
-        from domus import _codec, _hotpath, _rbtree  # noqa: F401
+        from domus import _codec, _hotpath, _rbtree, _recordtree  # noqa: F401
         paths = "C extensions built"
     except ImportError:
         paths = "C extensions not built: pure-Python paths (slower)"
@@ -678,6 +721,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="address every process listens on")
     up.add_argument("--data-dir", default="domus-data", metavar="DIR",
                     help="the supervisor's and services' data dirs, logs and the secret")
+    up.add_argument("--metrics-port", type=_PORT, default=None, metavar="P",
+                    help="serve Prometheus metrics over HTTP: the supervisor's at "
+                    "http://HOST:P/metrics, the services' on the next N ports (P+1 .. P+N); "
+                    "default: no metrics")
     up.add_argument("--insecure", action="store_true", help="no deployment secret: anyone "
                     "who can reach its ports may use it (a trusted network only)")
     up.set_defaults(func=cmd_up)
@@ -716,6 +763,9 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="FRACTION", help="weight of each new sample of the CPU other work "
                      "uses on a node, in the balancer's average that routing shares follow "
                      "(default %(default)s: slow, so bursts move nothing)")
+    sup.add_argument("--metrics", type=_listen_address, default=None, metavar="HOST:PORT",
+                     help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                     "(default: not served)")
     sup.set_defaults(func=cmd_supervisor)
 
     svc = commands.add_parser(
@@ -743,6 +793,9 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
                      help="run on these CPUs only, e.g. 2 or 0,1 or 4-7 (default: those it "
                      "was started with); its cores and node load count these only")
+    svc.add_argument("--metrics", type=_listen_address, default=None, metavar="HOST:PORT",
+                     help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                     "(default: not served)")
     bounds = svc.add_argument_group("bounds", "what peers can make the service hold "
                                     "(docs/operations.md, Bounds)")
     bounds.add_argument("--max-connections", type=_CONNECTIONS, default=limits.MAX_CONNECTIONS,

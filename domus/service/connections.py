@@ -65,6 +65,7 @@ class DataConnection(MessageProtocol):
     def connectionMade(self) -> None:
         factory = self.factory
         clock = factory.clock
+        self._count_bytes_sent()
         self._last_frame = clock.seconds()
         self.transport.bufferSize = factory.limits.output_high_water
         self.transport.registerProducer(self, True)
@@ -78,8 +79,29 @@ class DataConnection(MessageProtocol):
         self.factory.lost(self)
         super().connectionLost(reason)
 
+    def _count_bytes_sent(self) -> None:
+        """Count every byte written to the transport, each way's frame
+        headers, handshake and tags included, in ``tcp_bytes_sent`` (the
+        metrics read it; ``tcp_bytes_received`` is counted as data comes)."""
+        counters = self.factory.counters
+        transport = self.transport
+        write, write_sequence = transport.write, transport.writeSequence
+
+        def counted_write(data: bytes) -> None:
+            counters["tcp_bytes_sent"] = counters.get("tcp_bytes_sent", 0) + len(data)
+            write(data)
+
+        def counted_sequence(data: Any) -> None:
+            data = list(data)
+            counters["tcp_bytes_sent"] = counters.get("tcp_bytes_sent", 0) + sum(map(len, data))
+            write_sequence(data)
+
+        transport.write, transport.writeSequence = counted_write, counted_sequence
+
     # ------------------------------------------------------------ input
     def dataReceived(self, data: bytes) -> None:
+        counters = self.factory.counters
+        counters["tcp_bytes_received"] = counters.get("tcp_bytes_received", 0) + len(data)
         super().dataReceived(data)
         if self._closing:
             return

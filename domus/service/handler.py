@@ -62,6 +62,17 @@ _DHT_OPS = frozenset({wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS
                       wire.OP_PUT_MANY, wire.OP_GET_MANY, wire.OP_LENGTH, wire.OP_SCAN,
                       wire.OP_RANGE, wire.OP_LOOKUP})
 
+# Each reply status by its short name ("ok", "not_found", "not_owner", ...),
+# as stats() and the metrics name them.
+STATUS_KEYS = {value: name[3:].lower() for name, value in vars(wire).items()
+               if name.startswith("ST_") and isinstance(value, int)}
+
+
+def status_name(status: int) -> str:
+    """A reply status's short name; ``0x..`` for a byte no status has."""
+    return STATUS_KEYS.get(status) or f"0x{status:02x}"
+
+
 SCAN_TTL = 120.0
 # Which buckets are hot: one request in SAMPLE_EVERY is sampled, as the C
 # path does (domus._hotpath.FastPath.take_samples), keeping SAMPLE_RING.
@@ -179,6 +190,7 @@ class RequestHandler:
         self._samples: list[int] = []      # dht id << 32 | bucket
         self._sampled = 0
         self.by_op = [0] * 256
+        self.by_status = [0] * 256      # replies given, by status (as the C path counts)
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
                                          "internal_errors": 0, "storage_errors": 0,
                                          "replicated": 0, "replication_failures": 0,
@@ -230,8 +242,13 @@ class RequestHandler:
 
     @property
     def requests(self) -> int:
-        """Requests received, whichever path answered them."""
+        """Requests received, whichever path answered them (a REPLICATE's
+        change is not one: the C path for backups counts the changes it
+        applies, which the stats leave out, as handle leaves them)."""
         return self._requests + (self.fast.requests if self.fast is not None else 0)
+
+    def _fast_paths(self) -> list[Any]:
+        return [fast for fast in (self.fast, self.backup_fast) if fast is not None]
 
     # ------------------------------------------------------------ dispatch
     def handle(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD,
@@ -240,27 +257,38 @@ class RequestHandler:
         transport can carry (a datagram, or a TCP frame).  A change to a
         replicated bucket is answered later: a ``Later`` that fires with the
         reply once every backup has taken it (``forward`` False: applied
-        here at once, as its backups have it)."""
-        self._requests += 1
+        here at once, as its backups have it).
+
+        Counts the request (``requests``, ``by_op``) and its reply's status
+        (``by_status``), as the C path counts those it answers; a change
+        applied here again with ``forward`` False (the primary's, once its
+        backups took it; a backup's, from its primary's REPLICATE) was
+        counted when its request came, and is not counted again."""
+        if forward:
+            self._requests += 1
         if len(data) < wire.REQUEST_HEADER_SIZE or data[0] != wire.REQUEST_MAGIC:
             self.counters["malformed"] += 1
             return None  # not even a request id to answer to
         request_id = data[4:8]
         if data[1] != wire.VERSION:
             self.counters["malformed"] += 1
+            self.by_status[wire.ST_BAD_VERSION] += 1
             return self._error(wire.ST_BAD_VERSION, request_id,
                                f"protocol version {data[1]} is not supported; "
                                f"this service speaks version {wire.VERSION}")
         op = data[2]
-        self.by_op[op] += 1
-        if not self._requests % SAMPLE_EVERY:
-            self._sample(op, data)
+        if forward:
+            self.by_op[op] += 1
+            if not self._requests % SAMPLE_EVERY:
+                self._sample(op, data)
         changing = op in _CHANGING
         if changing:
             token = self.reply_cache.key(data)
             cached = self.reply_cache.get(token)
             if cached is not None:
                 self.counters["replayed"] += 1
+                if forward:
+                    self.by_status[cached[2]] += 1
                 return cached
             if self.reply_cache.full():
                 # (Every entry may still be retried: none is dropped for
@@ -272,10 +300,11 @@ class RequestHandler:
                 if hosted is not None and hosted.replicated and hosted.active:
                     waiting = self._replicate_out(hosted, data, token, reply_limit)
                     if waiting is not None:
-                        return waiting
+                        return waiting.addCallback(self._count_reply)
         operation = self._ops.get(op)
         if operation is None:
             self.counters["malformed"] += 1
+            self.by_status[wire.ST_UNKNOWN_OP] += 1
             return self._error(wire.ST_UNKNOWN_OP, request_id,
                                f"unknown operation 0x{op:02x}")
         try:
@@ -307,7 +336,13 @@ class RequestHandler:
             # afresh, never told an old refusal once it could succeed.)
             self.reply_cache.put(token, answer)
             self._changed += 1
+        if forward:
+            self.by_status[answer[2]] += 1
         return answer
+
+    def _count_reply(self, answer: bytes) -> None:
+        """(A replicated change's reply, given once its backups answered.)"""
+        self.by_status[answer[2]] += 1
 
     # ------------------------------------------------------------ replication
     # A replicated DHT's bucket has a primary (which clients talk to) and
@@ -432,14 +467,13 @@ class RequestHandler:
         hosted = self._hosted(wire.U32.unpack_from(inner, 16)[0])
         answer = self.backup_fast.handle(inner, limit) if self.backup_fast is not None else None
         if answer is None:
-            token = self.reply_cache.key(inner)
-            answer = self.reply_cache.get(token)
-            if answer is None:
-                self._as_backup = True
-                try:
-                    answer = self.handle(inner, limit, forward=False)
-                finally:
-                    self._as_backup = False
+            # (A retry is answered from the reply cache by handle, and
+            # counted there as the C path counts it.)
+            self._as_backup = True
+            try:
+                answer = self.handle(inner, limit, forward=False)
+            finally:
+                self._as_backup = False
         self.counters["replicated"] += 1
         del hosted
         return _OK + request_id + answer            # type: ignore[operator]
@@ -448,10 +482,15 @@ class RequestHandler:
         """The answer to a request whose MAC checks but whose time is more
         than domus.wire.auth.TIME_WINDOW seconds from this service's clock:
         a replay, or a clock that is off (the message says which time this
-        service has)."""
+        service has).  Counted as a request (``by_op``) refused with
+        STALE_REQUEST (``by_status``), and in ``stale``; the C path hands
+        these over uncounted."""
         self.counters["stale"] += 1
-        if len(data) < wire.REQUEST_HEADER_SIZE:
-            return None
+        self._requests += 1
+        if len(data) < wire.REQUEST_HEADER_SIZE or data[0] != wire.REQUEST_MAGIC:
+            return None     # (as handle: no request id to answer to)
+        self.by_op[data[2]] += 1
+        self.by_status[wire.ST_STALE_REQUEST] += 1
         return self._error(wire.ST_STALE_REQUEST, data[4:8],
                            f"the request's time is more than {auth.TIME_WINDOW}s from service "
                            f"{self.service_name}'s clock ({int(time.time())}); a replay, or a "
@@ -896,21 +935,25 @@ class RequestHandler:
 
     def stats(self) -> dict[str, Any]:
         fast = self.fast
-        by_op = self.by_op
+        by_op, by_status = self.by_op, self.by_status
         counters = dict(self.counters)
         if fast is not None:
             by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
-            counters["replayed"] += fast.replayed
+            by_status = [mine + theirs for mine, theirs in zip(by_status, fast.by_status)]
             counters["busy"] += fast.busy
             counters["shed"] += fast.shed
-            counters["unauthenticated"] += fast.unauthenticated
+        for path in self._fast_paths():     # (a retried REPLICATE is a replay either way)
+            counters["replayed"] += path.replayed
+            counters["unauthenticated"] += path.unauthenticated
         return {
             "name": self.service_name,
             "requests": self.requests,
             "by_op": {wire.OP_NAMES[op]: by_op[op] for op in wire.OP_NAMES if by_op[op]},
+            "by_status": {status_name(status): count
+                          for status, count in enumerate(by_status) if count},
             **counters,
             "hot_path": "c" if fast is not None else "python",
-            "hot_path_fallbacks": fast.fallbacks if fast is not None else 0,
+            "hot_path_fallbacks": sum(path.fallbacks for path in self._fast_paths()),
             "reply_cache": len(self.reply_cache),
             "reply_cache_limit": self.reply_cache.current_limit,
             "scans": len(self._scans),

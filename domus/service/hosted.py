@@ -112,6 +112,15 @@ class HostedDht:
         # LOOKUPs answered here: found (the target is routed here) and
         # forwarded (told the next hop): the AS's routing load.
         self.lookups = {"found": 0, "forwarded": 0}
+        # Moves through here (the metrics report them): buckets frozen here
+        # as a move's source, the seconds they stayed frozen, and how each
+        # freeze ended (sent: the move was done; thawed: undone, abandoned
+        # or its lease ran out); buckets staged here as a target, the
+        # records staged, and the staged copies taken on (as primary or
+        # backup); regroups done after a resize and the records they copied.
+        self.moves: dict[str, float] = {
+            "frozen": 0, "frozen_seconds": 0.0, "sent": 0, "thawed": 0, "staged": 0,
+            "records_staged": 0, "received": 0, "regroups": 0, "records_regrouped": 0}
         # Why the last activation failed, while the supervisor still wants
         # the DHT active: requests are told this rather than "inactive".
         self.problem: str | None = None
@@ -184,6 +193,7 @@ class HostedDht:
                 self.staged_at.pop(bucket, None)
                 self.repos[bucket] = staged
                 self.part_of[bucket] = (self.bucket_count, bucket)
+                self.moves["received"] += 1
                 adopted = True
                 continue
             try:
@@ -198,6 +208,7 @@ class HostedDht:
             if staged is not None:          # copied here from its primary
                 self.staged_at.pop(bucket, None)
                 self.backups[bucket] = staged
+                self.moves["received"] += 1
                 adopted = True
                 continue
             # (At creation: an empty bucket.  The supervisor names a service
@@ -229,7 +240,8 @@ class HostedDht:
             self.store.remove(part[1], part[0])
         for bucket in sorted(self.frozen.keys() - stored):   # moved away: done
             self.frozen.pop(bucket)
-            self.frozen_at.pop(bucket, None)
+            self._end_freeze(bucket)
+            self.moves["sent"] += 1
             self.snapshots.pop(bucket, None)
             part = self.part_of.pop(bucket, (self.bucket_count, bucket))
             self.store.remove(part[1], part[0])
@@ -422,7 +434,13 @@ class HostedDht:
             keys = self.snapshots[bucket] = repo.key_snapshot()
         self.frozen[bucket] = (self.repos.pop(bucket), keys)
         self.frozen_at[bucket] = time.monotonic()
+        self.moves["frozen"] += 1
         return len(self.frozen[bucket][0])
+
+    def _end_freeze(self, bucket: int) -> None:
+        since = self.frozen_at.pop(bucket, None)
+        if since is not None:
+            self.moves["frozen_seconds"] += time.monotonic() - since
 
     def thaw_expired(self) -> list[int]:
         """Thaw the buckets frozen here for longer than FREEZE_LEASE (their
@@ -465,7 +483,8 @@ class HostedDht:
         frozen = self.frozen.pop(bucket, None)
         if frozen is not None:
             self.repos[bucket] = frozen[0]
-        self.frozen_at.pop(bucket, None)
+            self.moves["thawed"] += 1
+        self._end_freeze(bucket)
         self.snapshots.pop(bucket, None)
         repo = self.repos.get(bucket)
         if isinstance(repo, TrackedRepository):
@@ -481,6 +500,7 @@ class HostedDht:
         if first:
             self.discard(bucket)
             fresh = self.staged[bucket] = self.store.open(bucket, self.bucket_count)
+            self.moves["staged"] += 1
             # A disk bucket's file can outlive a move cut short by a crash,
             # or a bucket moved away while this service was down: a staged
             # copy starts empty, whatever the medium holds.
@@ -495,6 +515,7 @@ class HostedDht:
         # (a value None: deleted since it was sent; durable once adopted)
         repo.apply([(records[index], records[index + 1])
                     for index in range(0, len(records), 2)], durable=False)
+        self.moves["records_staged"] += len(records) // 2
         return len(repo)
 
     def discard(self, bucket: int) -> None:
@@ -704,6 +725,8 @@ class HostedDht:
             for part, members in groups.items():
                 done["records"] += yield from self._regroup_group(part, members, count)
                 done["parts"] += 1
+            self.moves["regroups"] += 1
+            self.moves["records_regrouped"] += done["records"]
         finally:
             self._regrouping = None
         return done

@@ -52,8 +52,11 @@ class DomusService(Service):
                  heartbeat: float = HEARTBEAT_INTERVAL,
                  resources: dict[str, Any] | None = None,
                  cpus: list[int] | None = None, secret_file: str | None = None,
-                 limits: Limits = DEFAULT_LIMITS) -> None:
+                 limits: Limits = DEFAULT_LIMITS, metrics: str | None = None) -> None:
         self.supervisor_address = addresses.parse(supervisor)
+        if metrics is not None:
+            addresses.parse(metrics)        # (a bad address fails before anything starts)
+        self.metrics_address = metrics      # where /metrics is served; None: nowhere
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
         self.service_name = name or self.address
@@ -67,6 +70,8 @@ class DomusService(Service):
                     for argument in (f"--{field}", str(value))]
         if cpus:
             declared += ["--cpus", ",".join(map(str, cpus))]
+        if metrics:
+            declared += ["--metrics", metrics]
         # The deployment secret, found as every process finds it
         # (domus.wire.secret); None: an insecure deployment.
         self.keys = secret.keys(secret_file)
@@ -110,11 +115,18 @@ class DomusService(Service):
             proto.accepting, proto.keys = True, self.keys
             proto.auth_failures = self._auth_failed
 
-        # (Bounded: connections, their output, input and idle time.)
+        # (Bounded: connections, their output, input and idle time; each
+        # connection counts its bytes each way, which the metrics read.)
         data_factory = DataFactory(self.service_name, self.limits, self.handler.counters,
                                    configure)
         self._ports.append(reactor.listenTCP(self.listen_port, data_factory,
                                              interface=self.listen_host))
+        if self.metrics_address:
+            from domus.service import metrics
+
+            self._ports.append(metrics.listen(reactor, self.metrics_address, self))
+            log.info("service {name}: metrics at http://{address}/metrics",
+                     name=self.service_name, address=self.metrics_address)
         log.info("service {name} serving on {address} (UDP and TCP, {path} hot path), "
                  "data dir {dir}", name=self.service_name, address=self.address,
                  path="C" if self.handler.fast is not None else "pure-Python",

@@ -316,8 +316,12 @@ class RamStore(Store):
         part = (count, bucket, temporary)
         if part in self._repos:
             raise ValueError(f"bucket {bucket} is already open in this store")
-        repo = self._repos[part] = self._factory()
+        repo = self._repos[part] = self._new_repository(bucket, count)
         return repo
+
+    def _new_repository(self, bucket: int, count: int | None) -> Repository:
+        """A new, empty repository for a part (the factory's)."""
+        return self._factory()
 
     def remove(self, bucket: int, count: int | None = None, *,
                temporary: bool = False) -> None:

@@ -492,6 +492,19 @@ def decode_control(data: bytes) -> dict[str, Any]:
     return body
 
 
+def decode_control_error(body: bytes) -> tuple[str, str]:
+    """(class name, message) of a CONTROL_ERROR reply's body, a msgpack map
+    ``{"error": str, "message": str}`` (a missing name is "DomusError", a
+    missing message ""); ProtocolError for anything else."""
+    error = unpack(body)
+    kind = error.get("error", "DomusError") if isinstance(error, dict) else None
+    message = error.get("message", "") if isinstance(error, dict) else None
+    if not isinstance(kind, str) or not isinstance(message, str):
+        raise ProtocolError(f"a control error must be a map of the strings 'error' and "
+                            f"'message', not {error!r:.200}")
+    return kind, message
+
+
 # ---------------------------------------------------------------- replies
 
 def reply(status: int, request_id: int, body: bytes = b"") -> bytes:

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-from domus.errors import ValueTypeError
+from domus.errors import ValueDecodeError, ValueTypeError
 
 
 def pack_value(value: Any) -> bytes:
@@ -26,5 +26,15 @@ def pack_value(value: Any) -> bytes:
 
 
 def unpack_value(data: bytes) -> Any:
-    """The value stored as ``data``."""
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    """The value stored as ``data``; ValueDecodeError (and nothing else) if
+    the bytes are not a msgpack value: cut short, padded, a map with a
+    list or map as a key, invalid UTF-8, an unknown type byte..."""
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, TypeError, OverflowError) as exc:   # msgpack's ways of refusing
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        size = f"{len(data)} byte{'' if len(data) == 1 else 's'}"
+        raise ValueDecodeError(
+            f"the stored value ({size}) could not be decoded: it is not the msgpack a "
+            f"Domus client writes ({detail}); another program wrote it or it is corrupt, "
+            f"so overwrite or delete the key") from None

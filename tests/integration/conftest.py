@@ -98,21 +98,24 @@ class TrackedDeployment(LocalDeployment):
 
 def start_deployment(data_dir: Path, services: int = SERVICES,
                      supervisor_args: tuple[str, ...] = ("--balance", "manual"),
-                     service_args: tuple[str, ...] = (), insecure: bool = False
-                     ) -> TrackedDeployment:
+                     service_args: tuple[str, ...] = (), insecure: bool = False,
+                     metrics: bool = False) -> TrackedDeployment:
     """Start a deployment on a free block of ports, trying another block if
     something grabbed this one before our processes bound it.  Its balancer
     is manual unless asked otherwise: a test's buckets stay where it put
-    them.  Its secret goes into $DOMUS_SECRET_FILE, as a job of it would
-    have it (domus.connect, the domus command, raw requests and
-    subprocesses find it there), until the test ends (_secret_of_the_test)."""
+    them.  With ``metrics``, each process serves /metrics on a port of the
+    block too (``metrics_address``).  Its secret goes into
+    $DOMUS_SECRET_FILE, as a job of it would have it (domus.connect, the
+    domus command, raw requests and subprocesses find it there), until the
+    test ends (_secret_of_the_test)."""
     for attempt in range(1, START_ATTEMPTS + 1):
-        port = free_port_block(services + 1)
+        port = free_port_block((services + 1) * (2 if metrics else 1))
         deployment = TrackedDeployment(
             services, port=port, heartbeat=HEARTBEAT, data_dir=str(data_dir / f"run{attempt}"),
             supervisor_args=["--down-after", str(DOWN_AFTER), "--push-timeout", str(PUSH_TIMEOUT),
                              *supervisor_args],
-            service_args=list(service_args), insecure=insecure)
+            service_args=list(service_args), insecure=insecure,
+            metrics_port=port + services + 1 if metrics else None)
         try:
             deployment.start(timeout=START_TIMEOUT)
             if deployment.secret_file is not None:

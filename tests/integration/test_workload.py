@@ -18,12 +18,26 @@ import pytest
 
 import domus
 from domus.client.lookup import DENSE_TABLE_LIMIT
-from domus.errors import KeyTooLarge, KeyTypeError, ValueTooLarge, ValueTypeError
+from domus.errors import (
+    KeyTooLarge,
+    KeyTypeError,
+    ValueDecodeError,
+    ValueTooLarge,
+    ValueTypeError,
+)
 from domus.placement.bucketmap import BucketMap
 from domus.storage import PLATFORMS
 from domus.wire import protocol as wire
+from domus.wire.keys import encode_key
 
-from .support import first_difference, same_value
+from .support import (
+    RawUdp,
+    bucket_of_key,
+    first_difference,
+    owner_of,
+    same_value,
+    service_addresses,
+)
 
 SEED = int(os.environ.get("DOMUS_TEST_SEED", "1979"))
 MISSING = object()
@@ -404,6 +418,41 @@ def test_a_value_msgpack_cannot_encode_raises_and_stores_nothing(shared_cluster)
             dht.put_many({"other": 1, "key": bad_value})
     assert len(dht) == 0
     assert "key" not in dht and "other" not in dht
+
+
+# Stored bytes no Domus client writes (another program put them there, or
+# they rotted): a map keyed by a list, a cut-short string, two values, a
+# type byte msgpack never uses, invalid UTF-8.
+NOT_MSGPACK = [b"\x81\x90\x01", b"\xa5ab", b"\x01\x02", b"\xc1", b"\xa2\xff\xfe"]
+
+
+def test_a_value_no_client_wrote_is_a_value_decode_error_naming_dht_and_key(shared_cluster):
+    dht = shared_cluster.create_dht("foreign-values", platform="domus-rbt")
+    dht.put("good", [1, "x"])
+    owners = service_addresses(shared_cluster)
+    for number, raw in enumerate(NOT_MSGPACK):
+        key = f"foreign-{number}"
+        with RawUdp(owners[owner_of(dht, key)]) as service:
+            message = wire.encode_keyed(wire.OP_PUT, service.next_id(), service.client_id,
+                                        dht.id, bucket_of_key(dht, key), encode_key(key), raw)
+            assert service.call(wire.OP_PUT, message[wire.REQUEST_HEADER_SIZE:])[0] == wire.ST_OK
+        reads = [lambda key: dht[key], lambda key: dht.get(key),
+                 lambda key: dht.get_many(["good", key]), lambda _key: dict(dht.items()),
+                 lambda _key: list(dht.values()),
+                 lambda key: list(dht.irange(key, key, items=True))]
+        for read in reads:
+            with pytest.raises(ValueDecodeError) as raised:
+                read(key)
+            error = raised.value
+            assert isinstance(error, ValueError)
+            assert (error.dht, error.key) == ("foreign-values", key)
+            assert str(error).startswith(f"DHT 'foreign-values', key {key!r}: the stored "
+                                         f"value ({len(raw)} byte")
+            assert "could not be decoded" in str(error)
+        assert key in dht                                 # nothing was lost or changed
+        assert list(dht.irange(key, key)) == [key]
+        dht.delete(key)
+    assert dict(dht.items()) == {"good": [1, "x"]}
 
 
 # ------------------------------------------------------------------ batches and scans

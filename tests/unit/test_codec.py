@@ -25,7 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from domus.client import codec
-from domus.errors import KeyTooLarge, KeyTypeError, ProtocolError, ValueTypeError
+from domus.errors import (
+    KeyTooLarge,
+    KeyTypeError,
+    ProtocolError,
+    ValueDecodeError,
+    ValueTypeError,
+)
 from domus.placement.bucketmap import BucketMap
 from domus.wire import keys
 from domus.wire import protocol as wire
@@ -717,6 +723,60 @@ def test_unpack_value_matches_msgpack(data, offset):
 ], ids=short_id)
 def test_unpack_value_edge_cases(data):
     assert _same_repr(outcome(C.unpack_value, data, 0), outcome(P.unpack_value, data, 0))
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (b"\x81\x90\x01", "TypeError: unhashable type: 'list'"),      # a map keyed by a list
+    (b"\x81\x80\x01", "TypeError: unhashable type: 'dict'"),      # ... by a map
+    (b"\xa5ab", "ValueError: Unpack failed: incomplete input"),    # cut short
+    (b"\x01\x02", "ExtraData: unpack(b) received extra data."),  # two values
+    (b"\xc1", "(FormatError)"),                                    # never used by msgpack
+    (b"\xa2\xff\xfe", "UnicodeDecodeError"),                        # not UTF-8
+    (b"", "incomplete input"),
+])
+def test_a_value_that_is_not_msgpack_is_a_value_decode_error(data, why):
+    for unpack_value in (C.unpack_value, P.unpack_value):
+        with pytest.raises(ValueDecodeError) as raised:
+            unpack_value(b"\xd1" * 8 + data, 8)
+        error = raised.value
+        assert isinstance(error, ValueError)
+        assert str(error).startswith(f"the stored value ({len(data)} byte")
+        assert "could not be decoded" in str(error) and why in str(error)
+        assert (error.dht, error.key) == ("", None)
+    assert outcome(C.unpack_value, data, 0) == outcome(P.unpack_value, data, 0)
+
+
+def test_a_value_decode_error_names_the_dht_and_the_key_it_is_given():
+    error = outcome(P.unpack_value, b"\xc1", 0)
+    located = ValueDecodeError(error[2]).with_key(("t", 1)).with_dht("words")
+    assert (located.dht, located.key) == ("words", ("t", 1))
+    assert str(located) == f"DHT 'words', key ('t', 1): {error[2]}"
+    assert str(ValueDecodeError("why", key="k" * 100)) == f"key {repr('k' * 100)[:77]}...: why"
+    # What the clients call for one value (with whichever unpack_value is in use).
+    with pytest.raises(ValueDecodeError, match=r"^DHT 'words', key 'apple': the stored"):
+        codec.value_of("words", "apple", b"\xd1" * 8 + b"\x81\x90\x01", 8)
+    assert codec.value_of("words", "apple", b"\xd1" * 8 + b"\x81\xa1a\x01", 8) == {"a": 1}
+
+
+@pytest.mark.parametrize("position", [0, 1, 3])
+def test_get_many_take_names_the_key_whose_value_it_cannot_decode(position):
+    values = [codec.reference.pack_value(number) for number in range(4)]
+    values[position] = b"\x81\x90\x01"
+    reply = wire.encode_get_many_reply(1, values)
+    wanted = ["a", ("b", 2), "c", "d"]
+    outcomes = []
+    for get_many_take in (C.get_many_take, P.get_many_take):
+        found = {}
+        with pytest.raises(ValueDecodeError) as raised:
+            get_many_take(reply, [0, 1, 2, 3], wanted, found, None)
+        assert raised.value.key == wanted[position]
+        assert str(raised.value).startswith(f"key {wanted[position]!r}: the stored value")
+        assert found == {wanted[index]: index for index in range(position)}   # those before
+        outcomes.append(str(raised.value))
+    assert outcomes[0] == outcomes[1]
+    # A position that names no wanted key fails as the reference does.
+    assert outcome(C.get_many_take, reply, [0, 9, 9, 9], wanted, {}, None) == \
+        outcome(P.get_many_take, reply, [0, 9, 9, 9], wanted, {}, None)
 
 
 def test_unpack_value_arguments():

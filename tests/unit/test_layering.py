@@ -55,6 +55,7 @@ LAYERS = {
     "domus._codec": "native",
     "domus._hotpath": "native",
     "domus._rbtree": "native",
+    "domus._recordtree": "native",
     # the public names: thin re-exports and the command's entry point
     "domus": "public",
     "domus.txclient": "public",
@@ -191,7 +192,8 @@ def test_the_walk_sees_imports_inside_functions():
     assert "domus.storage.pydict" in GRAPH["domus.service.hotpath"]
     # and those of the C code: the codec packs values with domus.wire.values
     assert "domus.wire.values" in GRAPH["domus._codec"]
-    assert GRAPH["domus._hotpath"] == {"domus._rbtree"}
+    assert GRAPH["domus._hotpath"] == {"domus._recordtree"}
+    assert GRAPH["domus._recordtree"] == {"domus.errors"}
 
 
 def test_the_public_names_keep_working():

@@ -26,6 +26,7 @@ from domus.errors import (
     StorageError,
     SupervisorUnreachable,
     UnknownDht,
+    ValueDecodeError,
     ValueTooLarge,
 )
 from domus.wire import protocol as wire
@@ -331,6 +332,25 @@ def test_get_decodes_values_and_defaults(cluster) -> None:
         cluster.requests.datagramReceived(reply_to(message, status, body), S1)
     assert value == [{"n": 1}] and default == ["dflt"]
     assert isinstance(missing[0].value, KeyError)
+
+
+def test_a_value_no_client_wrote_fails_with_a_value_decode_error(cluster) -> None:
+    cluster, transport = cluster
+    dht = TxDht(cluster, descriptor([8]))
+    one, many = outcome(dht.get(b"k1")), outcome(dht.get_many(["a", "b"]))
+    (get, _), (get_many, _) = transport.sent
+    foreign = b"\x81\x90\x01"          # a map keyed by a list: not a value
+    cluster.requests.datagramReceived(reply_to(get, wire.ST_OK, foreign), S1)
+    encoded = wire.decode_get_many(get_many)[1]
+    values = [foreign if key == encode_key("b") else msgpack.packb(1) for _bucket, key in encoded]
+    cluster.requests.datagramReceived(
+        wire.encode_get_many_reply(wire.U32.unpack_from(get_many, 4)[0], values), S1)
+    for result, key in ((one, b"k1"), (many, "b")):
+        error = result[0].value
+        assert isinstance(error, ValueDecodeError)
+        assert (error.dht, error.key) == ("words", key)
+        assert str(error).startswith(f"DHT 'words', key {key!r}: the stored value (3 bytes) "
+                                     f"could not be decoded")
 
 
 @pytest.mark.parametrize(("status", "error"), [(wire.ST_STORAGE_ERROR, StorageError),

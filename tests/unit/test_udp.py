@@ -104,6 +104,15 @@ def test_requests_are_answered_as_the_handler_answers_them(path, family):
                            for data in requests[:4]]
         assert replies[1][2] == wire.ST_REPLY_TOO_LARGE
         assert handler.requests == 5
+        # every byte in and out counted once, by whichever path read or
+        # sent it (C reads all it serves; the fallback sends the PING's reply)
+        fast = handler.fast
+        assert server.bytes_received + (fast.bytes_received if fast else 0) == \
+            sum(map(len, requests))
+        assert server.bytes_sent + (fast.bytes_sent if fast else 0) == sum(map(len, replies))
+        # (Python answers the PING, and the GET whose value is over the bound)
+        assert server.bytes_sent == (len(replies[1]) + len(replies[2]) if fast
+                                     else sum(map(len, replies)))
     finally:
         client.close()
         server.stop()
