@@ -37,12 +37,12 @@ from typing import Any
 from twisted.logger import Logger
 
 from domus.errors import ProtocolError
-from domus.service import hotpath
+from domus.service import holdings, hotpath
 from domus.service.hosted import MAX_NUMBERING, HostedDht
 from domus.service.replycache import ReplyCache
-from domus.storage import Repository, StorageFault
+from domus.storage import PLATFORMS, Repository, StorageFault
 from domus.storage.base import apply_batch
-from domus.wire import auth
+from domus.wire import auth, identities
 from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
@@ -196,6 +196,11 @@ class RequestHandler:
         self.copy_failed: Callable[[HostedDht, str, str], None] | None = None
         self._in_flight: dict[bytes, Later] = {}
         self._as_backup = False
+        # What is held here and whose (domus.service.holdings): DHTs found
+        # on disk at start that are not hosted (id -> identity), and the ids
+        # the supervisor has told this service to host since it registered.
+        self.unloaded: dict[int, dict[str, Any]] = holdings.on_disk(data_dir)
+        self.claimed: set[int] = set()
 
     @property
     def requests(self) -> int:
@@ -832,21 +837,34 @@ class RequestHandler:
         """Host (or re-host) a DHT as the supervisor describes it, active or
         inactive.  Returns its state here and the records a change of state
         saved or loaded; a change that fails raises StorageFault and leaves
-        the DHT as it was."""
+        the DHT as it was.  A descriptor that is not valid, or that names
+        the id of another DHT held here (domus.service.holdings), raises
+        ValueError before anything is opened."""
+        holdings.check_descriptor(descriptor, PLATFORMS)
         dht_id = descriptor["id"]
         hosted = self.dhts.get(dht_id)
+        recorded = (holdings.identity_of(hosted.descriptor) if hosted is not None
+                    else self.unloaded.get(dht_id))
+        refusal = holdings.conflict(recorded, descriptor)
+        if refusal is not None:
+            raise ValueError(refusal)
         try:
             if hosted is None:
                 hosted = HostedDht(descriptor, self.service_name, self.data_dir)
+                holdings.write(self.data_dir, descriptor)
                 self.dhts[dht_id] = hosted
+                self.unloaded.pop(dht_id, None)
                 moved = hosted.apply(descriptor)
                 log.info("service {service}: now hosting DHT {dht!r} (id {id}, {state})",
                          service=self.service_name, dht=descriptor["name"], id=dht_id,
                          state="active" if hosted.active else "inactive")
             else:
+                if recorded is None or recorded.get("stamp") is None:
+                    holdings.write(self.data_dir, descriptor)
                 moved = hosted.apply(descriptor)
         finally:
             self._update_fast_table(dht_id)
+        self.claimed.add(dht_id)
         return {"state": "active" if hosted.active else "inactive", "records": moved}
 
     def refresh_fast_table(self, dht_id: int) -> None:
@@ -864,15 +882,66 @@ class RequestHandler:
             self.fast_table.pop(dht_id, None)
             self.backup_table.pop(dht_id, None)
 
-    def drop(self, dht_id: int) -> bool:
+    def drop(self, named: dict[str, Any]) -> bool:
+        """Delete a DHT held here, memory and files, as the supervisor says:
+        ``named`` gives its id, deployment and stamp, which must be those
+        the DHT was created with (ValueError otherwise, and nothing is
+        touched).  False if no DHT of that id is held here."""
+        named = identities.checked(named, required=False)
+        dht_id = named["id"]
+        hosted = self.dhts.get(dht_id)
+        recorded = (holdings.identity_of(hosted.descriptor) if hosted is not None
+                    else self.unloaded.get(dht_id))
+        if recorded is None:
+            return False
+        if not identities.same(recorded, named):
+            raise ValueError(f"service {self.service_name} refuses to drop DHT id {dht_id}: "
+                             f"the deployment and stamp named ({named['deployment']}, "
+                             f"{named['stamp']}) are not those of the DHT held under that id "
+                             f"({recorded.get('name')!r}: {recorded.get('deployment')}, "
+                             f"{recorded.get('stamp')}); it is kept")
+        self._forget_dht(dht_id)
+        return True
+
+    def discard(self, named: dict[str, Any]) -> dict[str, Any]:
+        """Delete a DHT held here that the supervisor has not told this
+        service to host (an orphan; see domus.wire.identities), named by its
+        id, deployment and stamp; an operator's decision."""
+        named = identities.checked(named, required=False)
+        dht_id = named["id"]
+        if dht_id in self.claimed:
+            raise ValueError(f"DHT id {dht_id} is one the supervisor has this service host; "
+                             f"destroy it with `domus dht destroy`")
+        if not self.drop(named):
+            raise ValueError(f"service {self.service_name} holds no DHT with id {dht_id}")
+        return {"discarded": dht_id}
+
+    def _forget_dht(self, dht_id: int) -> None:
         hosted = self.dhts.pop(dht_id, None)
         self._update_fast_table(dht_id)
+        self.unloaded.pop(dht_id, None)
+        self.claimed.discard(dht_id)
         if hosted is None:
-            return False
+            log.info("service {service}: deleting the files of DHT id {id}",
+                     service=self.service_name, id=dht_id)
+            holdings.remove(self.data_dir, dht_id)
+            return
         log.info("service {service}: dropping DHT {dht!r} ({records} records)",
                  service=self.service_name, dht=hosted.name, records=hosted.records())
         hosted.destroy()
-        return True
+
+    def holdings(self, *, unclaimed: bool = False) -> list[dict[str, Any]]:
+        """Every DHT held here (hosted, or only on disk), with its identity;
+        ``unclaimed``: only those the supervisor has not told this service
+        to host since it registered (what a heartbeat reports)."""
+        held = [holdings.report(holdings.identity_of(hosted.descriptor), loaded=True,
+                                records=hosted.records())
+                for dht_id, hosted in sorted(self.dhts.items())
+                if not (unclaimed and dht_id in self.claimed)]
+        held += [holdings.report(identity, loaded=False, records=None)
+                 for dht_id, identity in sorted(self.unloaded.items())
+                 if dht_id not in self.dhts and not (unclaimed and dht_id in self.claimed)]
+        return held
 
     def flush(self) -> None:
         """Write what the DHTs hosted here have buffered to their media."""
@@ -892,15 +961,18 @@ class RequestHandler:
             hosted.close()
 
     def sync(self, descriptors: list[dict[str, Any]]) -> None:
-        """Make the hosted DHTs exactly those the supervisor lists.  A DHT
-        whose change of state fails is logged and left as it was; the
-        others are still synced.  Bucket moves under way are abandoned
-        (see HostedDht, "Moving a bucket"): the supervisor sends this when
-        the service registers, on a link no move was driven over."""
-        wanted = {descriptor["id"] for descriptor in descriptors}
-        for dht_id in list(self.dhts):
-            if dht_id not in wanted:
-                self.drop(dht_id)
+        """Host the DHTs the supervisor lists, as it describes them.  A DHT
+        held here that it does not list is kept, not deleted (it may be of
+        another deployment, or one a supervisor restarted on the wrong data
+        dir no longer knows): it is reported as unclaimed, and only a
+        ``drop`` or ``discard`` naming it deletes it.  A DHT whose change of
+        state fails (or whose descriptor is refused) is logged and left as
+        it was; the others are still synced.  Bucket moves under way are
+        abandoned (see HostedDht, "Moving a bucket"): the supervisor sends
+        this when the service registers, on a link no move was driven over."""
+        if not isinstance(descriptors, list):
+            raise ValueError("sync needs a list of DHT descriptors")
+        self.claimed = set()
         for hosted in self.dhts.values():
             hosted.abandon_moves()
         for descriptor in descriptors:
@@ -910,3 +982,12 @@ class RequestHandler:
                 self.counters["storage_errors"] += 1
                 log.error("service {service}: {problem}", service=self.service_name,
                           problem=str(exc))
+            except ValueError as exc:
+                log.error("service {service}: refused a DHT of the supervisor's: {problem}",
+                          service=self.service_name, problem=str(exc))
+        for hosted in self.dhts.values():
+            if hosted.id not in self.claimed:
+                log.warn("service {service}: keeps DHT {dht!r} (id {id}), which its "
+                         "supervisor does not list (`domus status` shows it; `domus service "
+                         "discard` deletes it)", service=self.service_name, dht=hosted.name,
+                         id=hosted.id)
