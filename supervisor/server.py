@@ -62,6 +62,20 @@ BALANCE_MODES = ("auto", "manual")
 # A register that names a live service's name or address waits this long for
 # that service to answer the supervisor's ping; one that does not is dead.
 PROBE_TIMEOUT = 3.0
+# What one service takes of one DHT: buckets of a role per service of that
+# role at most (measured, docs/operations.md "Limits": opening a bucket costs
+# about 0.5 KiB and 15 us on a RAM platform, a Berkeley DB database about
+# 20 KiB and far more time, all in one turn of the service's reactor).  A
+# create or resize past it is refused, saying how many buckets the DHT's
+# services can take.
+BUCKETS_PER_SERVICE = {"python-dict": 16384, "domus-rbt": 16384,
+                       "domus-bsddb-btree": 2048, "domus-bsddb-hash": 2048}
+# What a control request to the supervisor may be (domus.wire.protocol.
+# decode_control): the largest are a register's holdings and a heartbeat's
+# per-bucket figures, well under these; in memory, at most some 64 bytes a
+# container and 14 a byte of scalars.
+MAX_REQUEST_BODY = 4 << 20
+MAX_REQUEST_CONTAINERS = 1 << 18
 # The kind of a control error that refuses a registration for good (the
 # service stops, saying why); any other error in register is retried.
 REFUSED = "RegistrationRefused"
@@ -153,6 +167,8 @@ class SupervisorService(Service):
             link = original(addr)
             link.control_handler = self.control
             link.accepting, link.keys = True, self.keys
+            link.max_control_body = MAX_REQUEST_BODY
+            link.max_control_containers = MAX_REQUEST_CONTAINERS
             link.auth_failures = self._auth_failed
             return link
 
@@ -742,6 +758,7 @@ class SupervisorService(Service):
             counts = assignment.proportional_counts(buckets, weights)
             descriptor[role] = [{"name": s, "address": self.state.services[s]["address"],
                                  "count": count} for s, count in zip(services, counts)]
+        self._check_scale(name, buckets, descriptor)
         copies = wanted.get("replicas") or 1
         descriptor["replicas"] = copies
         if copies > 1:
@@ -755,6 +772,21 @@ class SupervisorService(Service):
                 raise ControlError("InvalidAttribute", f"DHT {name!r}: {exc}") from None
             descriptor["storage_backups"] = [replicas.encode(copy) for copy in backups]
         return descriptor
+
+    @staticmethod
+    def _check_scale(name: str, buckets: int, descriptor: dict[str, Any]) -> None:
+        """Refuse a bucket count the DHT's services cannot take (see
+        BUCKETS_PER_SERVICE), naming the largest they can."""
+        cap = BUCKETS_PER_SERVICE.get(descriptor["platform"], 2048)
+        for role in ("routing_services", "storage_services"):
+            services = max(1, len(descriptor[role]))
+            if buckets > cap * services:
+                most = 1 << (cap * services).bit_length() - 1
+                raise ControlError("InvalidAttribute", f"DHT {name!r}: {buckets} buckets is "
+                                   f"more than its {services} {role.split('_')[0]} service(s) "
+                                   f"can take: each takes at most {cap} buckets of a "
+                                   f"{descriptor['platform']} DHT, so at most {most} buckets "
+                                   f"(a power of two) here; add services or ask for fewer")
 
     @staticmethod
     def _involved(descriptor: dict[str, Any]) -> list[str]:
@@ -1383,6 +1415,7 @@ class SupervisorService(Service):
                 or not MIN_BUCKETS <= buckets <= MAX_BUCKETS or buckets & (buckets - 1)):
             raise ControlError("InvalidAttribute", f"a DHT's bucket count must be a power of "
                                f"two from {MIN_BUCKETS} to {MAX_BUCKETS}, not {buckets!r}")
+        self._check_scale(name, buckets, descriptor)
         if descriptor.get("state", "active") != "active":
             raise ControlError("SupervisorError", f"DHT {name!r} is inactive; activate it "
                                f"(`domus dht activate {name}`) before resizing it")
@@ -2240,8 +2273,16 @@ class SupervisorService(Service):
                      "supervisor did not know", service=service, name=orphan["name"], id=id)
             return {"service": service, **orphan, **answer}
 
+        def refused(failure: Any) -> Any:
+            from domus.wire.control import RemoteControlError
+
+            if failure.check(RemoteControlError):
+                raise ControlError("SupervisorError", failure.value.message)
+            raise ControlError("SupervisorError", f"service {service!r} did not discard DHT id "
+                               f"{id}: {failure.getErrorMessage()}")
+
         return self.links[service].call("discard", timeout=self.push_timeout,
-                                        **identities.of(orphan)).addCallback(discarded)
+                                        **identities.of(orphan)).addCallbacks(discarded, refused)
 
     def op_ping(self, link: MessageProtocol) -> dict[str, Any]:
         return {"supervisor": self.address, "version": __version__,

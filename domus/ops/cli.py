@@ -16,7 +16,7 @@ from domus.supervisor.balancer import Settings
 from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from domus.wire import address as addresses
 
-SERVICE_ADMIN = ("list", "remove", "drain")
+SERVICE_ADMIN = ("list", "remove", "drain", "discard")
 
 
 def _positive_seconds(text: str) -> float:
@@ -27,6 +27,16 @@ def _positive_seconds(text: str) -> float:
     if not 0 < seconds < float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
     return seconds
+
+
+def _dht_id(text: str) -> int:
+    from domus.wire import checks
+
+    try:
+        return checks.dht_id(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a DHT id (an integer from 1 to "
+                                         f"{checks.MAX_DHT_ID})") from None
 
 
 def _fraction(text: str) -> float:
@@ -93,18 +103,19 @@ def _run_reactor(service: Any) -> int:
 def cmd_supervisor(args: argparse.Namespace) -> int:
     from domus.supervisor.server import SupervisorService
 
-    return _run_reactor(SupervisorService(listen=args.listen, data_dir=args.data_dir,
-                                          down_after=args.down_after,
-                                          push_timeout=args.push_timeout,
-                                          balance=args.balance,
-                                          balancer_settings=Settings(
-                                              settle=args.balance_settle,
-                                              max_moves=args.balance_max_moves,
-                                              cooldown=args.balance_cooldown,
-                                              cpu_busy=args.balance_cpu_busy,
-                                              smoothing=args.balance_smoothing),
-                                          secret_file=args.secret_file,
-                                          insecure=args.insecure))
+    try:
+        supervisor = SupervisorService(
+            listen=args.listen, data_dir=args.data_dir, down_after=args.down_after,
+            push_timeout=args.push_timeout, balance=args.balance,
+            balancer_settings=Settings(settle=args.balance_settle,
+                                       max_moves=args.balance_max_moves,
+                                       cooldown=args.balance_cooldown,
+                                       cpu_busy=args.balance_cpu_busy,
+                                       smoothing=args.balance_smoothing),
+            secret_file=args.secret_file, insecure=args.insecure)
+    except ValueError as exc:
+        raise SystemExit(f"domus: cannot start the supervisor: {exc}") from None
+    return _run_reactor(supervisor)
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -113,10 +124,14 @@ def cmd_service(args: argparse.Namespace) -> int:
     overrides = {key: value for key, value in
                  (("cores", args.cores), ("ram", args.ram), ("disk", args.disk))
                  if value is not None}
-    return _run_reactor(DomusService(supervisor=addresses.supervisor_address(args.supervisor),
-                                     listen=args.listen, data_dir=args.data_dir, name=args.name,
-                                     heartbeat=args.heartbeat, resources=overrides,
-                                     cpus=args.cpus, secret_file=args.secret_file))
+    try:
+        service = DomusService(supervisor=addresses.supervisor_address(args.supervisor),
+                               listen=args.listen, data_dir=args.data_dir, name=args.name,
+                               heartbeat=args.heartbeat, resources=overrides,
+                               cpus=args.cpus, secret_file=args.secret_file)
+    except ValueError as exc:
+        raise SystemExit(f"domus: cannot start the service: {exc}") from None
+    return _run_reactor(service)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -233,6 +248,18 @@ def format_status(status: dict[str, Any]) -> str:
                          f"{dht['storage']}/{dht['platform']}", dht["routing"], dht["lookup"],
                          ",".join(dht["routing_services"]), ",".join(dht["storage_services"])))
     lines += _table(dht_rows) if status["dhts"] else ["no DHTs"]
+    orphans = [(service["name"], orphan) for service in status["services"]
+               for orphan in service.get("unknown_dhts") or []]
+    if orphans:
+        lines += ["", "DHTs unknown to the supervisor (kept by their services; "
+                  "`domus service discard SERVICE ID` deletes one):"]
+        rows = [("SERVICE", "ID", "NAME", "STORAGE", "RECORDS", "DEPLOYMENT", "STAMP")]
+        rows += [(name, str(orphan["id"]), str(orphan.get("name") or "?"),
+                  f"{orphan.get('storage') or '?'}/{orphan.get('platform') or '?'}",
+                  "-" if orphan.get("records") is None else f"{orphan['records']:,}",
+                  str(orphan.get("deployment") or "?"), str(orphan.get("stamp") or "?"))
+                 for name, orphan in orphans]
+        lines += _table(rows)
     return "\n".join(lines)
 
 
@@ -292,6 +319,13 @@ def cmd_service_admin(args: argparse.Namespace) -> int:
             print(f"removed service {args.name}" + (
                 "" if lost is None else f" by force: its buckets of {answer['dhts']} went to "
                 f"their backups, or empty to the other services; {lost:,} records lost"))
+        elif args.action == "discard":
+            answer = cluster.discard_dht(args.name, args.dht_id)
+            records = answer.get("records")
+            print(f"service {args.name} discarded DHT {answer.get('name')!r} (id "
+                  f"{answer['id']}, deployment {answer.get('deployment')}, stamp "
+                  f"{answer.get('stamp')})" + ("" if records is None else
+                                                f": {records:,} records"))
         elif args.action == "drain":
             drained = cluster.drain_service(args.name)
             print(f"drained service {args.name}: {drained['moves']} bucket moves, "
@@ -729,8 +763,12 @@ def _service_admin_parser() -> argparse.ArgumentParser:
         sub.add_argument("--timeout", type=float, default=5.0)
         sub.add_argument("--secret-file", metavar="FILE", default=None)
         sub.add_argument("--json", action="store_true")
-        if action in ("remove", "drain"):
+        if action in ("remove", "drain", "discard"):
             sub.add_argument("name")
+        if action == "discard":
+            sub.add_argument("dht_id", type=_dht_id, metavar="DHT_ID",
+                             help="the id `domus status` shows under DHTs unknown to the "
+                             "supervisor")
         if action == "remove":
             sub.add_argument("--force", action="store_true", help="remove it even if it holds "
                              "buckets: they go, empty, to the others, and its records are lost")

@@ -26,7 +26,7 @@ from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
 from domus.wire import address as addresses
-from domus.wire import launch, secret
+from domus.wire import checks, launch, secret
 from domus.wire import protocol as wire
 from domus.wire.attributes import MAX_BUCKETS
 from domus.wire.control import ControlError, MessageProtocol, RemoteControlError
@@ -58,8 +58,9 @@ class DomusService(Service):
         self.supervisor_address = addresses.parse(supervisor)
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
-        self.service_name = name or self.address
-        self.data_dir = os.path.abspath(data_dir)
+        self.service_name = checks.service_name(name or self.address)
+        checks.address(self.address)
+        self.data_dir = checks.absolute_path(os.path.abspath(data_dir), "data dir")
         os.makedirs(data_dir, exist_ok=True)
         self.heartbeat_interval = heartbeat
         if cpus:
