@@ -331,12 +331,14 @@ class RawControl:
             self.send_frame(wire.reply(wire.ST_OK, request_id, wire.pack(result)))
 
     def next_request(self, op: str, timeout: float = 10.0) -> dict[str, Any]:
-        """Wait for the far end's next request ``op`` (answering others)."""
+        """Wait for the far end's next request ``op`` (its id is then
+        ``last_request_id``)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for index, (_request_id, body) in enumerate(self.requests):
+            for index, (request_id, body) in enumerate(self.requests):
                 if body["op"] == op:
                     del self.requests[index]
+                    self.last_request_id = request_id
                     return body
             frame = self.read_frame()
             if frame[0] != wire.REPLY_MAGIC:
