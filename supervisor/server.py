@@ -394,7 +394,7 @@ class SupervisorService(Service):
         if old is not None and old is not link and old.connected:
             _drop_link(old)           # (proven dead, or never live: see op_register)
         record = {"name": name, "address": address, "resources": resources,
-                  "registered": known["registered"] if known else time.time(),
+                  "registered": (known or {}).get("registered", time.time()),
                   "last_registered": time.time(), "version": fields["version"],
                   "pid": fields["pid"],
                   "launch": fields["launch"] or (known or {}).get("launch"),

@@ -185,3 +185,40 @@ def _orphans(link):
     if beat is None:
         return None
     return beat["stats"].get("orphans")
+
+
+def test_a_transient_register_error_is_retried_and_a_refusal_stops_the_service(tmp_path):
+    listener = socket.create_server((LOOPBACK, 0))
+    listener.settimeout(30)
+    supervisor = f"{LOOPBACK}:{listener.getsockname()[1]}"
+    address = f"{LOOPBACK}:{free_port_block(1)}"
+    env = {key: value for key, value in os.environ.items() if key != "DOMUS_SECRET_FILE"}
+    with open(tmp_path / "service.log", "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "domus", "service", "--name", "s1", "--supervisor",
+             supervisor, "--listen", address, "--data-dir", str(tmp_path / "svc")],
+            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL)
+    try:
+        link = RawControl(listener.accept()[0], accepting=True)
+        # A full disk, then an internal error: the service tries again, on
+        # the same link, later each time.
+        for message in ("the supervisor could not save its state: [Errno 28] No space "
+                        "left on device", "internal error in 'register'"):
+            link.next_request("register")
+            link.send_frame(wire.reply(wire.ST_CONTROL_ERROR, link.last_request_id, wire.pack(
+                {"error": "SupervisorError", "message": message})))
+        link.next_request("register")
+        assert process.poll() is None
+        # A refusal for a reason: it stops, saying why.
+        link.send_frame(wire.reply(wire.ST_CONTROL_ERROR, link.last_request_id, wire.pack(
+            {"error": "RegistrationRefused", "message": "service name 's1' is taken"})))
+        assert process.wait(30) == 2
+        said = (tmp_path / "service.log").read_text()
+        assert said.count("retrying in") == 2 and "is taken" in said
+        link.close()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+        listener.close()
