@@ -2286,7 +2286,7 @@ class SupervisorService(Service):
 
     def op_ping(self, link: MessageProtocol) -> dict[str, Any]:
         return {"supervisor": self.address, "version": __version__,
-                "secure": self.keys is not None}
+                "secure": self.keys is not None, "pid": os.getpid()}
 
 
 def _checked_stats(stats: Any, depth: int = 0) -> Any:
