@@ -68,7 +68,7 @@ PROBE_TIMEOUT = 3.0
 # 20 KiB and far more time, all in one turn of the service's reactor).  A
 # create or resize past it is refused, saying how many buckets the DHT's
 # services can take.
-BUCKETS_PER_SERVICE = {"python-dict": 16384, "domus-rbt": 16384,
+BUCKETS_PER_SERVICE = {"python-dict": 65536, "domus-rbt": 65536,
                        "domus-bsddb-btree": 2048, "domus-bsddb-hash": 2048}
 # What a control request to the supervisor may be (domus.wire.protocol.
 # decode_control): the largest are a register's holdings and a heartbeat's

@@ -126,9 +126,14 @@ def resources(given: Any) -> dict[str, Any]:
     """A service's declared resources: ``cores``, ``ram`` (bytes) and
     ``disk`` (bytes), each finite, positive and at most what a machine can
     have (MAX_RESOURCES), and ``hostname`` (a host name) if given.  Returns
-    those fields only (one left out counts as none of it)."""
+    those fields (one left out counts as none of it); any other field is
+    refused."""
     if not isinstance(given, dict):
         raise ValueError(f"resources must be a map of cores, ram and disk, not {given!r}")
+    unknown = [field for field in given if field not in (*MAX_RESOURCES, "hostname")]
+    if unknown:
+        raise ValueError(f"resources have unknown fields {unknown!r} (known: cores, ram, "
+                         f"disk, hostname)")
     checked: dict[str, Any] = {}
     for field, high in MAX_RESOURCES.items():
         if field in given:

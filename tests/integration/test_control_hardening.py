@@ -32,10 +32,18 @@ RECORDS = {f"key-{number}": number for number in range(300)}
 COMMAND_TIMEOUT = 60
 
 
+@pytest.fixture(autouse=True)
+def _no_secret(monkeypatch):
+    """This module's deployment has no secret: no process of the test may
+    name another deployment's ($DOMUS_SECRET_FILE of an earlier module)."""
+    monkeypatch.delenv("DOMUS_SECRET_FILE", raising=False)
+
+
 @pytest.fixture(scope="module")
 def open_deployment(tmp_path_factory):
     """An insecure deployment (anyone may connect) with a DHT of known
     records."""
+    saved = os.environ.pop("DOMUS_SECRET_FILE", None)
     deployment = start_deployment(tmp_path_factory.mktemp("insecure"),
                                   supervisor_args=("--balance", "manual", "--insecure"))
     try:
@@ -44,6 +52,8 @@ def open_deployment(tmp_path_factory):
         yield deployment
     finally:
         _stop_all(deployment)
+        if saved is not None:
+            os.environ["DOMUS_SECRET_FILE"] = saved
 
 
 def state_of(deployment) -> dict:
@@ -281,9 +291,9 @@ def test_a_control_body_that_would_expand_is_refused_before_it_costs_memory(open
 
 def test_a_dht_larger_than_its_services_can_take_is_refused_with_the_limit(open_deployment):
     with open_deployment.connect(timeout=CLIENT_TIMEOUT) as cluster:
-        with pytest.raises(InvalidAttribute, match=r"at most 32768 buckets") as too_big:
+        with pytest.raises(InvalidAttribute, match=r"at most 131072 buckets") as too_big:
             cluster.create_dht("huge", buckets=1 << 24)
-        assert "16384" in str(too_big.value)
+        assert "65536" in str(too_big.value)
         with pytest.raises(InvalidAttribute, match=r"at most 4096 buckets"):
             cluster.create_dht("huge-bdb", buckets=1 << 16, storage="disk",
                                platform="domus-bsddb-btree")

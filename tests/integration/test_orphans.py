@@ -28,7 +28,10 @@ DISK = {f"disk-{number}": number for number in range(200)}
 
 
 @pytest.fixture
-def insecure(tmp_path):
+def insecure(tmp_path, monkeypatch):
+    """An insecure deployment: no process of the test may name another
+    deployment's secret ($DOMUS_SECRET_FILE of an earlier module)."""
+    monkeypatch.delenv("DOMUS_SECRET_FILE", raising=False)
     deployment = start_deployment(tmp_path, supervisor_args=("--balance", "manual",
                                                              "--insecure"))
     try:
