@@ -63,13 +63,14 @@ BALANCE_MODES = ("auto", "manual")
 # that service to answer the supervisor's ping; one that does not is dead.
 PROBE_TIMEOUT = 3.0
 # What one service takes of one DHT: buckets of a role per service of that
-# role at most (measured, docs/operations.md "Limits": opening a bucket costs
-# about 0.5 KiB and 15 us on a RAM platform, a Berkeley DB database about
-# 20 KiB and far more time, all in one turn of the service's reactor).  A
-# create or resize past it is refused, saying how many buckets the DHT's
-# services can take.
+# role at most.  Opening them is one turn of the service's reactor, and must
+# end within the supervisor's push timeout (10 s by default): measured by
+# `python -m benchmarks.bucket_cost` (docs/operations.md, "What the control
+# plane checks"), about 0.45 KiB and 10 us a bucket on a RAM platform, some
+# 7 KiB and 5-7 ms on Berkeley DB on disk.  A create or resize past it is
+# refused, saying how many buckets the DHT's services can take.
 BUCKETS_PER_SERVICE = {"python-dict": 65536, "domus-rbt": 65536,
-                       "domus-bsddb-btree": 2048, "domus-bsddb-hash": 2048}
+                       "domus-bsddb-btree": 1024, "domus-bsddb-hash": 1024}
 # What a control request to the supervisor may be (domus.wire.protocol.
 # decode_control): the largest are a register's holdings and a heartbeat's
 # per-bucket figures, well under these; in memory, at most some 64 bytes a
@@ -777,7 +778,7 @@ class SupervisorService(Service):
     def _check_scale(name: str, buckets: int, descriptor: dict[str, Any]) -> None:
         """Refuse a bucket count the DHT's services cannot take (see
         BUCKETS_PER_SERVICE), naming the largest they can."""
-        cap = BUCKETS_PER_SERVICE.get(descriptor["platform"], 2048)
+        cap = BUCKETS_PER_SERVICE.get(descriptor["platform"], 1024)
         for role in ("routing_services", "storage_services"):
             services = max(1, len(descriptor[role]))
             if buckets > cap * services:
