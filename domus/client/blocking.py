@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import threading
 import time
 from collections.abc import (
     Callable,
@@ -40,7 +41,13 @@ from domus.client.lookup import (
     Renumbered,
     reply_error,
 )
-from domus.client.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
+from domus.client.transport import (
+    RequestIds,
+    ServiceChannel,
+    SupervisorLink,
+    exchange,
+    fork_aware,
+)
 from domus.errors import (
     DomusError,
     ServiceUnavailable,
@@ -136,8 +143,11 @@ class Cluster:
             # (a deployment run --insecure takes no MACs, whatever secret
             # this process found at the default path)
             keys = self.keys if self.supervisor.secure else None
-            channel = self._channels[key] = ServiceChannel(name, address, deadline=self.timeout,
-                                                           keys=keys)
+            made = ServiceChannel(name, address, deadline=self.timeout, keys=keys)
+            # Two threads may make it at once: both use the first one kept.
+            channel = self._channels.setdefault(key, made)
+            if channel is not made:
+                made.close()
         return channel
 
     # -- DHTs
@@ -284,10 +294,52 @@ class Cluster:
 
 
 class Dht(DirectLookup[ServiceChannel], MutableMapping):
-    """One DHT, used like a dict."""
+    """One DHT, used like a dict, from any number of threads.
+
+    Requests of different threads go out side by side, each on its
+    thread's own sockets (domus.client.transport); what threads share is
+    the layout, which a refresh replaces while others read it.  Fetches are
+    serialised (``_fetching``): a thousand requests told NOT_OWNER at once
+    cause one fetch, not a thousand.  A request that met a layout half
+    replaced (an index past a table of another bucket count) waits for the
+    fetch to end and starts again.  The lookup counters are not locked:
+    under many threads they may miss a few counts."""
+
+    def __init__(self, cluster: Any, descriptor: dict[str, Any], **options: Any) -> None:
+        self._fetching = threading.Lock()
+        self._begun = 0                 # layout fetches begun (under _fetching)
+        self._loads = 0                 # layouts being or been loaded
+        super().__init__(cluster, descriptor, **options)
+        fork_aware(self)
+
+    def _after_fork(self) -> None:
+        self._fetching = threading.Lock()   # (a parent's thread may have held it)
+
+    def _load(self, descriptor: dict[str, Any]) -> None:
+        self._loads += 1
+        super()._load(descriptor)
+
+    def _layout_mark(self) -> int:
+        return self._begun
 
     def refresh(self) -> None:
         """Fetch the DHT's layout from the supervisor again."""
+        self._layout_after(self._begun)
+
+    def _layout_after(self, mark: int) -> None:
+        """A layout whose fetch began after ``mark`` (a past ``_begun``):
+        one another thread fetched meanwhile, or else a new one."""
+        with self._fetching:
+            if self._begun > mark:
+                return
+            self._begun += 1
+            try:
+                self._fetch()
+            except BaseException:
+                self._begun -= 1
+                raise
+
+    def _fetch(self) -> None:
         self._counters["refreshes"] += 1
         try:
             descriptor = self.cluster.supervisor.call("open_dht", name=self.name)
@@ -295,6 +347,14 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             raise UnknownDht(f"DHT {self.name!r} no longer exists (destroyed?); "
                              f"create or open it again") from None
         self._load(descriptor)
+
+    def _reloaded(self, loads: int) -> bool:
+        """Whether a layout was loaded since ``loads`` (a past ``_loads``);
+        if so, once that load has ended."""
+        if self._loads == loads:
+            return False
+        with self._fetching:
+            return True
 
     def _refresh_soon(self) -> None:
         """(A reply told of a newer layout: fetch it now; if the supervisor
@@ -308,6 +368,15 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     # ------------------------------------------------------------ single keys
     def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
+        loads = self._loads
+        try:
+            return self._keyed_request(op, key, value)
+        except IndexError:
+            if not self._reloaded(loads):
+                raise
+            return self._request(op, key, value)   # (another thread's refresh: anew)
+
+    def _keyed_request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
         """One keyed request (``value``: a PUT's packed value); returns its
         reply.  The first method of the lookup strategy answers at once when
         it can (a direct table, a cached entry); anything else (a miss, a
@@ -348,7 +417,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 return self._drive(self._course(encode, bucket, first, skip=skip,
                                              count=count))
             except Renumbered:          # the DHT was resized: hash the key anew
-                return self._request(op, key, value)
+                return self._keyed_request(op, key, value)
             except ServiceUnavailable as exc:
                 # (A replicated bucket's primary died while this request went
                 # its course: to its backup, once promoted, as it was.)
@@ -375,7 +444,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                         time.sleep(instruction[1])
                         result = None
                     else:
-                        self.refresh()
+                        self._layout_after(instruction[1])
                         result = None
                 except DomusError as exc:
                     instruction = course.throw(exc)
@@ -483,12 +552,23 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         found = self._drive_all({bucket: self._locating(bucket) for bucket in missing})
         return self._batch_found(owners, missing, [found[bucket] for bucket in missing])
 
+    def _settled_owners(self, keys: list[bytes]) -> tuple[Any, int]:
+        """``_batch_owners`` and the ``_loads`` they were found with, found
+        again if another thread's refresh replaced the layout meanwhile."""
+        while True:
+            loads = self._loads
+            try:
+                return self._batch_owners(keys), loads
+            except IndexError:
+                if not self._reloaded(loads):
+                    raise
+
     def _before_next_round(self, moved: int, moving: bool, rounds: dict[str, Any]) -> None:
         for step in self._batch_retry(moved, moving, rounds):
             if step[0] == PAUSE:
                 time.sleep(step[1])
             else:
-                self.refresh()
+                self._layout_after(step[1])
 
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
         """Store many records, one message per service where they fit in a
@@ -498,13 +578,19 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         pairs = list(items.items() if isinstance(items, Mapping) else items)
         keys, values = batch.encode_pairs(pairs)
         batch.check_values(values)
-        owners = self._batch_owners(keys)
+        owners, loads = self._settled_owners(keys)
         created = 0
         rounds = self._batch_rounds()
         replies: list[bytes] | None = []
         while keys:
-            requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
-                                          self.id, self.cluster.ids)
+            try:
+                requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
+                                              self.id, self.cluster.ids)
+            except IndexError:
+                if not self._reloaded(loads):
+                    raise
+                loads, owners = self._loads, self._owners   # (another thread's refresh)
+                continue
             replies = self._exchange(requests)
             if replies is None:             # a primary died: its backup took over
                 owners = self._owners
@@ -521,12 +607,18 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         """Values of the keys that are present (absent keys are left out)."""
         wanted = list(keys)
         state = batch.GetMany(wanted, codec.encode_keys(wanted))
-        owners = self._batch_owners(state.encoded)
+        owners, loads = self._settled_owners(state.encoded)
         rounds = self._batch_rounds()
         replies: list[bytes] | None = []
         while state.pending:
-            requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
-                                               self.cluster.ids)
+            try:
+                requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
+                                                   self.cluster.ids)
+            except IndexError:
+                if not self._reloaded(loads):
+                    raise
+                loads, owners = self._loads, self._owners   # (another thread's refresh)
+                continue
             replies = self._exchange(requests)
             if replies is None:             # a primary died: its backup took over
                 owners = self._owners

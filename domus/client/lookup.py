@@ -324,7 +324,7 @@ class DirectLookup(Generic[Channel]):
         if fast == "C":
             entry = self._cache.get(bucket)
             if entry is not None:
-                self._cache.move_to_end(bucket)
+                _touch(self._cache, bucket)
                 self._method_stats["C"].lookups += 1
                 return entry[1]
         return None
@@ -520,7 +520,7 @@ class DirectLookup(Generic[Channel]):
         if method == "C":
             entry = self._cache.get(bucket)
             if entry is not None:
-                self._cache.move_to_end(bucket)
+                _touch(self._cache, bucket)
                 return entry[1], 0
             stats.misses += 1           # not cached: route from the nearest entry
             start = self._nearest_cached(bucket)
@@ -620,9 +620,12 @@ class DirectLookup(Generic[Channel]):
     def _remember(self, bucket: int, router: Channel, storage: Channel) -> None:
         cache = self._cache
         cache[bucket] = (router, storage)
-        cache.move_to_end(bucket)
-        while len(cache) > self.cache_capacity:
-            cache.popitem(last=False)
+        _touch(cache, bucket)
+        try:
+            while len(cache) > self.cache_capacity:
+                cache.popitem(last=False)
+        except KeyError:        # (emptied by another thread meanwhile)
+            pass
 
     def _nearest_cached(self, target: int) -> tuple[Channel, int] | None:
         """(routing channel, bucket) of the cached entry nearest ``target``
@@ -637,8 +640,11 @@ class DirectLookup(Generic[Channel]):
                 return entry[0], bucket
             if probe >= NEAR_PROBES:
                 break
-        bucket = next(reversed(cache))
-        return cache[bucket][0], bucket
+        try:
+            bucket = next(reversed(cache))
+            return cache[bucket][0], bucket
+        except (StopIteration, KeyError, RuntimeError):   # (another thread changed it)
+            return None
 
     def _random_start(self) -> tuple[Channel, int]:
         """A routing service picked at random, weighted by the buckets it
@@ -759,6 +765,15 @@ class DirectLookup(Generic[Channel]):
             "retries": sum(channel.retries for channel in self._storage_channels),
             "timeouts": sum(channel.timeouts for channel in self._storage_channels),
         }
+
+
+def _touch(cache: OrderedDict[int, Any], bucket: int) -> None:
+    """Mark ``bucket`` as the most recently used entry of ``cache`` (a
+    client shared by threads: another may have dropped it meanwhile)."""
+    try:
+        cache.move_to_end(bucket)
+    except KeyError:
+        pass
 
 
 def reply_error(dht: str, reply: bytes, channel: Any, bucket: int | None) -> DomusError:
