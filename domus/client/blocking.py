@@ -665,14 +665,6 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         except DomusError:
             pass
 
-    def _renumbered_at(self, bucket: int, count: int, floor: int) -> tuple[int, int]:
-        """A scan that had read buckets [0, ``bucket``) of ``count`` when
-        the DHT was resized: the bucket of the new count to go on from, and
-        the floor (the top 32 bits of a key's hash) below which records were
-        read already."""
-        floor = max(floor, bucket << (32 - (count.bit_length() - 1)))
-        return floor >> (32 - (self.bucket_count.bit_length() - 1)), floor
-
     def records_by_service(self) -> dict[str, int]:
         """How many records each storage service holds of this DHT."""
         self._whole_dht()

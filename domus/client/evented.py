@@ -23,7 +23,8 @@ result (Deferreds; coroutines).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Iterable, Mapping
+import functools
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from domus.client import batch, codec
@@ -33,6 +34,7 @@ from domus.errors import DomusError, ServiceUnavailable, UnknownDht, ValueTooLar
 from domus.wire import protocol as wire
 
 Channel = TypeVar("Channel")
+WINDOW = 32         # datagrams in flight per service; more wait on the client
 
 
 class EventedDht(DirectLookup[Channel]):
@@ -304,3 +306,49 @@ class EventedDht(DirectLookup[Channel]):
             counts[channel.name] = wire.U64.unpack_from(reply, wire.REPLY_HEADER_SIZE)[0]
         return counts
 
+    async def _scan(self) -> AsyncIterator[tuple[bytes, bytes]]:
+        """Every record, bucket by bucket, as raw (key, value) bytes, as the
+        blocking client's scan: a bucket being moved is waited for; one that
+        has moved is scanned at its new owner; after a resize the scan goes
+        on from the same point of the hash range."""
+        try:
+            await self.refresh()        # (the layout as the supervisor knows it now)
+        except UnknownDht:
+            raise
+        except DomusError:
+            pass
+        ids = self.cluster.ids
+        bucket, floor, count = 0, 0, self.bucket_count
+        while True:
+            if self.bucket_count != count:
+                bucket, floor = self._renumbered_at(bucket, count, floor)
+                count = self.bucket_count
+            if bucket >= count:
+                return
+            for attempt in (1, 2):
+                channel = self._owners[bucket]
+                first_page = functools.partial(wire.encode_scan, ids.next(), ids.client_id,
+                                               self.id, bucket, 0, 0, self._numbered)
+                reply = await self._drive(self._send(channel, first_page, bucket))
+                if reply[2] != wire.ST_NOT_OWNER or attempt == 2:
+                    break
+                await self._layout_after(self._fetches)
+                if self.bucket_count != count:
+                    break
+            if self.bucket_count != count:
+                continue
+            while True:
+                if reply[2] != wire.ST_OK:
+                    raise self._error(reply, channel, bucket)
+                scan_id, offset, entries = codec.decode_scan_reply(reply)
+                if floor:
+                    entries = [entry for entry in entries
+                               if codec.bucket_of(self._hasher, 32, entry[0]) >= floor]
+                for entry in entries:
+                    yield entry
+                if offset == wire.SCAN_END:
+                    break
+                reply = await channel.request(wire.encode_scan(ids.next(), ids.client_id,
+                                                               self.id, bucket, scan_id, offset),
+                                              self.name, bucket)
+            bucket += 1

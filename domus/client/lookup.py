@@ -741,6 +741,15 @@ class DirectLookup(Generic[Channel]):
         return {"refreshes": 0, "waited": 0.0, "pause": MOVING_FIRST_PAUSE,
                 "mark": self._layout_mark()}
 
+    # ------------------------------------------------------------ scans
+    def _renumbered_at(self, bucket: int, count: int, floor: int) -> tuple[int, int]:
+        """A scan that had read buckets [0, ``bucket``) of ``count`` when
+        the DHT was resized: the bucket of the new count to go on from, and
+        the floor (the top 32 bits of a key's hash) below which records were
+        read already."""
+        floor = max(floor, bucket << (32 - (count.bit_length() - 1)))
+        return floor >> (32 - (self.bucket_count.bit_length() - 1)), floor
+
     # ------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """This client's lookup counters for the DHT, per method of its

@@ -53,7 +53,8 @@ from domus.wire import auth
 from domus.wire import protocol as wire
 from domus.wire.secret import Keys
 
-_FRAME = struct.Struct(">I")
+FRAME = struct.Struct(">I")      # a TCP message's length prefix
+_FRAME = FRAME
 FIRST_TIMEOUT = 0.25
 MAX_DEADLINE = wire.MAX_DEADLINE
 REFUSED_LIMIT = 3
@@ -63,6 +64,17 @@ WINDOW = 4              # datagrams in flight per service in a pipelined batch
 RECV_BUFFER = 4 * 1024 * 1024
 _roundtrip = codec.roundtrip   # None without the C codec
 DEFAULT_SPIN_US = 30.0
+
+
+def next_timeout(timeout: float, elapsed: float, deadline: float) -> float | None:
+    """The retry rule: after a try that waited ``timeout`` seconds without
+    a reply, ``elapsed`` seconds after the first send, how long the next try
+    waits (twice as long, never past the deadline); None once the deadline
+    has passed (give up).  The event-driven clients follow it to the
+    letter; ServiceChannel's loop below is the same rule, inline."""
+    if elapsed >= deadline:
+        return None
+    return min(timeout * 2, max(deadline - elapsed, 0.001))
 
 
 def spin_from_environment(environ: Any = os.environ) -> float:
@@ -272,6 +284,12 @@ class SupervisorLink:
                     self._sock.close()
                 finally:
                     self._sock = None
+
+
+def control_result(op: str, status: int, frame: bytes) -> Any:
+    """The result of control op ``op`` from the supervisor's reply (status
+    and frame), or its domus.errors exception, raised."""
+    return _control_result(op, status, frame)
 
 
 def _control_result(op: str, status: int, frame: bytes) -> Any:

@@ -42,13 +42,14 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.python.failure import Failure
 
 from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target
-from domus.client.evented import EventedDht
+from domus.client.evented import WINDOW, EventedDht
 from domus.client.transport import (
     FIRST_TIMEOUT,
     MAX_DEADLINE,
     READ_ONLY_CONTROL,
     RECV_BUFFER,
     RequestIds,
+    next_timeout,
     service_unavailable,
 )
 from domus.errors import (
@@ -67,7 +68,6 @@ from domus.wire.attributes import check_strategy, create_request
 from domus.wire.control import MessageProtocol, RemoteControlError
 from domus.wire.secret import Keys
 
-WINDOW = 32            # datagrams in flight per service; more wait on the client
 MAX_PACKET = 65536     # what the UDP socket reads at once (Twisted's default is 8192)
 _UNSET = object()
 
@@ -265,7 +265,8 @@ class DatagramRequests(protocol.DatagramProtocol):
         channel = entry.channel
         channel.timeouts += 1
         elapsed = self.reactor.seconds() - entry.started
-        if elapsed >= channel.deadline:
+        timeout = next_timeout(entry.timeout, elapsed, channel.deadline)
+        if timeout is None:
             # The service has not answered for a whole deadline: the requests
             # still waiting for its window fail with this one, rather than
             # wait out a deadline each, one window after another.
@@ -278,7 +279,7 @@ class DatagramRequests(protocol.DatagramProtocol):
                 request.deferred.errback(channel.unavailable(what, request.dht, request.bucket))
             return
         channel.retries += 1
-        entry.timeout = min(entry.timeout * 2, max(channel.deadline - elapsed, 0.001))
+        entry.timeout = timeout
         self._send(entry)
 
     def forget(self, entry: _Pending) -> None:
