@@ -1,5 +1,6 @@
 """A long random workload against a real deployment, checked op by op
-against a Python dict, plus the value-size and key-type edges.
+against a Python dict, plus the value-size and key-type edges.  Tests on
+``any_cluster`` run against the blocking and the asyncio client alike.
 
 Seeded: set DOMUS_TEST_SEED to replay a failure (the seed is in every
 failure message)."""
@@ -230,8 +231,8 @@ TECHNOLOGIES = [(platform, medium) for platform, spec in sorted(PLATFORMS.items(
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("platform, medium", TECHNOLOGIES,
                          ids=[f"{platform}-{medium}" for platform, medium in TECHNOLOGIES])
-def test_random_workload_matches_a_dict(shared_cluster, platform, medium):
-    dht = shared_cluster.create_dht("workload", platform=platform, storage=medium)
+def test_random_workload_matches_a_dict(any_cluster, platform, medium):
+    dht = any_cluster.create_dht("workload", platform=platform, storage=medium)
     assert (dht.descriptor["platform"], dht.descriptor["storage"]) == (platform, medium)
     workload = Workload(dht, SEED)
     started = time.monotonic()
@@ -249,19 +250,19 @@ def test_random_workload_matches_a_dict(shared_cluster, platform, medium):
 
 @pytest.mark.parametrize("hash_name, buckets", [("blake2b", 1), ("sha256", 8),
                                                 ("xxh64", 4096)])
-def test_workload_with_other_hashes_and_bucket_counts(shared_cluster, hash_name, buckets):
-    dht = shared_cluster.create_dht(f"workload-{hash_name}", hash=hash_name, buckets=buckets)
+def test_workload_with_other_hashes_and_bucket_counts(any_cluster, hash_name, buckets):
+    dht = any_cluster.create_dht(f"workload-{hash_name}", hash=hash_name, buckets=buckets)
     assert dht.bucket_count == buckets
     workload = Workload(dht, SEED + buckets)
     workload.run(2_000, whole_every=1_000)
     assert sum(dht.records_by_service().values()) == len(workload.model)
 
 
-def test_a_dht_with_more_buckets_than_a_client_tabulates(shared_cluster):
+def test_a_dht_with_more_buckets_than_a_client_tabulates(any_cluster):
     """Past DENSE_TABLE_LIMIT buckets a client finds owners by floor lookups
     in its BucketMap instead of a per-bucket list; the answers are the same."""
     buckets = DENSE_TABLE_LIMIT * 2
-    dht = shared_cluster.create_dht("many-buckets", buckets=buckets, platform="domus-rbt")
+    dht = any_cluster.create_dht("many-buckets", buckets=buckets, platform="domus-rbt")
     assert dht.bucket_count == buckets
     assert isinstance(dht._owners, BucketMap)
     assert dht.layout.range_count() == len(dht.descriptor["storage_services"])
@@ -279,8 +280,8 @@ VALUE_SIZES = [0, 1, 1000, wire.DEFAULT_MAX_DATAGRAM - 100, wire.DEFAULT_MAX_DAT
                wire.MAX_UDP_PAYLOAD - 100, wire.MAX_UDP_PAYLOAD, 70_000, 1 << 20, 3 << 20]
 
 
-def test_values_of_every_size_round_trip(shared_cluster):
-    dht = shared_cluster.create_dht("sizes")
+def test_values_of_every_size_round_trip(any_cluster):
+    dht = any_cluster.create_dht("sizes")
     rng = random.Random(SEED)
     expected = {}
     for size in VALUE_SIZES:
@@ -309,8 +310,8 @@ def test_values_of_every_size_round_trip(shared_cluster):
 
 
 @pytest.mark.timeout(120)
-def test_value_at_the_limit_is_stored_and_one_byte_more_is_refused(shared_cluster):
-    dht = shared_cluster.create_dht("limits")
+def test_value_at_the_limit_is_stored_and_one_byte_more_is_refused(any_cluster):
+    dht = any_cluster.create_dht("limits")
     header = 5  # msgpack bin 32: one type byte and a 4-byte length
     at_limit = b"\xab" * (wire.MAX_VALUE_BYTES - header)
     assert dht.put("at-limit", at_limit) is True
@@ -330,14 +331,14 @@ def test_value_at_the_limit_is_stored_and_one_byte_more_is_refused(shared_cluste
     assert len(dht) == 1
 
 
-def test_keys_are_as_distinct_as_in_a_dict(shared_cluster):
+def test_keys_are_as_distinct_as_in_a_dict(any_cluster):
     class Colour(enum.IntEnum):
         RED = 1
 
     class Name(str):
         pass
 
-    dht = shared_cluster.create_dht("identity")
+    dht = any_cluster.create_dht("identity")
     dht.put_many({1: "int", "1": "str", b"1": "bytes", 2**64 + 1: "big", -(2**64) - 1: "-big"})
     assert len(dht) == 5
     assert (dht[1], dht["1"], dht[b"1"]) == ("int", "str", "bytes")
@@ -352,8 +353,8 @@ def test_keys_are_as_distinct_as_in_a_dict(shared_cluster):
     assert all(type(key) in (int, str, bytes) for key in dht)
 
 
-def test_long_keys(shared_cluster):
-    dht = shared_cluster.create_dht("long-keys")
+def test_long_keys(any_cluster):
+    dht = any_cluster.create_dht("long-keys")
     longest = "x" * (wire.MAX_KEY_BYTES - 1)   # one tag byte + 8191 bytes: exactly the limit
     dht[longest] = 1
     assert dht[longest] == 1
@@ -370,8 +371,8 @@ def test_long_keys(shared_cluster):
 BAD_KEYS = [1.5, 2.0, float("nan"), None, (1, 2), [1], {"a": 1}, frozenset(), object()]
 
 
-def test_a_key_of_the_wrong_type_raises_and_stores_nothing(shared_cluster):
-    dht = shared_cluster.create_dht("bad-keys")
+def test_a_key_of_the_wrong_type_raises_and_stores_nothing(any_cluster):
+    dht = any_cluster.create_dht("bad-keys")
     dht["present"] = "yes"
     for bad_key in BAD_KEYS:
         attempts = {
@@ -394,8 +395,8 @@ def test_a_key_of_the_wrong_type_raises_and_stores_nothing(shared_cluster):
     assert len(dht) == 1
 
 
-def test_a_value_msgpack_cannot_encode_raises_and_stores_nothing(shared_cluster):
-    dht = shared_cluster.create_dht("bad-values")
+def test_a_value_msgpack_cannot_encode_raises_and_stores_nothing(any_cluster):
+    dht = any_cluster.create_dht("bad-values")
     for bad_value in [object(), 2**64, -(2**63) - 1, {1, 2}, [1, object()], {"a": {"b": {3j}}}]:
         with pytest.raises(ValueTypeError) as raised:
             dht.put("key", bad_value)
@@ -408,8 +409,8 @@ def test_a_value_msgpack_cannot_encode_raises_and_stores_nothing(shared_cluster)
 
 # ------------------------------------------------------------------ batches and scans
 
-def test_batches_larger_than_a_datagram(shared_cluster):
-    dht = shared_cluster.create_dht("batches")
+def test_batches_larger_than_a_datagram(any_cluster):
+    dht = any_cluster.create_dht("batches")
     rng = random.Random(SEED)
     small = {number: rng.randbytes(1000) for number in range(5000)}       # ~5 MB in one call
     assert dht.put_many(small) == 5000
