@@ -5,8 +5,9 @@
         dht = cluster.create_dht("words")
         dht["apple"] = 3
 
-A ``Dht`` is a ``MutableMapping``.  Keys are int, str or bytes; values are
-anything msgpack encodes (tuples come back as lists).  Each operation is one
+A ``Dht`` is a ``MutableMapping``.  Keys are int, str, bytes or tuples of
+those; values are anything the DHT's codec encodes (msgpack by default,
+where tuples come back as lists; ``codec="pickle"`` or ``"raw"``).  Each operation is one
 request to the service that stores the key's bucket, found by the DHT's
 lookup strategy; the supervisor is asked only when a DHT is opened or its
 layout changed.
