@@ -42,7 +42,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Generator, Iterable, Mapping
 from typing import Any
 
-from domus.client import codec
 from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target
 from domus.client.evented import WINDOW, EventedDht
 from domus.client.transport import (
@@ -796,5 +795,5 @@ class AioDht(EventedDht[AioChannel]):
         return self.keys()
 
     def _unpack_stored(self, value: bytes) -> Any:
-        return codec.unpack_value(value, 0)
+        return self._values.unpack_at(value, 0)
 

@@ -136,6 +136,11 @@ class Cluster:
     def ping(self) -> dict[str, Any]:
         return self.supervisor.call("ping")
 
+    @property
+    def secure(self) -> bool:
+        """Whether the deployment authenticates this client (has a secret)."""
+        return self.supervisor.secure
+
     def channel(self, name: str, address: str) -> ServiceChannel:
         """The (shared) channel to a service, by name and address."""
         key = (name, address)
@@ -158,7 +163,8 @@ class Cluster:
                    routing_algorithm: str | None = None, lookup: str | None = None,
                    durability: str | None = None, replicas: int | None = None,
                    routing_services: Iterable[str] | None = None,
-                   storage_services: Iterable[str] | None = None) -> Dht:
+                   storage_services: Iterable[str] | None = None,
+                   codec: str | None = None) -> Dht:
         """Create a DHT and open it.  Attributes left out take their
         defaults (README, "DHT attributes"); service sets default to every live
         service."""
@@ -168,7 +174,7 @@ class Cluster:
                                     routing_algorithm=routing_algorithm, lookup=lookup,
                                     durability=durability, replicas=replicas,
                                     routing_services=routing_services,
-                                    storage_services=storage_services)
+                                    storage_services=storage_services, codec=codec)
         descriptor = self.supervisor.call("create_dht", name=name, attributes=attributes,
                                           timeout=max(self.timeout, 15.0))
         return Dht(self, descriptor)
@@ -511,7 +517,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     def put(self, key: Any, value: Any) -> bool:
         """Store ``value`` under ``key``; True if the key was new."""
-        packed = _pack_value(value)
+        packed = self._values.pack(value)
         if len(packed) > _MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
                                 f"{_MAX_VALUE_BYTES}-byte limit; split it")
@@ -523,13 +529,13 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         reply = self._request(_GET, key)
         if reply[2] == _NOT_FOUND:
             raise KeyError(key)
-        return _unpack_value(reply, _HEADER)
+        return self._values.unpack_at(reply, _HEADER)
 
     def get(self, key: Any, default: Any = None) -> Any:
         reply = self._request(_GET, key)
         if reply[2] == _NOT_FOUND:
             return default
-        return _unpack_value(reply, _HEADER)
+        return self._values.unpack_at(reply, _HEADER)
 
     def delete(self, key: Any) -> bool:
         """Remove ``key``; True if it was there."""
@@ -577,7 +583,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         were new.  Either every key and value is valid and all are sent, or
         none is."""
         pairs = list(items.items() if isinstance(items, Mapping) else items)
-        keys, values = batch.encode_pairs(pairs)
+        keys, values = batch.encode_pairs(pairs, self._values)
         batch.check_values(values)
         owners, loads = self._settled_owners(keys)
         created = 0
@@ -624,7 +630,8 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             if replies is None:             # a primary died: its backup took over
                 owners = self._owners
                 continue
-            moved = state.take(requests, batches, replies, self._batch_error)
+            moved = state.take(requests, batches, replies, self._batch_error,
+                               self._values.take)
             if moved or state.moving:
                 self._before_next_round(moved, state.moving, rounds)
                 owners = self._owners
@@ -787,8 +794,9 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                  for channel, reply in zip(channels, first)]
         merged = heapq.merge(*pages, key=_entry_key, reverse=query.reverse)
         if items:
+            unpack = self._values.unpack_at
             for key, value in merged:
-                yield decode_key(key), _unpack_value(value, 0)
+                yield decode_key(key), unpack(value, 0)
         else:
             for key, _value in merged:
                 yield decode_key(key)
@@ -826,16 +834,18 @@ class _ScanItems(ItemsView):
     _mapping: Dht
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        unpack = self._mapping._values.unpack_at
         for key, value in self._mapping._scan():
-            yield decode_key(key), _unpack_value(value, 0)
+            yield decode_key(key), unpack(value, 0)
 
 
 class _ScanValues(ValuesView):
     _mapping: Dht
 
     def __iter__(self) -> Iterator[Any]:
+        unpack = self._mapping._values.unpack_at
         for _key, value in self._mapping._scan():
-            yield _unpack_value(value, 0)
+            yield unpack(value, 0)
 
 
 __all__ = ["connect", "Cluster", "Dht"]

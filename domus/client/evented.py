@@ -173,7 +173,7 @@ class EventedDht(DirectLookup[Channel]):
             await self._sleep(0.1)
 
     async def _put(self, key: Any, value: Any) -> bool:
-        packed = codec.pack_value(value)
+        packed = self._values.pack(value)
         if len(packed) > wire.MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
                                 f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
@@ -186,7 +186,7 @@ class EventedDht(DirectLookup[Channel]):
             if raise_missing:
                 raise KeyError(key)
             return default
-        return codec.unpack_value(reply, wire.REPLY_HEADER_SIZE)
+        return self._values.unpack_at(reply, wire.REPLY_HEADER_SIZE)
 
     async def _answer(self, op: int, key: Any) -> bool:
         reply = await self._request(op, key)
@@ -240,7 +240,7 @@ class EventedDht(DirectLookup[Channel]):
 
     async def _put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
         pairs = list(items.items() if isinstance(items, Mapping) else items)
-        keys, values = batch.encode_pairs(pairs)
+        keys, values = batch.encode_pairs(pairs, self._values)
         batch.check_values(values)
         owners = await self._batch_owners(keys)
         shift = self._shift         # (the numbering of ``owners``: the layout may change)
@@ -276,7 +276,8 @@ class EventedDht(DirectLookup[Channel]):
             if replies is None:             # (a backup took over: the round again)
                 owners, shift = self._owners, self._shift
                 continue
-            moved = state.take(requests, batches, replies, self._batch_error)
+            moved = state.take(requests, batches, replies, self._batch_error,
+                               self._values.take)
             if moved or state.moving:
                 await self._before_next_round(moved, state.moving, rounds)
                 owners, shift = self._owners, self._shift

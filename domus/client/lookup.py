@@ -55,6 +55,7 @@ from typing import Any, Generic, TypeVar
 
 from domus.client import codec
 from domus.errors import (
+    AuthenticationError,
     DataLost,
     DhtInactive,
     DomusError,
@@ -252,6 +253,14 @@ class DirectLookup(Generic[Channel]):
         self._direct: Any = self._owners
         self.layout_version: int = descriptor.get("version", 0)
         self.replicated = (descriptor.get("replicas") or 1) > 1
+        self.codec = descriptor.get("codec") or "msgpack"
+        if self.codec == "pickle" and not self.cluster.secure:
+            raise AuthenticationError(
+                f"DHT {self.name!r} stores pickles, and this client's connection to the "
+                f"deployment is not authenticated (it runs --insecure): unpickling what anyone "
+                f"on the network could have stored would let them run code here. Use it only "
+                f"on a deployment with a secret")
+        self._values = codec.value_codec(self.codec)
         self._layout_tag = wire.layout_tag(self.layout_version)
         self._numbered = wire.numbering(self.bucket_count)
         routers = {entry["name"]: self.cluster.channel(entry["name"], entry["address"])

@@ -635,7 +635,8 @@ class TxCluster:
                    routing_algorithm: str | None = None, lookup: str | None = None,
                    durability: str | None = None, replicas: int | None = None,
                    routing_services: Iterable[str] | None = None,
-                   storage_services: Iterable[str] | None = None) -> defer.Deferred:
+                   storage_services: Iterable[str] | None = None,
+                   codec: str | None = None) -> defer.Deferred:
         """Create a DHT and open it: fires with a TxDht.  Attributes left out
         take their defaults; service sets default to every live service."""
         try:
@@ -645,7 +646,7 @@ class TxCluster:
                                         routing_algorithm=routing_algorithm, lookup=lookup,
                                         durability=durability, replicas=replicas,
                                         routing_services=routing_services,
-                                        storage_services=storage_services)
+                                        storage_services=storage_services, codec=codec)
         except Exception:
             return defer.fail()
         creating = self.call("create_dht", timeout=max(self.timeout, 15.0), name=name,
