@@ -17,7 +17,7 @@ XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
 C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_hotpath.py tests/unit/test_codec.py
 ASAN_DIR := build/asan
 
-.PHONY: all demo test system venv lint bench check-c clean wheelhouse
+.PHONY: all demo test test-fast system venv lint bench check-c clean wheelhouse
 
 all: test
 
@@ -99,6 +99,14 @@ test: venv wheelhouse
 	  "$$( [ $$status = 0 ] && echo passed || echo FAILED)" $$((total / 60)) $$((total % 60)) \
 	  $$((begin - $(MAKE_START))) $$((middle - begin)) $$((end - middle)) \
 	  "$(if $(filter 0,$(JOBS)),one process,$(JOBS) test processes)"; \
+	exit $$status
+
+# The suite as `make test` runs it, without the C tests under the sanitizers
+# first: `make test-fast PYTEST_ARGS="-k balance"` runs a subset at once.
+test-fast: venv wheelhouse
+	@$(BIN)/python -m pytest -q $(XDIST) -m "not serial" $(PYTEST_ARGS) tests; status=$$?; \
+	$(BIN)/python -m pytest -q -p no:xdist -m serial $(PYTEST_ARGS) tests \
+	  || { code=$$?; [ $$code = 5 ] || status=$$code; }; \
 	exit $$status
 
 # The C extensions built with AddressSanitizer + UBSan in a copy of the tree

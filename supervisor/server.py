@@ -2045,7 +2045,7 @@ class SupervisorService(Service):
 
     def op_ping(self, link: MessageProtocol) -> dict[str, Any]:
         return {"supervisor": self.address, "version": __version__,
-                "secure": self.keys is not None}
+                "secure": self.keys is not None, "pid": os.getpid()}
 
 
 def _straddling_pairs(owners: Any) -> list[tuple[int, str, str]]:

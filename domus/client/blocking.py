@@ -114,6 +114,9 @@ class Cluster:
 
     def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT, *,
                  secret_file: str | None = None) -> None:
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not 0 < timeout < float("inf")):
+            raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
         self.address = address
         self.timeout = timeout
         self.ids = RequestIds()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import shlex
@@ -15,6 +16,8 @@ from domus.errors import AuthenticationError, DomusError
 from domus.supervisor.balancer import Settings
 from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from domus.wire import address as addresses
+from domus.wire.attributes import MAX_BUCKETS, MIN_BUCKETS
+from domus.wire.keys import DEFAULT_HASH, HASH_FUNCTIONS
 
 SERVICE_ADMIN = ("list", "remove", "drain")
 
@@ -27,6 +30,36 @@ def _positive_seconds(text: str) -> float:
     if not 0 < seconds < float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
     return seconds
+
+
+def _number(kind: type, low: float, high: float, what: str) -> Any:
+    """An argparse type: a ``kind`` (int or float) from ``low`` to
+    ``high``, refused with a message naming the value and the range."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is out of range: {what} go from "
+                                             f"{low:g} to {high:g}")
+        return value
+
+    return parse
+
+
+_SERVICES = _number(int, 0, 1024, "services")
+_PORT = _number(int, 1, 65535, "ports")
+_BUCKET = _number(int, 0, 2 ** 31 - 1, "bucket numbers")
+_BUCKETS = _number(int, MIN_BUCKETS, MAX_BUCKETS, "bucket counts")
+_REPLICAS = _number(int, 1, 3, "replicas")
+_DEGREE = _number(int, 2, 1024, "de Bruijn degrees")
+_MOVES = _number(int, 1, 1_000_000, "moves per round")
+_PERCENT = _number(float, 0.0, 1e6, "percentages")
+_CORES = _number(float, 0.01, 1e6, "cores")
+_BYTES = _number(int, 1, 2 ** 62, "sizes in bytes")
 
 
 def _fraction(text: str) -> float:
@@ -125,6 +158,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     deployment = LocalDeployment(args.services, port=args.port, data_dir=args.data_dir,
                                  host=args.host, insecure=args.insecure)
     stopping = False
+    code = 0
 
     def on_signal(signum: int, _frame: Any) -> None:
         nonlocal stopping
@@ -147,15 +181,18 @@ def cmd_up(args: argparse.Namespace) -> int:
             for name, process in [("supervisor", deployment.supervisor),
                                   *deployment.services.items()]:
                 if process is not None and process.poll() is not None:
-                    print(f"domus up: {name} exited with code {process.returncode}; "
-                          f"see {deployment.log_path(name)}", file=sys.stderr, flush=True)
+                    print(f"domus up: {name} exited with code {process.returncode}"
+                          f"{deployment.last_words(name)}; see {deployment.log_path(name)}",
+                          file=sys.stderr, flush=True)
                     if name == "supervisor":
+                        code = 1
                         raise KeyboardInterrupt
                     deployment.services.pop(name)
                     break
             time.sleep(0.5)
     except KeyboardInterrupt:
-        pass
+        if code == 0:
+            _say_what_ram_dhts_lose(deployment)
     except DomusError as exc:
         print(f"domus up: {exc}", file=sys.stderr)
         deployment.stop()
@@ -163,8 +200,28 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     deployment.stop()
-    print("Domus stopped.", flush=True)
-    return 0
+    print("Domus stopped." if code == 0 else "Domus stopped: its supervisor had exited.",
+          flush=True)
+    return code
+
+
+def _say_what_ram_dhts_lose(deployment: Any) -> None:
+    """At Ctrl-C of ``domus up``: the RAM DHTs that hold records, which
+    stopping loses (``domus deployment shutdown`` saves them instead)."""
+    try:
+        with deployment.connect(timeout=2.0) as cluster:
+            held = [(entry["name"], len(cluster.open_dht(entry["name"])))
+                    for entry in cluster.list_dhts()
+                    if entry["storage"] == "ram" and entry["state"] == "active"]
+    except (DomusError, OSError):
+        return
+    held = [(name, records) for name, records in held if records]
+    if held:
+        listed = ", ".join(f"{name} ({records:,} record{'s' if records != 1 else ''})"
+                           for name, records in held)
+        print(f"domus up: stopping loses what RAM DHTs hold: {listed}; to keep them, stop "
+              f"with `domus deployment shutdown` instead (it saves RAM DHTs to the data "
+              f"dir), then `domus up` again", file=sys.stderr, flush=True)
 
 
 def _cluster(args: argparse.Namespace) -> Any:
@@ -489,16 +546,32 @@ def cmd_data(args: argparse.Namespace) -> int:
             missing = object()
             value = dht.get(key, missing)
             if value is missing:
-                print(f"domus: key {key!r} is not in DHT {args.dht!r}", file=sys.stderr)
+                print(f"domus: key {key!r} is not in DHT {args.dht!r}{_int_hint(args, dht)}",
+                      file=sys.stderr)
                 return 1
             print(json.dumps(value, default=_bytes_for_json)
                   if not isinstance(value, str) else value)
         elif args.command == "del":
             if not dht.delete(key):
-                print(f"domus: key {key!r} is not in DHT {args.dht!r}", file=sys.stderr)
+                print(f"domus: key {key!r} is not in DHT {args.dht!r}{_int_hint(args, dht)}",
+                      file=sys.stderr)
                 return 1
             print("deleted")
     return 0
+
+
+def _int_hint(args: argparse.Namespace, dht: Any) -> str:
+    """A key given as digits without --int-key is the string; say so when
+    the integer is there."""
+    if args.int_key:
+        return ""
+    try:
+        number = int(args.key)
+    except ValueError:
+        return ""
+    if number in dht:
+        return f" (the integer {number} is: keys are strings unless --int-key is given)"
+    return " (keys are strings unless --int-key is given)"
 
 
 def _bytes_for_json(value: Any) -> Any:
@@ -529,9 +602,41 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+class _Help(argparse.HelpFormatter):
+    """Help that shows each option's default (unless its text already says
+    it, or it has none worth saying)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text
+                or action.default in (None, False, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with defaults in its help and a "did you mean"
+    when a command or choice is mistyped."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is not None and value not in action.choices:
+            choices = [str(choice) for choice in action.choices]
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}"
+                                         f"{_did_you_mean(str(value), choices)} "
+                                         f"(choose from {', '.join(choices)})")
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="domus", description="Distributed hash tables for "
-                                     "cluster jobs.")
+    parser = _Parser(prog="domus", description="Distributed hash tables for cluster jobs.")
     parser.add_argument("--version", action=_VersionAction, nargs=0,
                         help="print the version, where Domus runs from and whether its C "
                         "extensions are built, then exit")
@@ -540,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
     def talks(sub: argparse.ArgumentParser) -> argparse.ArgumentParser:
         sub.add_argument("--supervisor", default=None, metavar="HOST:PORT",
                          help="the supervisor (default: $DOMUS_SUPERVISOR, then 127.0.0.1:7700)")
-        sub.add_argument("--timeout", type=float, default=5.0,
+        sub.add_argument("--timeout", type=_positive_seconds, default=5.0, metavar="SECONDS",
                          help="seconds to wait for any answer (default 5)")
         sub.add_argument("--secret-file", metavar="FILE", default=None,
                          help="the deployment secret (default: $DOMUS_SECRET_FILE, then "
@@ -548,11 +653,14 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     up = commands.add_parser("up", help="run a supervisor and N services here, in the foreground")
-    up.add_argument("--services", type=int, default=3)
-    up.add_argument("--port", type=int, default=7700,
+    up.add_argument("--services", type=_SERVICES, default=3, metavar="N",
+                    help="services to start")
+    up.add_argument("--port", type=_PORT, default=7700,
                     help="supervisor port; services take the next N ports")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--data-dir", default="domus-data")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="address every process listens on")
+    up.add_argument("--data-dir", default="domus-data", metavar="DIR",
+                    help="the supervisor's and services' data dirs, logs and the secret")
     up.add_argument("--insecure", action="store_true", help="no deployment secret: anyone "
                     "who can reach its ports may use it (a trusted network only)")
     up.set_defaults(func=cmd_up)
@@ -573,13 +681,13 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument("--balance-settle", type=_positive_seconds, default=knobs.settle,
                      metavar="SECONDS", help="how long an imbalance must last before the "
                      "balancer moves anything (default %(default)s)")
-    sup.add_argument("--balance-max-moves", type=int, default=knobs.max_moves, metavar="N",
+    sup.add_argument("--balance-max-moves", type=_MOVES, default=knobs.max_moves, metavar="N",
                      help="buckets the balancer moves per round, one DHT at a time "
                      "(default %(default)s)")
     sup.add_argument("--balance-cooldown", type=_positive_seconds, default=knobs.cooldown,
                      metavar="SECONDS", help="how long a moved bucket is left where it is "
                      "(default %(default)s)")
-    sup.add_argument("--balance-cpu-busy", type=float, default=knobs.cpu_busy,
+    sup.add_argument("--balance-cpu-busy", type=_PERCENT, default=knobs.cpu_busy,
                      metavar="PERCENT", help="a service whose own CPU stays above this (%% of "
                      "a core) while another has room gives buckets away (default %(default)s; "
                      "over 100: never)")
@@ -593,15 +701,26 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default %(default)s: slow, so bursts move nothing)")
     sup.set_defaults(func=cmd_supervisor)
 
-    svc = commands.add_parser("service", help="run a service (or: service list|remove)")
+    svc = commands.add_parser(
+        "service", help="run a service (or: service list|remove|drain)",
+        description="Run a service (with --listen and --data-dir), or administer the "
+        "deployment's services:\n" + "".join(
+            f"  domus service {action:<7} {text}\n"
+            for action, text in SERVICE_ADMIN_HELP.items())
+        + "(`domus service ACTION --help` for each)",
+        formatter_class=type("_RawHelp", (argparse.RawDescriptionHelpFormatter, _Help), {}))
     svc.add_argument("--supervisor", default=None, metavar="HOST:PORT")
     svc.add_argument("--listen", required=True, metavar="HOST:PORT")
     svc.add_argument("--data-dir", required=True)
     svc.add_argument("--name", default=None, help="default: the listen address")
-    svc.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
-    svc.add_argument("--cores", type=float, default=None, help="declare cores (weight)")
-    svc.add_argument("--ram", type=int, default=None, help="declare RAM bytes (weight)")
-    svc.add_argument("--disk", type=int, default=None, help="declare disk bytes (weight)")
+    svc.add_argument("--heartbeat", type=_positive_seconds, default=1.0, metavar="SECONDS",
+                     help="seconds between heartbeats")
+    svc.add_argument("--cores", type=_CORES, default=None,
+                     help="declare cores (the balancer's routing weight; default: measured)")
+    svc.add_argument("--ram", type=_BYTES, default=None, metavar="BYTES",
+                     help="declare RAM (the storage weight of RAM DHTs; default: measured)")
+    svc.add_argument("--disk", type=_BYTES, default=None, metavar="BYTES",
+                     help="declare disk (the storage weight of disk DHTs; default: measured)")
     svc.add_argument("--secret-file", metavar="FILE", help="the deployment secret (default: "
                      "$DOMUS_SECRET_FILE, then ./domus-data/supervisor/secret)")
     svc.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
@@ -624,30 +743,35 @@ def build_parser() -> argparse.ArgumentParser:
     dht = commands.add_parser("dht", help="create, list, inspect, resize, deactivate, activate and "
                               "destroy DHTs, and move their buckets")
     actions = dht.add_subparsers(dest="action", required=True, metavar="ACTION")
-    create = talks(actions.add_parser("create"))
+    create = talks(actions.add_parser("create", help="create a DHT"))
     create.add_argument("name")
-    create.add_argument("--buckets", type=int)
-    create.add_argument("--hash")
-    create.add_argument("--storage", help="medium: ram or disk")
-    create.add_argument("--platform")
+    create.add_argument("--buckets", type=_BUCKETS, help="bucket count, a power of two "
+                        "(default: 64 per storage service, rounded up to a power of two)")
+    create.add_argument("--hash", choices=sorted(HASH_FUNCTIONS),
+                        help=f"key hash (default {DEFAULT_HASH})")
+    create.add_argument("--storage", help="medium: ram (default) or disk")
+    create.add_argument("--platform", help="storage platform, e.g. python-dict, domus-rbt, "
+                        "domus-bsddb-btree (default: the medium's)")
     create.add_argument("--routing", help="routing graph: chord or bruijn")
-    create.add_argument("--routing-degree", type=int, help="bruijn: the graph's degree "
+    create.add_argument("--routing-degree", type=_DEGREE, help="bruijn: the graph's degree "
                         "(a power of two, default 2)")
     create.add_argument("--routing-algorithm", help="fewest-hops (default) or least-work")
     create.add_argument("--lookup", help="default lookup strategy of clients: D, D,C,R, "
                         "C,R or R")
     create.add_argument("--durability", help="disk DHTs: async (default) or sync")
-    create.add_argument("--replicas", type=int, help="copies of each bucket, on distinct "
+    create.add_argument("--replicas", type=_REPLICAS, help="copies of each bucket, on distinct "
                         "services (distinct hosts where there are enough): 1 (default) to 3")
     create.add_argument("--codec", help="how clients encode values: msgpack (default), "
                         "pickle (any Python object; needs the deployment's secret) or raw "
                         "(bytes)")
     create.add_argument("--routing-services", help="comma-separated service names")
     create.add_argument("--storage-services", help="comma-separated service names")
-    listing = talks(actions.add_parser("list"))
+    listing = talks(actions.add_parser("list", help="every DHT, its state and layout"))
     listing.add_argument("--json", action="store_true")
-    talks(actions.add_parser("info")).add_argument("name")
-    talks(actions.add_parser("destroy")).add_argument("name")
+    talks(actions.add_parser("info", help="one DHT's attributes, buckets per service and "
+                             "copies")).add_argument("name")
+    talks(actions.add_parser("destroy", help="delete a DHT and every record in it")) \
+        .add_argument("name")
     talks(actions.add_parser("deactivate", help="take a DHT offline, keeping its records (RAM "
                              "DHTs are saved to the services' data dirs)")).add_argument("name")
     talks(actions.add_parser("activate", help="bring a deactivated DHT back")) \
@@ -655,7 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
     move = talks(actions.add_parser("move", help="move one bucket's routing or storage (with "
                                     "its records) to another service"))
     move.add_argument("name")
-    move.add_argument("bucket", type=int)
+    move.add_argument("bucket", type=_BUCKET)
     target = move.add_mutually_exclusive_group(required=True)
     target.add_argument("--routing", metavar="SERVICE", help="the service to route the bucket")
     target.add_argument("--storage", metavar="SERVICE",
@@ -677,7 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
     resize = talks(actions.add_parser("resize", help="double or halve a DHT's bucket count "
                                       "(any power of two, a step at a time) while it serves"))
     resize.add_argument("name")
-    resize.add_argument("--buckets", type=int, required=True, metavar="N",
+    resize.add_argument("--buckets", type=_BUCKETS, required=True, metavar="N",
                         help="the new bucket count, a power of two")
     dht.set_defaults(func=cmd_dht)
 
@@ -705,7 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
             stage.add_argument("--launcher", metavar="TEMPLATE",
                                help="how to run a command on a service's host, e.g. "
                                     "'ssh {host}' (services on this host start directly)")
-            stage.add_argument("--wait", type=float, default=60.0,
+            stage.add_argument("--wait", type=_positive_seconds, default=60.0,
                                help="seconds to wait for the processes to come up (default 60)")
     deployment.set_defaults(func=cmd_deployment)
 
@@ -723,15 +847,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SERVICE_ADMIN_HELP = {
+    "list": "every registered service: its address, state and roles",
+    "remove": "take a service out of the deployment (it must hold no buckets, or --force)",
+    "drain": "move every bucket off a service, so that it can leave",
+}
+
+
 def _service_admin_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="domus service")
-    actions = parser.add_subparsers(dest="action", required=True)
+    parser = _Parser(prog="domus service")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action in SERVICE_ADMIN:
-        sub = actions.add_parser(action)
-        sub.add_argument("--supervisor", default=None, metavar="HOST:PORT")
-        sub.add_argument("--timeout", type=float, default=5.0)
-        sub.add_argument("--secret-file", metavar="FILE", default=None)
-        sub.add_argument("--json", action="store_true")
+        sub = actions.add_parser(action, help=SERVICE_ADMIN_HELP[action])
+        sub.add_argument("--supervisor", default=None, metavar="HOST:PORT",
+                         help="the supervisor (default: $DOMUS_SUPERVISOR, then "
+                         "127.0.0.1:7700)")
+        sub.add_argument("--timeout", type=_positive_seconds, default=5.0, metavar="SECONDS",
+                         help="seconds to wait for any answer")
+        sub.add_argument("--secret-file", metavar="FILE", default=None,
+                         help="the deployment secret (default: $DOMUS_SECRET_FILE, then "
+                         "./domus-data/supervisor/secret)")
+        if action == "list":
+            sub.add_argument("--json", action="store_true", help="print JSON")
         if action in ("remove", "drain"):
             sub.add_argument("name")
         if action == "remove":
@@ -745,6 +882,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if len(argv) >= 2 and argv[0] == "service" and argv[1] in SERVICE_ADMIN:
             return cmd_service_admin(_service_admin_parser().parse_args(argv[1:]))
+        if len(argv) >= 2 and argv[0] == "service" and not argv[1].startswith("-"):
+            print(f"domus service: unknown action {argv[1]!r}"
+                  f"{_did_you_mean(argv[1], list(SERVICE_ADMIN))} (the actions are "
+                  f"{', '.join(SERVICE_ADMIN)}; without one, `domus service --listen ...` "
+                  f"runs a service)", file=sys.stderr)
+            return 2
         args = build_parser().parse_args(argv)
         return args.func(args)
     except DomusError as exc:

@@ -115,6 +115,23 @@ class LocalDeployment:
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent, env=env)
 
+    def _refuse_taken_ports(self) -> None:
+        """A port of this deployment that another process holds is an
+        error now, naming it, rather than a process that dies in its log
+        (or, worse, another deployment answering in its place)."""
+        wanted = [("supervisor", self.port)] + [
+            (self.service_name(index), self.port + 1 + index)
+            for index in range(self.service_count)]
+        for name, port in wanted:
+            if not 0 < port < 65536:
+                raise DomusError(f"port {port} (for {name}) is out of range: ports are 1 to "
+                                 f"65535, and the services take the {self.service_count} "
+                                 f"after the supervisor's")
+            if not port_is_free(self.host, port):
+                raise DomusError(f"port {port} on {self.host} (for {name}) is in use: another "
+                                 f"deployment (domus status --supervisor {self.host}:{port})? "
+                                 f"Choose another with --port")
+
     def start_supervisor(self) -> None:
         self.supervisor = self._spawn("supervisor", [
             "supervisor", "--listen", self.supervisor_address,
@@ -130,6 +147,7 @@ class LocalDeployment:
             "--heartbeat", str(self.heartbeat), *self.service_args])
 
     def start(self, timeout: float = 30.0) -> LocalDeployment:
+        self._refuse_taken_ports()
         self.start_supervisor()
         for index in range(self.service_count):
             self.start_service(index)
@@ -164,7 +182,11 @@ class LocalDeployment:
                 if self.secret_file is not None and not os.path.exists(self.secret_file):
                     raise SupervisorUnreachable("no secret yet")   # (not made yet)
                 with self._client(1.0) as cluster:
-                    cluster.ping()
+                    answer = cluster.ping()
+                if self.supervisor is not None and answer.get("pid") not in (
+                        None, self.supervisor.pid):
+                    raise DomusError(f"another supervisor (pid {answer.get('pid')}) answers at "
+                                     f"{self.supervisor_address}, not the one started here")
                 return
             except SupervisorUnreachable:
                 if time.monotonic() > deadline:
@@ -187,8 +209,21 @@ class LocalDeployment:
 
     def _check_alive(self, name: str, process: subprocess.Popen | None) -> None:
         if process is not None and process.poll() is not None:
-            raise DomusError(f"{name} exited with code {process.returncode} during start-up; "
-                             f"see {self.log_path(name)}")
+            raise DomusError(f"{name} exited with code {process.returncode} during start-up"
+                             f"{self.last_words(name)}; see {self.log_path(name)}")
+
+    def last_words(self, name: str) -> str:
+        """': ' and the last line a process logged that says why it stopped
+        (an error or a traceback's last line), or ''."""
+        try:
+            with open(self.log_path(name), encoding="utf-8", errors="replace") as log:
+                lines = [line.strip() for line in log.readlines()[-40:] if line.strip()]
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            if any(word in line for word in ("Error", "error", "refused", "cannot", "denied")):
+                return ": " + line[:300]
+        return ": " + lines[-1][:300] if lines else ""
 
     def kill_service(self, name: str, sig: int = signal.SIGKILL) -> None:
         process = self.services[name]

@@ -243,6 +243,9 @@ class DomusService(Service):
         beat = self.link.call("heartbeat", name=self.service_name, load=load,
                               stats={"requests": stats["requests"], "malformed": stats["malformed"],
                                      "errors": stats["errors"], "replayed": stats["replayed"],
+                                     "storage_errors": stats["storage_errors"],
+                                     "internal_errors": stats["internal_errors"],
+                                     "hot_path": stats["hot_path"],
                                      "dhts": stats["dhts"],
                                      "bucket_records": {
                                          hosted.name: hosted.bucket_records()

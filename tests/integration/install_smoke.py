@@ -102,7 +102,8 @@ def main() -> int:
                                      for entry in cluster.services()}
                 found["status"] = subprocess.run(
                     [command, "status", "--supervisor", deployment.supervisor_address],
-                    capture_output=True, text=True, check=True).stdout
+                    capture_output=True, text=True, check=True,
+                    env={**os.environ, **deployment.environment()}).stdout
             finally:
                 if extra is not None:
                     extra.terminate()

@@ -83,6 +83,14 @@ def test_status_json_parses(deployment, cluster):
     assert all(entry["state"] == "up" for entry in services.values())
     assert services["s1"]["buckets"]["shown"]["storage"] == 16
     assert [dht["name"] for dht in status["dhts"]] == ["shown"]
+    # the stats the docs name, once a heartbeat has brought them
+    for entry in services.values():
+        assert entry["hot_path"] in ("c", "python")
+    wait_until(lambda: all("storage_errors" in entry["stats"] for entry in cluster.services()),
+               timeout=15, what="heartbeats with the services' stats")
+    for entry in cluster.services():
+        assert entry["stats"]["storage_errors"] == 0 and entry["stats"]["internal_errors"] == 0
+        assert entry["stats"]["hot_path"] == entry["hot_path"]
 
 
 def test_service_list(deployment):
@@ -131,6 +139,9 @@ def test_put_get_del_round_trip(deployment, cluster):
 
     ok("put", "data", "42", "forty-two", "--int-key", *sup)
     assert dht[42] == "forty-two" and "42" not in dht
+    # the digits without --int-key are the string "42": the answer says so
+    assert "the integer 42 is: keys are strings unless --int-key is given" in fails(
+        "get", "data", "42", *sup)
     dht[-7] = [b"raw", 3]
     assert json.loads(ok("get", "data", "-7", "--int-key", *sup)) == ["raw", 3]
 
@@ -301,6 +312,9 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch
         assert "Domus is up" in stdout and "Domus stopped." in stdout
         assert address in stdout and f"DOMUS_SUPERVISOR={address}" in stdout
         assert f"DOMUS_SECRET_FILE={secret_file}" in stdout
+        # what stopping lost, and how it could have been kept
+        assert "stopping loses what RAM DHTs hold: up-test (100 records)" in stderr
+        assert "domus deployment shutdown" in stderr
         gone, alive = psutil.wait_procs(children, timeout=5)
         assert not alive, f"children survived `domus up`: {alive}"
         assert domus_processes(ports) == []
@@ -314,25 +328,38 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch
 
 
 @pytest.mark.timeout(60)
-def test_up_fails_cleanly_when_its_port_is_taken(tmp_path):
+@pytest.mark.parametrize("taken, name", [(0, "supervisor"), (2, "s2")])
+def test_up_fails_cleanly_when_a_port_is_taken(tmp_path, taken, name):
+    """Another deployment (or anything) on one of its ports: `domus up`
+    exits non-zero naming the port and the process it was for, and never
+    says it is up (a second `domus up` on the ports of a running one)."""
     squatter = socket.socket()
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     port = free_port_block(3)
-    squatter.bind((LOOPBACK, port))
+    squatter.bind((LOOPBACK, port + taken))
     squatter.listen(8)
     up = subprocess.Popen([sys.executable, "-m", "domus", "up", "--services", "2", "--port",
                            str(port), "--data-dir", str(tmp_path / "up")],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           stdin=subprocess.DEVNULL, env=hermetic_env())
     try:
-        _stdout, stderr = up.communicate(timeout=40)
-        assert up.returncode != 0
-        assert "supervisor" in stderr
+        stdout, stderr = up.communicate(timeout=40)
+        assert up.returncode == 1, (stdout, stderr)
+        assert f"port {port + taken} on {LOOPBACK} (for {name}) is in use" in stderr
+        assert "Domus is up" not in stdout
         assert domus_processes([port, port + 1, port + 2]) == []
     finally:
         squatter.close()
         if up.poll() is None:
             kill_tree(up)
+
+
+def test_up_refuses_ports_past_the_last(tmp_path):
+    result = domus_cmd("up", "--services", "2", "--port", "65535", "--data-dir",
+                       str(tmp_path / "up"))
+    assert result.returncode == 1
+    assert "port 65536 (for s1) is out of range" in result.stderr
+    assert "Domus is up" not in result.stdout
 
 
 @pytest.mark.timeout(120)

@@ -49,7 +49,10 @@ def descriptor(primary: str, copies: int, addresses: dict[str, str]) -> dict[str
 
 class ScriptedSupervisor:
     """The supervisor's side of the blocking client's link: ``open_dht``
-    answers with the layouts given, one a call, then the last one again."""
+    answers with the layouts given, one a call, then the last one again.
+    The deployment it stands for runs --insecure: no MACs."""
+
+    secure = False
 
     def __init__(self, layouts: list[dict[str, Any]]) -> None:
         self.layouts = layouts
@@ -186,6 +189,7 @@ class TxSupervisor:
         self.layouts = layouts
         self.calls = 0
         protocol = MessageProtocol()
+        protocol.accepting = True        # (it speaks the handshake first; insecure here)
         protocol.control_handler = self.answer
         (_host, _port, factory, _timeout, _bind), = reactor.tcpClients
         link = factory.buildProtocol(None)
