@@ -679,6 +679,25 @@ class AioCluster:
         """As Cluster.accept_loss."""
         return (await self.call("accept_loss", name=name))["accepted"]
 
+    async def dht_services(self, name: str, *, add: Iterable[str] = (),
+                           remove: Iterable[str] = (),
+                           roles: Iterable[str] = ("routing", "storage")) -> list[dict[str, Any]]:
+        """As Cluster.dht_services."""
+        answer = await self.call("dht_services", name=name, add=list(add), remove=list(remove),
+                                 roles=list(roles),
+                                 timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+        return answer["moves"]
+
+    async def drain_service(self, name: str) -> dict[str, Any]:
+        """As Cluster.drain_service."""
+        return await self.call("drain_service", name=name,
+                               timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+
+    async def remove_service(self, name: str, force: bool = False) -> dict[str, Any]:
+        """As Cluster.remove_service."""
+        return await self.call("remove_service", name=name, force=force,
+                               timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+
 
 class AioDht(EventedDht[AioChannel]):
     """One DHT; every data operation is a coroutine (domus.client.evented's

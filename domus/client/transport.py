@@ -318,6 +318,27 @@ def service_unavailable(name: str, address: str, what: str, dht: str = "",
         service=name, address=address, dht=dht, bucket=bucket)
 
 
+class _Closer:
+    """Closes one thread's sockets to a service when the thread ends (its
+    thread-local values are dropped), so they never linger as unclosed."""
+
+    __slots__ = ("sockets",)
+
+    def __init__(self) -> None:
+        self.sockets: list[socket.socket] = []
+
+    def hold(self, sock: socket.socket) -> None:
+        self.sockets = [held for held in self.sockets if held.fileno() != -1]
+        self.sockets.append(sock)
+
+    def __del__(self) -> None:
+        for sock in self.sockets:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
 class _ThreadSockets(threading.local):
     """One thread's sockets to one service (see ServiceChannel)."""
 
@@ -325,6 +346,12 @@ class _ThreadSockets(threading.local):
     fd = -1
     tcp: socket.socket | None = None
     tcp_session: auth.Session | None = None
+    closer: _Closer | None = None
+
+    def hold(self, sock: socket.socket) -> None:
+        if self.closer is None:
+            self.closer = _Closer()
+        self.closer.hold(sock)
 
 
 class ServiceChannel:
@@ -377,6 +404,7 @@ class ServiceChannel:
         sock.settimeout(self.first_timeout)
         local = self._local
         local.sock, local.fd = sock, sock.fileno()
+        local.hold(sock)
         self._sockets.add(sock)
         return sock
 
@@ -408,6 +436,7 @@ class ServiceChannel:
     def _tcp(self, sock: socket.socket | None) -> None:
         self._local.tcp = sock
         if sock is not None:
+            self._local.hold(sock)
             self._sockets.add(sock)
 
     @property
