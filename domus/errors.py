@@ -117,7 +117,7 @@ class DataLost(RemoteError):
 
 
 class KeyTypeError(DomusError, TypeError):
-    """Keys must be int, str or bytes."""
+    """Keys must be int, str, bytes, or tuples of those."""
 
 
 class ValueTypeError(DomusError, TypeError):

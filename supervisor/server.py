@@ -491,6 +491,7 @@ class SupervisorService(Service):
             "routing_services": [entry["name"] for entry in descriptor["routing_services"]],
             "storage_services": [entry["name"] for entry in descriptor["storage_services"]],
             "replicas": descriptor.get("replicas") or 1,
+            "codec": descriptor.get("codec") or "msgpack",
             "degraded": bool(replicas.missing(descriptor)),
             "lost_buckets": len(descriptor.get("storage_lost") or {})}
 
@@ -501,6 +502,12 @@ class SupervisorService(Service):
             wanted = check_request(name, attributes or {})
         except InvalidAttribute as exc:
             raise ControlError("InvalidAttribute", str(exc)) from None
+        if wanted["codec"] == "pickle" and self.keys is None:
+            raise ControlError("InvalidAttribute", (
+                f"DHT {name!r}: codec 'pickle' needs a deployment with a secret, and this one "
+                f"runs --insecure: anyone who can send it a datagram could store a pickle "
+                f"that runs code in every client that reads it. Use codec 'msgpack' or "
+                f"'raw', or restart the deployment with a secret"))
         if name in self.state.dhts or name in self._creating:
             raise ControlError("DhtExists", f"a DHT named {name!r} already exists; open it with "
                                f"open_dht, or destroy it first")
@@ -585,7 +592,7 @@ class SupervisorService(Service):
             "hash": wanted["hash"], "storage": wanted["storage"], "platform": wanted["platform"],
             "routing": wanted["routing"], "routing_degree": wanted["routing_degree"],
             "routing_algorithm": wanted["routing_algorithm"], "lookup": wanted["lookup"],
-            "durability": wanted["durability"], "state": "active",
+            "durability": wanted["durability"], "codec": wanted["codec"], "state": "active",
             "created": time.time(), "version": 1, "initial_buckets": buckets,
             # roles given no service list follow the deployment: services
             # that register later get their share (the balancer)

@@ -479,7 +479,7 @@ def cmd_dht(args: argparse.Namespace) -> int:
                 platform=args.platform, routing=args.routing,
                 routing_degree=args.routing_degree, routing_algorithm=args.routing_algorithm,
                 lookup=args.lookup,
-                durability=args.durability, replicas=args.replicas,
+                durability=args.durability, replicas=args.replicas, codec=args.codec,
                 routing_services=_names(args.routing_services),
                 storage_services=_names(args.storage_services))
             print(f"created DHT {dht.name!r} (id {dht.id}, {dht.bucket_count} buckets)")
@@ -860,6 +860,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--durability", help="disk DHTs: async (default) or sync")
     create.add_argument("--replicas", type=_REPLICAS, help="copies of each bucket, on distinct "
                         "services (distinct hosts where there are enough): 1 (default) to 3")
+    create.add_argument("--codec", help="how clients encode values: msgpack (default), "
+                        "pickle (any Python object; needs the deployment's secret) or raw "
+                        "(bytes)")
     create.add_argument("--routing-services", help="comma-separated service names")
     create.add_argument("--storage-services", help="comma-separated service names")
     listing = talks(actions.add_parser("list", help="every DHT, its state and layout"))
