@@ -298,15 +298,11 @@ class DatagramRequests(asyncio.DatagramProtocol):
             return
         key = entry.channel.key
         if key is not None:
-            client_id = entry.message[8:16]
-            for stamp in reversed(entry.stamps):
-                opened = auth.open_reply(key, data, client_id, stamp)
-                if opened is not None:
-                    data = opened
-                    break
-            else:
+            opened = auth.open_reply_to(key, data, entry.message, entry.stamps)
+            if opened is None:
                 self.unauthenticated += 1   # not the service's: wait on for its own
                 return
+            data = opened
         self.forget(entry)
         if entry.future.done():
             return

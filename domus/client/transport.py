@@ -547,11 +547,7 @@ class ServiceChannel:
     def _opened(self, data: bytes, message: bytes, stamps: list[bytes]) -> bytes:
         """A datagram as this request's reply if its MAC checks for one of
         the request's tries, else b"" (skipped)."""
-        for stamp in reversed(stamps):
-            opened = auth.open_reply(self._key, data, message[8:16], stamp)  # type: ignore
-            if opened is not None:
-                return opened
-        return b""
+        return auth.open_reply_to(self._key, data, message, stamps) or b""  # type: ignore
 
     def request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
         request_id = message[4:8]
