@@ -5,7 +5,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := python3-venv python3-dev build-essential libdb-dev redis-server
+APT_PACKAGES := python3-venv python3-dev build-essential libdb-dev redis-server clang
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # Test processes run side by side (pytest-xdist): one per core by default.
@@ -14,10 +14,12 @@ PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
 
-C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_hotpath.py tests/unit/test_codec.py
+C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_recordtree.py tests/unit/test_hotpath.py \
+  tests/unit/test_codec.py fuzz/test_fuzz.py
 ASAN_DIR := build/asan
+FUZZ_DIR := build/fuzz
 
-.PHONY: all demo test test-fast system venv lint bench check-c clean wheelhouse
+.PHONY: all demo test test-fast system venv lint bench check-c fuzz clean wheelhouse
 
 all: test
 
@@ -52,7 +54,7 @@ venv: system
 # so that the sdist builds offline too.
 WHEELHOUSE := wheelhouse
 WHEEL_SOURCES := setup.py pyproject.toml MANIFEST.in README.md $(wildcard cext/*.c cext/*.h) \
-  $(shell find domus supervisor tests clients benchmarks docs -name '*.py' -o -name '*.md' \
+  $(shell find domus supervisor tests fuzz clients benchmarks docs -name '*.py' -o -name '*.md' \
     -o -name '*.pbs' -o -name '*.sbatch' 2>/dev/null)
 WORK := build/wheelhouse
 
@@ -115,23 +117,52 @@ test-fast: venv wheelhouse
 # int, str...) fails the run at exit.  Leaked containers stay linked in
 # CPython's GC lists, where LeakSanitizer counts them as reachable: the
 # tests catch those themselves (sys.getallocatedblocks before/after, in the
-# normal build).
+# normal build).  The fuzz targets' regression inputs, boundary sweep and
+# smoke (fuzz/test_fuzz.py) run here too, each object its own allocation
+# (PYTHONMALLOC=malloc), so a read past an input is an ASan report.  pytest
+# captures only sys.stdout/stderr here: a sanitizer writes its report to
+# file descriptor 2 and ends the process, and the report must be seen.
 check-c: venv
 	@tests="$$(for t in $(C_TESTS); do [ -f $$t ] && echo $$t; done)"; \
 	if [ -z "$$tests" ] || ! ls cext/*.c >/dev/null 2>&1; then \
 	  echo "check-c: no C extension or C tests yet"; exit 0; fi; \
 	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR) && \
-	cp -r domus cext tests setup.py pyproject.toml $(ASAN_DIR)/ && \
+	cp -r domus cext tests fuzz setup.py pyproject.toml $(ASAN_DIR)/ && \
 	rm -f $(ASAN_DIR)/domus/*.so && \
 	cd $(ASAN_DIR) && DOMUS_SANITIZE=1 $(CURDIR)/$(BIN)/python setup.py -q build_ext --inplace \
 	  >build.log 2>&1 || { cat build.log; exit 1; }; \
 	PYTHONPATH=$(CURDIR)/$(ASAN_DIR) PYTHONMALLOC=malloc \
 	  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	  $(CURDIR)/$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) $$tests
+	  $(CURDIR)/$(BIN)/python -m pytest -q -p no:cacheprovider --capture=sys $(XDIST) $$tests
+
+# Every fuzz target for SECONDS seconds (60 by default; TARGETS=... for
+# some), coverage-guided by libFuzzer (atheris), on the C extensions built
+# by clang with ASan, UBSan and libFuzzer's coverage instrumentation in a
+# copy of the tree; prints executions and coverage per target.  Corpora and
+# crashing inputs are kept under build/fuzz (see fuzz/run.py).
+SECONDS ?= 60
+TARGETS ?=
+fuzz: venv
+	@$(BIN)/python -c "import atheris" 2>/dev/null || $(BIN)/pip install -q 'atheris>=2.3'
+	@rm -rf $(FUZZ_DIR)/tree && mkdir -p $(FUZZ_DIR)/tree && \
+	cp -r domus cext fuzz setup.py pyproject.toml $(FUZZ_DIR)/tree/ && \
+	rm -f $(FUZZ_DIR)/tree/domus/*.so && \
+	cd $(FUZZ_DIR)/tree && CC=clang LDSHARED="clang -shared" DOMUS_SANITIZE=fuzz \
+	  $(CURDIR)/$(BIN)/python setup.py -q build_ext --inplace >build.log 2>&1 \
+	  || { cat build.log; exit 1; }
+	@rm -rf $(FUZZ_DIR)/tmp && mkdir -p $(FUZZ_DIR)/tmp && \
+	cd $(FUZZ_DIR)/tree && DOMUS_FUZZ_WORK=$(CURDIR)/$(FUZZ_DIR) TMPDIR=$(CURDIR)/$(FUZZ_DIR)/tmp \
+	  DOMUS_FUZZ_COMMAND="make fuzz SECONDS=$(SECONDS)$(if $(TARGETS), TARGETS=\"$(TARGETS)\")" \
+	  DOMUS_FUZZ_COMMIT="$$(git -C $(CURDIR) rev-parse --short HEAD)$$(git -C $(CURDIR) diff --quiet HEAD || echo -dirty)" \
+	  PYTHONPATH=$(CURDIR)/$(FUZZ_DIR)/tree PYTHONMALLOC=malloc \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:allocator_may_return_null=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  LD_PRELOAD="$$($(CURDIR)/$(BIN)/python -c 'import atheris; print(atheris.path())')/asan_with_fuzzer.so" \
+	  $(CURDIR)/$(BIN)/python -m fuzz.run --seconds $(SECONDS) $(TARGETS)
 
 lint: venv
-	$(BIN)/ruff check domus supervisor clients benchmarks tests
+	$(BIN)/ruff check domus supervisor clients benchmarks tests fuzz
 
 bench: venv
 	$(BIN)/python -m benchmarks.put1

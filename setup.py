@@ -9,7 +9,9 @@ pyproject.toml):
   pure-Python paths, says so, and ``domus status`` shows the fast path off.
   ``DOMUS_REQUIRE_C=1`` makes a failed build an error (``make`` sets it).
   ``DOMUS_SANITIZE=1`` builds them with AddressSanitizer and
-  UndefinedBehaviorSanitizer (``make check-c``).
+  UndefinedBehaviorSanitizer (``make check-c``); ``DOMUS_SANITIZE=fuzz``
+  adds libFuzzer's coverage instrumentation (``make fuzz``; it needs clang:
+  ``CC=clang LDSHARED="clang -shared"``).
 """
 
 import os
@@ -18,24 +20,28 @@ import sys
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
-SANITIZE = os.environ.get("DOMUS_SANITIZE") == "1"
+SANITIZE = os.environ.get("DOMUS_SANITIZE") in ("1", "fuzz")
+FUZZ = os.environ.get("DOMUS_SANITIZE") == "fuzz"
 REQUIRE_C = os.environ.get("DOMUS_REQUIRE_C") == "1" or SANITIZE
 COMPILE_ARGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                 "-Wno-missing-field-initializers"]
 LINK_ARGS: list[str] = []
 if SANITIZE:
-    COMPILE_ARGS += ["-O1", "-g", "-fno-omit-frame-pointer",
-                     "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
-    LINK_ARGS += ["-fsanitize=address,undefined"]
+    SANITIZERS = "-fsanitize=address,undefined" + (",fuzzer-no-link" if FUZZ else "")
+    COMPILE_ARGS += ["-O1", "-g", "-fno-omit-frame-pointer", SANITIZERS,
+                     "-fno-sanitize-recover=undefined"]
+    LINK_ARGS += [SANITIZERS]
 
 # module name -> sources; nothing but the C library and Python's headers.
 MODULES = {
     "domus._rbtree": ["cext/rbtree.c"],
+    "domus._recordtree": ["cext/recordtree.c"],
     "domus._hotpath": ["cext/hotpath.c"],
     "domus._codec": ["cext/codec.c"],
 }
 EXTENSIONS = [
-    Extension(name, sources, depends=["cext/hashes.h", "cext/rbtree_api.h", "cext/siphash.h"],
+    Extension(name, sources, depends=["cext/hashes.h", "cext/rbtree_api.h",
+                                      "cext/recordtree_api.h", "cext/siphash.h"],
               extra_compile_args=COMPILE_ARGS, extra_link_args=LINK_ARGS)
     for name, sources in MODULES.items()
 ]

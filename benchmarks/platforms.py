@@ -1,26 +1,20 @@
-"""put1 and get throughput, and bytes per record, of every storage platform
-and medium, in the same run.
+"""put1 and get throughput of every storage platform and medium, in the
+same run.
 
-    python -m benchmarks.platforms [--clients 4] [--seconds 5] [--records 100000]
+    python -m benchmarks.platforms [--clients 4] [--seconds 5]
+                                   [--technologies "ram domus-rbt,ram python-dict"]
 
 One service (a local deployment: supervisor + 1 service process) and one
 DHT per technology.  For each: K client processes issue single put1
 requests (random 64-bit int key and value, one request per round trip) for
 T seconds, then single gets of the keys they stored, in the same order,
-for T seconds.  Then
-``--records`` records (int key, 8-byte value) go into a fresh DHT of that
-technology with put_many, and the bytes per record are measured one of three
-ways, which the table names:
-
-- ``rss``: what the service process's RSS grew by (RAM python-dict and
-  domus-rbt);
-- ``files``: what the DHT's files take on disk after a flush (disk media);
-- ``pages``: the DHT's ``storage_bytes`` in the service's stats, Berkeley DB's
-  pages x page size (RAM Berkeley DB, whose pages land in a cache region
-  reserved up front, so RSS does not show them one by one).
+for T seconds.  The service's CPU time (user + system) over each phase,
+divided by the requests it answered, is printed beside the throughput: on a
+shared machine it moves less than the throughput does.
 
 Prints a table and the ratio the storage issue sets a target for: disk
-domus-bsddb-btree put1 / ram python-dict put1.
+domus-bsddb-btree put1 / ram python-dict put1.  Bytes per record are
+``benchmarks.memory``'s.
 """
 
 from __future__ import annotations
@@ -39,10 +33,11 @@ from typing import Any
 import psutil
 
 from benchmarks.put1 import INT64, _run_clients
+from benchmarks.rebalance import machine
 from domus.ops.deploy import LocalDeployment, free_port_block
-from domus.service.hosted import dht_home
 from domus.storage import PLATFORMS
 from domus.wire import address as addresses
+from domus.wire import auth, secret
 from domus.wire import protocol as wire
 
 TECHNOLOGIES = [(platform, medium) for platform in
@@ -75,17 +70,25 @@ def _timed(operation: Any, seconds: float, seed: int) -> tuple[int, float]:
 
 
 def _service_stats(address: str) -> dict[str, Any]:
-    """A service's own stats (OP_STATS over UDP; asked again if lost)."""
+    """A service's own stats (OP_STATS over UDP; asked again if lost),
+    sealed with the deployment's secret when there is one (DOMUS_SECRET_FILE)."""
     host, port = addresses.parse(address)
+    keys = secret.keys()
     request = wire.request_header(wire.OP_STATS, 1, random.getrandbits(63))
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.settimeout(2.0)
         for _attempt in range(5):
-            sock.sendto(request, (host, port))
+            sealed = request if keys is None else auth.seal_request(keys.data, request)
+            sock.sendto(sealed, (host, port))
             try:
-                reply = sock.recv(65536)
+                reply: bytes | None = sock.recv(65536)
             except TimeoutError:
                 continue
+            if keys is not None:
+                reply = auth.open_reply(keys.data, reply, request[8:16], sealed[-12:-8])
+                if reply is None:
+                    raise RuntimeError(f"service {address}'s stats reply does not carry "
+                                       f"the deployment secret's MAC")
             if reply[2] != wire.ST_OK:
                 raise RuntimeError(f"service {address} refused its stats: {reply[8:]!r}")
             return wire.unpack(reply[wire.REPLY_HEADER_SIZE:])
@@ -102,7 +105,8 @@ def _put_worker(target: Any, seconds: float, seed: int, barrier: Any, results: A
         results.put(_timed(dht.put, seconds, seed))
 
 
-def measure(clients: int, seconds: float, records: int) -> dict[str, dict[str, float]]:
+def measure(clients: int, seconds: float,
+            technologies: list[tuple[str, str]] | None = None) -> dict[str, dict[str, float]]:
     data_dir = tempfile.mkdtemp(prefix="domus-bench-")
     results: dict[str, dict[str, float]] = {}
     try:
@@ -110,44 +114,32 @@ def measure(clients: int, seconds: float, records: int) -> dict[str, dict[str, f
             os.environ.update(deployment.environment())   # (workers find its secret)
 
             service = psutil.Process(deployment.services["s1"].pid)
+            address = deployment.service_address(0)
             with deployment.connect() as cluster:
-                for platform, medium in TECHNOLOGIES:
+                for platform, medium in technologies or TECHNOLOGIES:
                     name = _name(platform, medium)
                     cluster.create_dht(name, platform=platform, storage=medium)
                     target = (deployment.supervisor_address, name)
-                    put = _run_clients(_put_worker, target, clients, seconds)
-                    get = _run_clients(_get_seeded_worker, target, clients, seconds)
-                    sized = cluster.create_dht(name + "-size", platform=platform, storage=medium)
-                    before = service.memory_info().rss
-                    rng = random.Random(7)
-                    for start in range(0, records, 10_000):
-                        sized.put_many({rng.getrandbits(64) - INT64: rng.randbytes(8)
-                                        for _ in range(min(10_000, records - start))})
-                    size: float | None
-                    if medium == "disk":
-                        method = "files"
-                        time.sleep(2.5)                       # the service flushes every second
-                        home = dht_home(os.path.join(data_dir, "s1"), sized.id)
-                        size = sum(entry.stat().st_size for entry in os.scandir(home))
-                    elif platform.startswith("domus-bsddb"):
-                        # Pages land in a cache region reserved when the DHT
-                        # was created: RSS does not show them one by one, the
-                        # service's count of the DHT's pages does.
-                        method = "pages"
-                        stats = _service_stats(deployment.service_address(0))
-                        size = stats["dhts"][name + "-size"].get("storage_bytes")
-                    else:
-                        method = "rss"
-                        size = service.memory_info().rss - before
-                    results[f"{medium} {platform}"] = {
-                        "put1": put, "get": get,
-                        "bytes_per_record": None if size is None else size / records,
-                        "bytes_method": method}
-                    print(f"  {medium} {platform}: put1 {put:,.0f}/s get {get:,.0f}/s",
-                          file=sys.stderr)
+                    row: dict[str, float] = {}
+                    for phase, worker in (("put1", _put_worker), ("get", _get_seeded_worker)):
+                        cpu, requests = _service_work(service, address)
+                        row[phase] = _run_clients(worker, target, clients, seconds)
+                        cpu_after, requests_after = _service_work(service, address)
+                        row[f"{phase}_service_us"] = \
+                            1e6 * (cpu_after - cpu) / max(1, requests_after - requests - 1)
+                    results[f"{medium} {platform}"] = row
+                    print(f"  {medium} {platform}: put1 {row['put1']:,.0f}/s get "
+                          f"{row['get']:,.0f}/s", file=sys.stderr)
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
     return results
+
+
+def _service_work(service: psutil.Process, address: str) -> tuple[float, int]:
+    """The service's CPU seconds so far and the requests it has answered
+    (the STATS request that asks is one of them)."""
+    times = service.cpu_times()
+    return times.user + times.system, _service_stats(address)["requests"]
 
 
 def _get_seeded_worker(target: Any, seconds: float, seed: int, barrier: Any,
@@ -168,30 +160,37 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--technologies", metavar="LIST",
+                        help="comma-separated 'medium platform' pairs (default: all)")
     parser.add_argument("--json", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    results = measure(args.clients, args.seconds, args.records)
-    print(f"one service, K = {args.clients} clients, {args.seconds:g} s per point, "
-          f"{os.cpu_count()} cores")
-    print(f"{'technology':>26} {'put1 ops/s':>12} {'get ops/s':>12} {'bytes/record':>13}  "
-          f"measured by")
+    chosen = None
+    if args.technologies:
+        chosen = [tuple(item.split()[::-1]) for item in args.technologies.split(",")]
+        unknown = [" ".join(item[::-1]) for item in chosen if item not in TECHNOLOGIES]
+        if unknown:
+            parser.error(f"unknown technologies {unknown}; choose from "
+                         f"{[f'{medium} {name}' for name, medium in TECHNOLOGIES]}")
+    results = measure(args.clients, args.seconds, chosen)  # type: ignore[arg-type]
+    where = machine()
+    print(f"{where['date']}, commit {where['commit']}, {where['machine']}")
+    print(f"one service, K = {args.clients} clients, {args.seconds:g} s per point "
+          f"(the machine may be shared: compare within one run)")
+    print(f"{'technology':>26} {'put1 ops/s':>12} {'get ops/s':>12} {'service us/put1':>16} "
+          f"{'service us/get':>15}")
     for name, row in results.items():
-        size = row["bytes_per_record"]
         print(f"{name:>26} {row['put1']:>12,.0f} {row['get']:>12,.0f} "
-              + (f"{size:>13,.0f}" if size is not None else f"{'n/a':>13}")
-              + f"  {row['bytes_method']}")
-    print("bytes/record measured by: rss = service RSS growth, files = the DHT's files "
-          "after a flush, pages = Berkeley DB pages x page size (service stats)")
-    base = results["ram python-dict"]
-    disk = results["disk domus-bsddb-btree"]
-    ratio = disk["put1"] / base["put1"]
-    print(f"disk domus-bsddb-btree / ram python-dict: put1 {ratio:.2f}, "
-          f"get {disk['get'] / base['get']:.2f} (target >= 0.9 for put1)")
+              f"{row['put1_service_us']:>16.2f} {row['get_service_us']:>15.2f}")
+    base = results.get("ram python-dict")
+    disk = results.get("disk domus-bsddb-btree")
+    if base and disk:
+        print(f"disk domus-bsddb-btree / ram python-dict: put1 {disk['put1'] / base['put1']:.2f}, "
+              f"get {disk['get'] / base['get']:.2f} (target >= 0.9 for put1)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as target:
             json.dump({"command": "python -m benchmarks.platforms " + " ".join(
-                sys.argv[1:] if argv is None else argv), "results": results}, target, indent=1)
+                sys.argv[1:] if argv is None else argv), **where, "results": results},
+                target, indent=1)
     return 0
 
 

@@ -55,6 +55,8 @@
 #define TAG_POSBIG 0x02         /* int >= 2**63: u16 L, the L-byte magnitude */
 #define TAG_STR 0x03
 #define TAG_BYTES 0x04
+#define TAG_TUPLE 0x05          /* elements, 0x00 escaped as 0x00 0xFF, each ended by 0x00 */
+#define MAX_TUPLE_DEPTH 32
 #define BIGINT_LENGTH_SIZE 2    /* the u16 before a big int's magnitude */
 #define INT64_OFFSET (UINT64_C(1) << 63)
 
@@ -72,6 +74,7 @@ typedef struct {
     PyObject *ProtocolError;
     PyObject *KeyTypeError;
     PyObject *KeyTooLarge;
+    PyObject *ValueDecodeError;
     PyObject *pack_value;     /* domus.wire.values.pack_value: msgpack, for the rest */
     PyObject *unpack_value;   /* domus.wire.values.unpack_value */
 } codec_state;
@@ -338,12 +341,89 @@ fail:
     return -1;
 }
 
+static int key_parts_at(codec_state *state, PyObject *key, KeyParts *parts, int depth);
+
+/* A tuple key ``depth`` tuples deep, as domus.wire.keys._encode_tuple: tag
+ * 0x05, then each element's own encoding with every 0x00 byte followed by
+ * 0xFF, and a 0x00 after each element.  The payload is a bytes object owned
+ * by parts->holder.  0, or -1 with the reference's exception set: an
+ * element's (KeyTypeError, KeyTooLarge), KeyTypeError past MAX_TUPLE_DEPTH,
+ * KeyTooLarge (with the whole encoded size, counted but not stored past the
+ * limit) for a tuple over MAX_KEY_BYTES. */
+static int
+tuple_parts(codec_state *state, PyObject *key, KeyParts *parts, int depth)
+{
+    if (depth >= MAX_TUPLE_DEPTH) {
+        PyErr_Format(state->KeyTypeError, "a tuple key may hold tuples %d deep at most",
+                     MAX_TUPLE_DEPTH);
+        return -1;
+    }
+    /* The payload (after the tag) holds MAX_KEY_BYTES - 1 bytes at most. */
+    unsigned char *buffer = PyMem_Malloc(MAX_KEY_BYTES);
+    if (buffer == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t size = 0;   /* the payload's size so far (bytes past the limit only counted) */
+    for (Py_ssize_t index = 0; index < PyTuple_GET_SIZE(key); index++) {
+        /* Owned while its parts may point into it. */
+        PyObject *element = Py_NewRef(PyTuple_GET_ITEM(key, index));
+        KeyParts inner;
+        if (key_parts_at(state, element, &inner, depth + 1) < 0) {
+            Py_DECREF(element);
+            PyMem_Free(buffer);
+            return -1;
+        }
+        const unsigned char *payload = (const unsigned char *)inner.payload;
+        for (Py_ssize_t at = -1; at < inner.payload_size; at++) {
+            unsigned char byte = at < 0 ? inner.tag : payload[at];
+            if (size < MAX_KEY_BYTES) {
+                buffer[size] = byte;
+            }
+            size++;
+            if (byte == 0x00) {
+                if (size < MAX_KEY_BYTES) {
+                    buffer[size] = 0xFF;
+                }
+                size++;
+            }
+        }
+        if (size < MAX_KEY_BYTES) {
+            buffer[size] = 0x00;
+        }
+        size++;
+        key_parts_clear(&inner);
+        Py_DECREF(element);
+    }
+    if (1 + size > MAX_KEY_BYTES) {
+        PyMem_Free(buffer);
+        return key_too_large(state, 1 + size);
+    }
+    PyObject *holder = PyBytes_FromStringAndSize((const char *)buffer, size);
+    PyMem_Free(buffer);
+    if (holder == NULL) {
+        return -1;
+    }
+    parts->tag = TAG_TUPLE;
+    parts->payload = PyBytes_AS_STRING(holder);
+    parts->payload_size = size;
+    parts->holder = holder;
+    return 0;
+}
+
 /* Fill *parts with the canonical encoding of key, exactly as
  * domus.wire.keys.encode_key: 0, or -1 with KeyTypeError, KeyTooLarge (or what
  * bytes() of a bytearray/memoryview raised) set.  On success the caller
  * calls key_parts_clear. */
 static int
 key_parts(codec_state *state, PyObject *key, KeyParts *parts)
+{
+    return key_parts_at(state, key, parts, 0);
+}
+
+/* key_parts of a key that is an element of tuples ``depth`` deep. */
+static int
+key_parts_at(codec_state *state, PyObject *key, KeyParts *parts, int depth)
 {
     parts->holder = NULL;
     if (PyLong_Check(key)) {   /* int, bool, IntEnum, ...: by value */
@@ -405,12 +485,15 @@ key_parts(codec_state *state, PyObject *key, KeyParts *parts)
         }
         return 0;
     }
+    else if (PyTuple_Check(key)) {   /* a tuple or a subclass (a namedtuple): its elements */
+        return tuple_parts(state, key, parts, depth);
+    }
     else {
         PyObject *name = PyType_GetName(Py_TYPE(key));
         if (name != NULL) {
             PyErr_Format(state->KeyTypeError,
-                         "a Domus key must be int, str or bytes, not %U; convert it "
-                         "first (for example str(key))", name);
+                         "a Domus key must be int, str, bytes or a tuple of those, not %U; "
+                         "convert it first (for example str(key))", name);
             Py_DECREF(name);
         }
         return -1;
@@ -2072,12 +2155,47 @@ codec_unpack_value(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                       + offset, size - (Py_ssize_t)offset);
 }
 
+/* If the exception set is a ValueDecodeError, replaces it with the same
+ * error naming the key wanted[position], as the reference's
+ * `raise exc.with_key(wanted[position])` does; an exception raised on the
+ * way (wanted[position] fails) is set instead.  Any other exception is
+ * left as it is.  An exception is set on return. */
+static void
+name_the_key(codec_state *state, PyObject *wanted, PyObject *position)
+{
+    if (!PyErr_ExceptionMatches(state->ValueDecodeError)) {
+        return;
+    }
+    PyObject *type, *error, *traceback;
+    PyErr_Fetch(&type, &error, &traceback);
+    PyErr_NormalizeException(&type, &error, &traceback);
+    PyObject *key = PyObject_GetItem(wanted, position);
+    PyObject *method = key != NULL ? PyUnicode_FromString("with_key") : NULL;
+    PyObject *named = method != NULL
+                      ? PyObject_CallMethodObjArgs(error, method, key, NULL) : NULL;
+    if (named != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(named), named);
+        Py_DECREF(named);
+    }
+    Py_XDECREF(method);
+    Py_XDECREF(key);
+    if (!PyErr_Occurred()) {    /* with_key returned NULL without an error */
+        PyErr_Restore(type, error, traceback);
+        return;
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(error);
+    Py_XDECREF(traceback);
+}
+
 PyDoc_STRVAR(get_many_take_doc,
 "get_many_take(reply, batch, wanted, found, unpack, /)\n--\n\n"
 "Take in an OK GET_MANY reply: for each value present, in order,\n"
 "found[wanted[batch[i]]] = unpack(value) (unpack None: unpack_value).\n"
 "Returns how many entries the reply answers; ProtocolError (and nothing\n"
-"taken) if it is malformed.");
+"taken) if it is malformed.  A value that cannot be decoded stops the\n"
+"taking with its ValueDecodeError, naming its key (the values before it\n"
+"are taken).");
 
 static PyObject *
 codec_get_many_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -2143,6 +2261,9 @@ codec_get_many_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_XDECREF(raw);
         }
         offset += length;
+        if (value == NULL) {
+            name_the_key(state, wanted, position);
+        }
         PyObject *key = value != NULL ? PyObject_GetItem(wanted, position) : NULL;
         int failed = key == NULL || PyObject_SetItem(found, key, value) < 0;
         Py_DECREF(position);
@@ -2433,9 +2554,10 @@ codec_exec(PyObject *module)
     state->ProtocolError = PyObject_GetAttrString(errors, "ProtocolError");
     state->KeyTypeError = PyObject_GetAttrString(errors, "KeyTypeError");
     state->KeyTooLarge = PyObject_GetAttrString(errors, "KeyTooLarge");
+    state->ValueDecodeError = PyObject_GetAttrString(errors, "ValueDecodeError");
     Py_DECREF(errors);
     if (state->ProtocolError == NULL || state->KeyTypeError == NULL
-        || state->KeyTooLarge == NULL) {
+        || state->KeyTooLarge == NULL || state->ValueDecodeError == NULL) {
         return -1;
     }
     PyObject *values = PyImport_ImportModule("domus.wire.values");
@@ -2463,6 +2585,7 @@ codec_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state->ProtocolError);
     Py_VISIT(state->KeyTypeError);
     Py_VISIT(state->KeyTooLarge);
+    Py_VISIT(state->ValueDecodeError);
     Py_VISIT(state->pack_value);
     Py_VISIT(state->unpack_value);
     return 0;
@@ -2475,6 +2598,7 @@ codec_clear(PyObject *module)
     Py_CLEAR(state->ProtocolError);
     Py_CLEAR(state->KeyTypeError);
     Py_CLEAR(state->KeyTooLarge);
+    Py_CLEAR(state->ValueDecodeError);
     Py_CLEAR(state->pack_value);
     Py_CLEAR(state->unpack_value);
     return 0;

@@ -28,21 +28,25 @@
  *                ReplyCache rotates it in place.
  * A repository is driven directly when its type is exactly dict or the
  * `dict_type` given (DictRepository, a dict subclass whose methods mean
- * exactly the dict's), when it is an instance of the C RBTree type (through
- * the capsule API of domus._rbtree), or when it is an instance of
- * DatabaseRepository, defined here (BerkeleyRepository): a repository whose
- * records sit in a database object with Berkeley DB's calling conventions,
- * whose bound get/put/exists/delete methods are C functions that C calls
- * directly, and whose record count C keeps.  Such a repository's
- * Python-level methods are not called, so an RBTree or DatabaseRepository
- * subclass must not give put/get/delete/contains another meaning.  Other
- * dict subclasses may keep state beside the dict's (an index, a counter), so
- * they are declined.
+ * exactly the dict's), when it is an instance of the C RecordTree type
+ * (RBTreeRepository, through the capsule API of domus._recordtree: keys and
+ * values go in and out as the bytes the datagram carries, never as Python
+ * objects, and a GET copies the stored value straight into its reply), or
+ * when it is an instance of DatabaseRepository, defined here
+ * (BerkeleyRepository): a repository whose records sit in a database object
+ * with Berkeley DB's calling conventions, whose bound get/put/exists/delete
+ * methods are C functions that C calls directly, and whose record count C
+ * keeps.  Such a repository's Python-level methods are not called, so a
+ * RecordTree or DatabaseRepository subclass must not give
+ * put/get/delete/contains another meaning.  Other dict subclasses may keep
+ * state beside the dict's (an index, a counter), so they are declined.
  *
  * A database call that fails (a Berkeley DB error: a full disk, a corrupt
  * page, a cache out of room) is not an error of the C path: C undoes what
  * the request changed, clears the exception and declines, and the Python
- * handler meets the failure again and answers STORAGE_ERROR.
+ * handler meets the failure again and answers STORAGE_ERROR.  A record tree
+ * that has no memory for a record is declined the same way (the tree is
+ * unchanged; its repository's put answers StorageFault).
  *
  * No Python code runs while a request is handled (bytes keys hash and
  * compare in C; berkeleydb's methods are C and run no Python code, though
@@ -64,8 +68,22 @@
 #include <sys/uio.h>
 #include <time.h>
 
-#include "rbtree_api.h"
+#include "recordtree_api.h"
 #include "siphash.h"
+
+/* The wall clock's seconds, modulo 2^32, read as Python's time.time()
+ * reads it (CLOCK_REALTIME): time() may read a coarser clock that lags by a
+ * kernel tick after each second begins, and then the C path and the Python
+ * path would judge a request at the replay window's edge differently. */
+static uint32_t
+now_seconds(void)
+{
+    struct timespec now;
+    if (clock_gettime(CLOCK_REALTIME, &now) != 0) {
+        return (uint32_t)time(NULL);
+    }
+    return (uint32_t)now.tv_sec;
+}
 
 /* The wire format; domus/wire/protocol.py is the reference (the tests check the
  * constants exported below against it). */
@@ -135,9 +153,9 @@ typedef struct {
     PyObject_HEAD
     PyObject *dhts;
     PyObject *generations;
-    PyObject *rbtree_type;              /* or NULL */
+    PyObject *tree_type;                /* or NULL */
     PyObject *dict_type;                /* or NULL */
-    const DomusRBTreeAPI *tree_api;     /* NULL: trees are declined */
+    const DomusRecordTreeAPI *tree_api; /* NULL: trees are declined */
     Py_ssize_t current_limit;
     unsigned char layout_tag;           /* the request's DHT's, for its reply */
     unsigned char *buffer;              /* serve()'s datagram, made lazily */
@@ -146,7 +164,10 @@ typedef struct {
     unsigned long long fallbacks;
     unsigned long long send_errors;
     unsigned long long recv_errors;
+    unsigned long long bytes_received;  /* datagrams serve() read */
+    unsigned long long bytes_sent;      /* replies serve() sent */
     unsigned long long by_op[256];
+    unsigned long long by_status[256];  /* replies given, by status byte */
     int keyed;                          /* a secure deployment: datagrams carry MACs */
     unsigned char key[16];              /* the data plane's SipHash key */
     unsigned long long unauthenticated; /* datagrams dropped: no MAC, or a wrong one */
@@ -434,74 +455,156 @@ database_remove(DatabaseRepository *db, PyObject *key)
     return absent ? 0 : FAILED;
 }
 
-/* 1 with a new reference in *value, 0 if absent, -1 on error, FAILED. */
-static int
-repo_get(FastPath *self, Repo repo, PyObject *key, PyObject **value)
+/* A value found in a repository: a bytes object (a dict's or a database's),
+ * or bytes in a record tree's arena (`object` NULL), which stay valid until
+ * the tree next changes -- nothing changes a tree while a request is being
+ * handled.  `size` is -1 for a value that is not bytes (only a dict can
+ * hold one): the Python handler judges what that means. */
+typedef struct {
+    PyObject *object;           /* new reference, or NULL */
+    const char *data;
+    Py_ssize_t size;
+} Found;
+
+static void
+found_clear(Found *found)
 {
-    PyObject *found;
-    if (repo.kind == REPO_DATABASE) {
-        return database_get((DatabaseRepository *)repo.object, key, value);
+    Py_CLEAR(found->object);
+    found->data = NULL;
+    found->size = 0;
+}
+
+static PyObject *
+bytes_of(const unsigned char *data, Py_ssize_t size)
+{
+    return PyBytes_FromStringAndSize((const char *)data, size);
+}
+
+/* 1 with the value in *value, 0 if absent, -1 on error, FAILED.  A tree
+ * is searched with the key's bytes as they are; dicts and databases get a
+ * key object. */
+static int
+repo_get(FastPath *self, Repo repo, const unsigned char *key,
+         Py_ssize_t key_size, Found *value)
+{
+    if (repo.kind == REPO_TREE) {
+        return self->tree_api->find(repo.object, (const char *)key, key_size,
+                                    &value->data, &value->size);
     }
-    if (repo.kind == REPO_DICT) {
-        found = PyDict_GetItemWithError(repo.object, key);
+    PyObject *key_object = bytes_of(key, key_size);
+    if (key_object == NULL) {
+        return -1;
+    }
+    PyObject *found = NULL;
+    int present;
+    if (repo.kind == REPO_DATABASE) {
+        present = database_get((DatabaseRepository *)repo.object, key_object,
+                               &found);
     }
     else {
-        found = self->tree_api->get(repo.object, key);
+        found = PyDict_GetItemWithError(repo.object, key_object);
+        present = found != NULL ? 1 : PyErr_Occurred() ? -1 : 0;
+        Py_XINCREF(found);
     }
-    if (found == NULL) {
-        return PyErr_Occurred() ? -1 : 0;
+    Py_DECREF(key_object);
+    if (present == 1) {
+        value->object = found;
+        if (PyBytes_Check(found)) {
+            value->data = PyBytes_AS_STRING(found);
+            value->size = PyBytes_GET_SIZE(found);
+        }
+        else {
+            value->data = NULL;
+            value->size = -1;
+        }
     }
-    Py_INCREF(found);
-    *value = found;
-    return 1;
+    return present;
 }
 
 /* 1 if present, 0 if absent, -1 on error, FAILED. */
 static int
-repo_contains(FastPath *self, Repo repo, PyObject *key)
+repo_contains(FastPath *self, Repo repo, const unsigned char *key,
+              Py_ssize_t key_size)
 {
-    if (repo.kind == REPO_DATABASE) {
-        return database_contains((DatabaseRepository *)repo.object, key);
+    if (repo.kind == REPO_TREE) {
+        return self->tree_api->find(repo.object, (const char *)key, key_size,
+                                    NULL, NULL);
     }
-    if (repo.kind == REPO_DICT) {
-        return PyDict_Contains(repo.object, key);
+    PyObject *key_object = bytes_of(key, key_size);
+    if (key_object == NULL) {
+        return -1;
     }
-    return self->tree_api->contains(repo.object, key);
+    int present = repo.kind == REPO_DATABASE
+        ? database_contains((DatabaseRepository *)repo.object, key_object)
+        : PyDict_Contains(repo.object, key_object);
+    Py_DECREF(key_object);
+    return present;
 }
 
 /* 1 if the key was new, 0 if its value was replaced, -1 on error or FAILED
- * (nothing changed).  `previous` as for database_put, which alone uses it. */
+ * (nothing changed).  A tree stores the bytes as they are (FAILED if it has
+ * no memory for them); dicts and databases get key and value objects.
+ * `previous` as for database_put, which alone uses it. */
 static int
-repo_put(FastPath *self, Repo repo, PyObject *key, PyObject *value,
-         PyObject **previous)
+repo_put(FastPath *self, Repo repo, const unsigned char *key,
+         Py_ssize_t key_size, const unsigned char *value,
+         Py_ssize_t value_size, PyObject **previous)
 {
-    if (repo.kind == REPO_DATABASE) {
-        return database_put((DatabaseRepository *)repo.object, key, value,
-                            previous);
+    if (repo.kind == REPO_TREE) {
+        int created = self->tree_api->put(repo.object, (const char *)key,
+                                          key_size, (const char *)value,
+                                          value_size);
+        if (created < 0 && PyErr_ExceptionMatches(PyExc_MemoryError)) {
+            PyErr_Clear();
+            return FAILED;
+        }
+        return created;
     }
-    if (repo.kind == REPO_DICT) {
+    PyObject *key_object = bytes_of(key, key_size);
+    PyObject *value_object = key_object ? bytes_of(value, value_size) : NULL;
+    int created;
+    if (value_object == NULL) {
+        created = -1;
+    }
+    else if (repo.kind == REPO_DATABASE) {
+        created = database_put((DatabaseRepository *)repo.object, key_object,
+                               value_object, previous);
+    }
+    else {
         /* One lookup: storing a new key is what grows the dict. */
         Py_ssize_t before = PyDict_GET_SIZE(repo.object);
-        if (PyDict_SetItem(repo.object, key, value) < 0) {
-            return -1;
-        }
-        return PyDict_GET_SIZE(repo.object) > before;
+        created = PyDict_SetItem(repo.object, key_object, value_object) < 0
+                  ? -1 : PyDict_GET_SIZE(repo.object) > before;
     }
-    return self->tree_api->put(repo.object, key, value);
+    Py_XDECREF(key_object);
+    Py_XDECREF(value_object);
+    return created;
 }
 
 /* 1 if removed, 0 if absent, -1 on error or FAILED (nothing changed).
- * Dicts and trees are asked only for a key they hold. */
+ * Dicts are asked only for a key they hold. */
 static int
-repo_remove(FastPath *self, Repo repo, PyObject *key)
+repo_remove(FastPath *self, Repo repo, const unsigned char *key,
+            Py_ssize_t key_size)
 {
+    if (repo.kind == REPO_TREE) {
+        return self->tree_api->remove(repo.object, (const char *)key,
+                                      key_size);
+    }
+    PyObject *key_object = bytes_of(key, key_size);
+    if (key_object == NULL) {
+        return -1;
+    }
+    int removed;
     if (repo.kind == REPO_DATABASE) {
-        return database_remove((DatabaseRepository *)repo.object, key);
+        removed = database_remove((DatabaseRepository *)repo.object,
+                                  key_object);
     }
-    if (repo.kind == REPO_DICT) {
-        return PyDict_DelItem(repo.object, key) < 0 ? -1 : 1;
+    else {
+        removed = PyDict_DelItem(repo.object, key_object) < 0 ? -1 : 1;
     }
-    return self->tree_api->remove(repo.object, key);
+    Py_DECREF(key_object);
+    return removed;
 }
 
 /* ------------------------------------------------------------ the reply cache
@@ -593,11 +696,31 @@ parse_keyed(FastPath *self, const unsigned char *data, Py_ssize_t size,
     return HANDLED;
 }
 
-static PyObject *
-key_bytes(const unsigned char *data, Py_ssize_t key_end)
+/* Writes a GET's OK reply to *reply (with the layout tag of the request's
+ * DHT): the stored value, sent as it is (a bytes object), or copied from a
+ * tree's arena into the reply.  HANDLED, DECLINED (not bytes, or too large
+ * for `limit`: REPLY_TOO_LARGE), or -1.  Takes over value->object. */
+static int
+reply_value(const unsigned char *request, Found *value, Py_ssize_t limit,
+            unsigned char layout_tag, Reply *reply)
 {
-    return PyBytes_FromStringAndSize((const char *)data + KEYED_END,
-                                     key_end - KEYED_END);
+    if (value->size < 0 || value->size + REPLY_HEADER_SIZE > limit) {
+        found_clear(value);
+        return DECLINED;
+    }
+    if (value->object != NULL) {
+        write_reply_header(reply->head, ST_OK, request, layout_tag);
+        reply->value = value->object;
+        value->object = NULL;
+        return HANDLED;
+    }
+    reply->whole = new_reply(ST_OK, request, value->size, layout_tag);
+    if (reply->whole == NULL) {
+        return -1;
+    }
+    memcpy(PyBytes_AS_STRING(reply->whole) + REPLY_HEADER_SIZE, value->data,
+           (size_t)value->size);
+    return HANDLED;
 }
 
 /* GET and CONTAINS. */
@@ -611,31 +734,22 @@ handle_read(FastPath *self, int op, const unsigned char *data,
     if (result != HANDLED) {
         return result;
     }
-    PyObject *key = NULL;
     if (key_end != size) {
         result = DECLINED;          /* bytes after the key */
         goto done;
     }
-    key = key_bytes(data, key_end);
-    if (key == NULL) {
-        result = -1;
-        goto done;
-    }
+    const unsigned char *key = data + KEYED_END;
+    Py_ssize_t key_size = key_end - KEYED_END;
     int present;
     if (op == OP_CONTAINS) {
-        present = repo_contains(self, repo, key);
+        present = repo_contains(self, repo, key, key_size);
     }
     else {
-        PyObject *value = NULL;
-        present = repo_get(self, repo, key, &value);
+        Found value = {NULL, NULL, 0};
+        present = repo_get(self, repo, key, key_size, &value);
         if (present == 1) {
-            if (!PyBytes_Check(value)
-                    || PyBytes_GET_SIZE(value) + REPLY_HEADER_SIZE > limit) {
-                Py_DECREF(value);
-                result = DECLINED;  /* not bytes, or REPLY_TOO_LARGE */
-                goto done;
-            }
-            reply->value = value;
+            result = reply_value(data, &value, limit, self->layout_tag, reply);
+            goto done;
         }
     }
     if (present < 0) {
@@ -646,7 +760,6 @@ handle_read(FastPath *self, int op, const unsigned char *data,
                        self->layout_tag);
     result = HANDLED;
 done:
-    Py_XDECREF(key);
     Py_DECREF(repo.object);
     return result;
 }
@@ -665,7 +778,7 @@ change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
     if (result != HANDLED) {
         return result;
     }
-    PyObject *key = NULL, *value = NULL, *answer = NULL;
+    PyObject *answer = NULL;
     Py_ssize_t rest = size - key_end;
     if (rest < 4) {
         result = DECLINED;
@@ -677,16 +790,13 @@ change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
         result = DECLINED;
         goto done;
     }
-    key = key_bytes(data, key_end);
-    value = PyBytes_FromStringAndSize((const char *)data + key_end + 4,
-                                      (Py_ssize_t)value_length);
     answer = new_reply(ST_OK, data, 1, self->layout_tag);
-    if (key == NULL || value == NULL || answer == NULL
-            || PyDict_SetItem(current, token, answer) < 0) {
+    if (answer == NULL || PyDict_SetItem(current, token, answer) < 0) {
         result = -1;
         goto done;
     }
-    int created = repo_put(self, repo, key, value, NULL);
+    int created = repo_put(self, repo, data + KEYED_END, key_end - KEYED_END,
+                           data + key_end + 4, (Py_ssize_t)value_length, NULL);
     if (created < 0) {
         uncache(current, token);
         result = created == FAILED ? DECLINED : -1;
@@ -697,16 +807,14 @@ change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
     answer = NULL;
     result = HANDLED;
 done:
-    Py_XDECREF(key);
-    Py_XDECREF(value);
     Py_XDECREF(answer);
     Py_DECREF(repo.object);
     return result;
 }
 
-/* DELETE.  Cache and change go together, as for PUT.  A dict or tree is
- * read first (a value that is not bytes is the Python handler's to judge);
- * a database is asked to delete the key straight away, and whether it was
+/* DELETE.  Cache and change go together, as for PUT.  A dict is read first
+ * (a value that is not bytes is the Python handler's to judge); a tree or a
+ * database is asked to delete the key straight away, and whether it was
  * there written into the reply afterwards. */
 static int
 change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
@@ -718,26 +826,23 @@ change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
     if (result != HANDLED) {
         return result;
     }
-    PyObject *key = NULL, *answer = NULL;
+    PyObject *answer = NULL;
     if (key_end != size) {
         result = DECLINED;
         goto done;
     }
-    key = key_bytes(data, key_end);
-    if (key == NULL) {
-        result = -1;
-        goto done;
-    }
+    const unsigned char *key = data + KEYED_END;
+    Py_ssize_t key_size = key_end - KEYED_END;
     int present = 1;
-    if (repo.kind != REPO_DATABASE) {
-        PyObject *value = NULL;
-        present = repo_get(self, repo, key, &value);
+    if (repo.kind == REPO_DICT) {
+        Found value = {NULL, NULL, 0};
+        present = repo_get(self, repo, key, key_size, &value);
         if (present < 0) {
             result = -1;
             goto done;
         }
-        int odd = present && !PyBytes_Check(value);
-        Py_XDECREF(value);
+        int odd = present && value.size < 0;
+        found_clear(&value);
         if (odd) {
             result = DECLINED;  /* the Python handler decides what that means */
             goto done;
@@ -750,7 +855,7 @@ change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
         goto done;
     }
     if (present) {
-        int removed = repo_remove(self, repo, key);
+        int removed = repo_remove(self, repo, key, key_size);
         if (removed < 0) {
             uncache(current, token);
             result = removed == FAILED ? DECLINED : -1;
@@ -764,7 +869,6 @@ change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
     answer = NULL;
     result = HANDLED;
 done:
-    Py_XDECREF(key);
     Py_XDECREF(answer);
     Py_DECREF(repo.object);
     return result;
@@ -772,12 +876,17 @@ done:
 
 /* ------------------------------------------------------------ batches */
 
-/* One entry of a PUT_MANY or GET_MANY, with strong references.  `created`
- * and `previous` say how a PUT_MANY changed a database, to undo it. */
+/* One entry of a PUT_MANY or GET_MANY: its repository (a strong
+ * reference), its key and value where the request carries them, and what
+ * it found (GET_MANY).  `created` and `previous` say how a PUT_MANY changed
+ * a database, to undo it. */
 typedef struct {
     Repo repo;
-    PyObject *key;
-    PyObject *value;
+    const unsigned char *key;
+    Py_ssize_t key_size;
+    const unsigned char *value;
+    Py_ssize_t value_size;
+    Found found;
     PyObject *previous;         /* the value a put replaced, or NULL */
     int created;
 } Entry;
@@ -787,17 +896,16 @@ entries_free(Entry *entries, Py_ssize_t count)
 {
     for (Py_ssize_t i = 0; i < count; i++) {
         Py_XDECREF(entries[i].repo.object);
-        Py_XDECREF(entries[i].key);
-        Py_XDECREF(entries[i].value);
+        found_clear(&entries[i].found);
         Py_XDECREF(entries[i].previous);
     }
     PyMem_Free(entries);
 }
 
 /* Parses every entry of a PUT_MANY (`put` true) or GET_MANY body, checking
- * it whole -- lengths, limits, buckets, trailing bytes -- and making the key
- * (and value) objects before anything is changed.  HANDLED with *out (the
- * entries, to free with entries_free) and *count; DECLINED; or -1.  A
+ * it whole -- lengths, limits, buckets, trailing bytes -- before anything is
+ * changed.  HANDLED with *out (the entries, to free with entries_free) and
+ * *count; DECLINED; or -1.  A
  * PUT_MANY that would write to database repositories and to others is
  * declined (a DHT has one platform), so that one whose database fails can
  * always be undone whole. */
@@ -871,20 +979,10 @@ parse_batch(FastPath *self, const unsigned char *data, Py_ssize_t size,
         Entry *entry = &entries[made];
         Py_INCREF(last.object);
         entry->repo = last;
-        entry->key = PyBytes_FromStringAndSize((const char *)data + key_start,
-                                               key_length);
-        if (entry->key == NULL) {
-            result = -1;
-            goto fail;
-        }
-        if (put) {
-            entry->value = PyBytes_FromStringAndSize(
-                (const char *)data + key_end, (Py_ssize_t)value_length);
-            if (entry->value == NULL) {
-                result = -1;
-                goto fail;
-            }
-        }
+        entry->key = data + key_start;
+        entry->key_size = key_length;
+        entry->value = data + key_end;
+        entry->value_size = (Py_ssize_t)value_length;
         offset = value_end;
     }
     if (offset != end || (put && databases && others)) {
@@ -918,27 +1016,57 @@ undo_puts(Entry *entries, Py_ssize_t applied)
             continue;
         }
         DatabaseRepository *db = (DatabaseRepository *)entry->repo.object;
+        PyObject *key = bytes_of(entry->key, entry->key_size);
+        if (key == NULL) {
+            PyErr_Clear();
+            continue;
+        }
         if (entry->created) {
-            (void)database_remove(db, entry->key);
+            (void)database_remove(db, key);
         }
         else if (entry->previous != NULL) {
-            PyObject *args[2] = {entry->key, entry->previous};
+            PyObject *args[2] = {key, entry->previous};
             PyObject *done = database_call(db->put, args, 2);
             if (done == NULL) {
                 PyErr_Clear();
             }
             Py_XDECREF(done);
         }
+        Py_DECREF(key);
     }
     PyErr_Restore(type, exc, traceback);
 }
 
-/* PUT_MANY: every entry is checked and made before the first is applied.
- * If a database put fails, the entries before it are undone and the
- * request is declined.  If applying an entry to a dict or tree fails
- * (memory), the entries before it stay applied and the reply leaves the
- * cache: the Python handler then applies the whole request again, which
- * stores the same values. */
+/* Before a batch's entries[0..count) are applied (up to the first
+ * DOMUS_RECORDTREE_PREFETCH of them): the record trees' descents of those
+ * entries, walked together so that their cache misses overlap (see
+ * prefetch in cext/recordtree_api.h).  Other kinds of repository are left
+ * alone. */
+static void
+prefetch_entries(FastPath *self, const Entry *entries, Py_ssize_t count)
+{
+    PyObject *trees[DOMUS_RECORDTREE_PREFETCH];
+    const char *keys[DOMUS_RECORDTREE_PREFETCH];
+    Py_ssize_t key_sizes[DOMUS_RECORDTREE_PREFETCH];
+    Py_ssize_t walks = 0;
+    for (Py_ssize_t i = 0; i < count && i < DOMUS_RECORDTREE_PREFETCH; i++) {
+        if (entries[i].repo.kind == REPO_TREE) {
+            trees[walks] = entries[i].repo.object;
+            keys[walks] = (const char *)entries[i].key;
+            key_sizes[walks++] = entries[i].key_size;
+        }
+    }
+    if (walks > 1) {
+        self->tree_api->prefetch(trees, keys, key_sizes, walks);
+    }
+}
+
+/* PUT_MANY: every entry is checked before the first is applied.  If a
+ * database put fails, the entries before it are undone and the request is
+ * declined.  If applying an entry to a dict or a tree fails (memory), the
+ * entries before it stay applied and the reply leaves the cache (a tree's
+ * failure is declined, a dict's raised): the Python handler then applies
+ * the whole request again, which stores the same values. */
 static int
 change_put_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
                 PyObject *current, PyObject *token, Reply *reply)
@@ -957,7 +1085,11 @@ change_put_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
     unsigned created = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         Entry *entry = &entries[i];
-        int new_key = repo_put(self, entry->repo, entry->key, entry->value,
+        if (i % DOMUS_RECORDTREE_PREFETCH == 0) {
+            prefetch_entries(self, entry, count - i);
+        }
+        int new_key = repo_put(self, entry->repo, entry->key, entry->key_size,
+                               entry->value, entry->value_size,
                                &entry->previous);
         if (new_key < 0) {
             undo_puts(entries, i);
@@ -997,23 +1129,28 @@ handle_get_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
     Py_ssize_t answered = 0;
     for (; answered < count; answered++) {
         Entry *entry = &entries[answered];
-        PyObject *value = NULL;
-        int present = repo_get(self, entry->repo, entry->key, &value);
+        Found *value = &entry->found;
+        if (answered % DOMUS_RECORDTREE_PREFETCH == 0) {
+            prefetch_entries(self, entry, count - answered);
+        }
+        int present = repo_get(self, entry->repo, entry->key, entry->key_size,
+                               value);
         if (present < 0) {
             result = present == FAILED ? DECLINED : -1;
             goto done;
         }
-        if (present && !PyBytes_Check(value)) {
-            Py_DECREF(value);
-            result = DECLINED;
+        if (!present) {
+            value->size = -2;   /* absent */
+        }
+        else if (value->size < 0) {
+            result = DECLINED;  /* not bytes */
             goto done;
         }
-        reply_size += 4 + (present ? (long long)PyBytes_GET_SIZE(value) : 0);
+        reply_size += 4 + (present ? (long long)value->size : 0);
         if (reply_size > (long long)limit) {
-            Py_XDECREF(value);
+            found_clear(value);
             break;      /* the client asks again for the rest */
         }
-        entry->value = value;
     }
     if (count > 0 && answered == 0) {
         result = DECLINED;      /* REPLY_TOO_LARGE */
@@ -1021,8 +1158,7 @@ handle_get_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
     }
     Py_ssize_t total = REPLY_HEADER_SIZE + 2;
     for (Py_ssize_t i = 0; i < answered; i++) {
-        total += 4 + (entries[i].value ? PyBytes_GET_SIZE(entries[i].value)
-                                       : 0);
+        total += 4 + (entries[i].found.size >= 0 ? entries[i].found.size : 0);
     }
     PyObject *answer = PyBytes_FromStringAndSize(NULL, total);
     if (answer == NULL) {
@@ -1034,16 +1170,15 @@ handle_get_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
     write_u16(out + REPLY_HEADER_SIZE, (uint16_t)answered);
     out += REPLY_HEADER_SIZE + 2;
     for (Py_ssize_t i = 0; i < answered; i++) {
-        PyObject *value = entries[i].value;
-        if (value == NULL) {
+        const Found *value = &entries[i].found;
+        if (value->size < 0) {
             write_u32(out, MISSING);
             out += 4;
             continue;
         }
-        Py_ssize_t length = PyBytes_GET_SIZE(value);
-        write_u32(out, (uint32_t)length);
-        memcpy(out + 4, PyBytes_AS_STRING(value), (size_t)length);
-        out += 4 + length;
+        write_u32(out, (uint32_t)value->size);
+        memcpy(out + 4, value->data, (size_t)value->size);
+        out += 4 + value->size;
     }
     reply->whole = answer;
     result = HANDLED;
@@ -1129,7 +1264,9 @@ sample_request(FastPath *self, int op, const unsigned char *data,
 
 /* Answers one request: HANDLED with *reply filled (the caller clears it),
  * DECLINED with nothing changed, or -1 with an exception set.  Counts the
- * request (handled or declined) in the counters. */
+ * request (handled or declined) in the counters: a handled one by its op
+ * and by its reply's status byte, as the Python handler counts the
+ * requests it answers. */
 static int
 handle_request(FastPath *self, const unsigned char *data, Py_ssize_t size,
                Py_ssize_t limit, Reply *reply)
@@ -1159,6 +1296,10 @@ handle_request(FastPath *self, const unsigned char *data, Py_ssize_t size,
                 sample_request(self, op, data, size);
             }
             self->by_op[op]++;
+            unsigned char status = reply->whole != NULL
+                ? (unsigned char)PyBytes_AS_STRING(reply->whole)[2]
+                : reply->head[2];
+            self->by_status[status]++;
             return HANDLED;
         }
     }
@@ -1326,14 +1467,14 @@ static PyTypeObject DatabaseRepositoryType = {
 static int
 FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"dhts", "generations", "rbtree_type",
+    static char *kwlist[] = {"dhts", "generations", "tree_type",
                              "current_limit", "dict_type", "key", NULL};
-    PyObject *dhts, *generations, *rbtree_type = Py_None;
+    PyObject *dhts, *generations, *tree_type = Py_None;
     PyObject *dict_type = Py_None, *key = Py_None;
     Py_ssize_t current_limit = PY_SSIZE_T_MAX;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!|O$nOO:FastPath", kwlist,
                                      &PyDict_Type, &dhts, &PyList_Type,
-                                     &generations, &rbtree_type,
+                                     &generations, &tree_type,
                                      &current_limit, &dict_type, &key)) {
         return -1;
     }
@@ -1342,9 +1483,9 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
                         "SipHash key) or None");
         return -1;
     }
-    if (rbtree_type != Py_None && !PyType_Check(rbtree_type)) {
+    if (tree_type != Py_None && !PyType_Check(tree_type)) {
         PyErr_SetString(PyExc_TypeError,
-                        "rbtree_type must be the RBTree type or None");
+                        "tree_type must be the RecordTree type or None");
         return -1;
     }
     if (dict_type != Py_None
@@ -1359,15 +1500,15 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "current_limit must be >= 0");
         return -1;
     }
-    const DomusRBTreeAPI *tree_api = NULL;
-    if (rbtree_type != Py_None) {
-        /* Trees are driven only if domus._rbtree's C API is there and is
+    const DomusRecordTreeAPI *tree_api = NULL;
+    if (tree_type != Py_None) {
+        /* Trees are driven only if domus._recordtree's C API is there and is
          * the API of this very type; otherwise they take the Python path. */
-        tree_api = PyCapsule_Import(DOMUS_RBTREE_CAPSULE, 0);
+        tree_api = PyCapsule_Import(DOMUS_RECORDTREE_CAPSULE, 0);
         if (tree_api == NULL) {
             PyErr_Clear();
         }
-        else if ((PyObject *)tree_api->type != rbtree_type) {
+        else if ((PyObject *)tree_api->type != tree_type) {
             tree_api = NULL;
         }
     }
@@ -1375,12 +1516,12 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     Py_XSETREF(self->dhts, dhts);
     Py_INCREF(generations);
     Py_XSETREF(self->generations, generations);
-    if (rbtree_type == Py_None) {
-        Py_CLEAR(self->rbtree_type);
+    if (tree_type == Py_None) {
+        Py_CLEAR(self->tree_type);
     }
     else {
-        Py_INCREF(rbtree_type);
-        Py_XSETREF(self->rbtree_type, rbtree_type);
+        Py_INCREF(tree_type);
+        Py_XSETREF(self->tree_type, tree_type);
     }
     if (dict_type == Py_None) {
         Py_CLEAR(self->dict_type);
@@ -1403,7 +1544,7 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->dhts);
     Py_VISIT(self->generations);
-    Py_VISIT(self->rbtree_type);
+    Py_VISIT(self->tree_type);
     Py_VISIT(self->dict_type);
     return 0;
 }
@@ -1413,7 +1554,7 @@ FastPath_clear(FastPath *self)
 {
     Py_CLEAR(self->dhts);
     Py_CLEAR(self->generations);
-    Py_CLEAR(self->rbtree_type);
+    Py_CLEAR(self->tree_type);
     Py_CLEAR(self->dict_type);
     self->tree_api = NULL;
     return 0;
@@ -1533,7 +1674,7 @@ is_transient(int error)
 }
 
 /* Sends a handled reply to `peer`, never blocking; a failure is counted
- * (the client retries). */
+ * (the client retries), and so are the bytes of a reply sent. */
 static void
 send_reply(FastPath *self, int fd, Reply *reply,
            const struct sockaddr_storage *peer, socklen_t peer_length,
@@ -1585,6 +1726,9 @@ send_reply(FastPath *self, int fd, Reply *reply,
     } while (sent < 0 && errno == EINTR);
     if (sent < 0) {
         self->send_errors++;
+    }
+    else {
+        self->bytes_sent += (unsigned long long)sent;
     }
 }
 
@@ -1646,6 +1790,7 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
             return PyErr_SetFromErrno(PyExc_OSError);
         }
         received++;
+        self->bytes_received += (unsigned long long)size;
         const unsigned char *stamp = NULL;
         Py_ssize_t length = size;
         int fresh = 1;
@@ -1660,7 +1805,7 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
             }
             stamp = self->buffer + size - REQUEST_TRAILER;
             length = size - REQUEST_TRAILER;
-            uint32_t skew = (uint32_t)time(NULL) - read_u32(stamp);
+            uint32_t skew = now_seconds() - read_u32(stamp);
             fresh = skew <= TIME_WINDOW || (uint32_t)-skew <= TIME_WINDOW;
         }
         Reply reply = {NULL, {0}, NULL};
@@ -1706,22 +1851,35 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
     return PyLong_FromSsize_t(received);
 }
 
+/* A new list of the 256 counts in `table`, or NULL with an exception set. */
 static PyObject *
-FastPath_get_by_op(FastPath *self, void *closure)
+count_list(const unsigned long long *table)
 {
     PyObject *counts = PyList_New(256);
     if (counts == NULL) {
         return NULL;
     }
-    for (Py_ssize_t op = 0; op < 256; op++) {
-        PyObject *count = PyLong_FromUnsignedLongLong(self->by_op[op]);
+    for (Py_ssize_t index = 0; index < 256; index++) {
+        PyObject *count = PyLong_FromUnsignedLongLong(table[index]);
         if (count == NULL) {
             Py_DECREF(counts);
             return NULL;
         }
-        PyList_SET_ITEM(counts, op, count);
+        PyList_SET_ITEM(counts, index, count);
     }
     return counts;
+}
+
+static PyObject *
+FastPath_get_by_op(FastPath *self, void *closure)
+{
+    return count_list(self->by_op);
+}
+
+static PyObject *
+FastPath_get_by_status(FastPath *self, void *closure)
+{
+    return count_list(self->by_status);
 }
 
 PyDoc_STRVAR(FastPath_take_samples_doc,
@@ -1775,6 +1933,10 @@ static PyMemberDef FastPath_members[] = {
      "replies serve() could not send (the client retries)"},
     {"recv_errors", T_ULONGLONG, offsetof(FastPath, recv_errors), READONLY,
      "errors serve() read from the socket and went past"},
+    {"bytes_received", T_ULONGLONG, offsetof(FastPath, bytes_received),
+     READONLY, "bytes of the datagrams serve() read (declined and dropped ones too)"},
+    {"bytes_sent", T_ULONGLONG, offsetof(FastPath, bytes_sent), READONLY,
+     "bytes of the replies serve() sent (not those the fallback sends)"},
     {"unauthenticated", T_ULONGLONG, offsetof(FastPath, unauthenticated), READONLY,
      "datagrams serve() dropped: too short for a MAC, or one that did not check"},
     {"current_limit", T_PYSSIZET, offsetof(FastPath, current_limit),
@@ -1785,17 +1947,19 @@ static PyMemberDef FastPath_members[] = {
 static PyGetSetDef FastPath_getset[] = {
     {"by_op", (getter)FastPath_get_by_op, NULL,
      "requests answered in C, per op code (a list of 256 counts)", NULL},
+    {"by_status", (getter)FastPath_get_by_status, NULL,
+     "replies given in C, per status byte (a list of 256 counts)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
 PyDoc_STRVAR(FastPath_doc,
-"FastPath(dhts, generations, rbtree_type=None, *,\n"
+"FastPath(dhts, generations, tree_type=None, *,\n"
 "         current_limit=sys.maxsize, dict_type=None)\n\n"
 "The C data path of a service.  `dhts` maps each active DHT's id to its\n"
 "dict of bucket -> repository; `generations` is the reply cache's\n"
 "[current, previous] list.  Both stay owned (and updated) by Python.\n"
 "Repositories that are exactly dicts or `dict_type`, instances of\n"
-"`rbtree_type` (driven through domus._rbtree's C API) or of\n"
+"`tree_type` (driven through domus._recordtree's C API) or of\n"
 "DatabaseRepository (driven through their database's methods) are handled\n"
 "in C; others are declined.\n"
 "A change that would grow the current generation past `current_limit`\n"

@@ -7,6 +7,8 @@ derive from the matching built-in exception (``TypeError``, ``ValueError``,
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DomusError(Exception):
     """Base class of every Domus error."""
@@ -86,7 +88,18 @@ class WrongService(RemoteError):
 
 
 class StorageError(RemoteError):
-    """The service's repository failed (disk full, database error)."""
+    """The service's repository failed (a database error, a store that
+    cannot be opened): the message names the DHT, the bucket, the service,
+    the path and the cause.  Nothing was changed."""
+
+
+class StorageFull(StorageError):
+    """The service's disk is at its reserve (``domus service
+    --disk-reserve``), or a RAM Berkeley DB DHT's cache is full: the put was
+    refused and nothing was stored.  Reads and deletes are still served;
+    writes are taken again by themselves once space is back (records
+    deleted, the filesystem grown, another job's files removed).  The
+    message names the service, the path and the free space."""
 
 
 class DhtInactive(RemoteError):
@@ -104,12 +117,42 @@ class DataLost(RemoteError):
 
 
 class KeyTypeError(DomusError, TypeError):
-    """Keys must be int, str or bytes."""
+    """Keys must be int, str, bytes, or tuples of those."""
 
 
 class ValueTypeError(DomusError, TypeError):
     """Values must be something msgpack encodes (bytes, str, int, float,
     bool, None, lists and dicts of those)."""
+
+
+class ValueDecodeError(DomusError, ValueError):
+    """A stored value could not be decoded: its bytes are not the msgpack a
+    Domus client writes (another program wrote them, or they are corrupt).
+
+    ``reason`` says what is wrong with the bytes; ``dht`` and ``key`` name
+    the record where the client knows them ("" and None where it does not).
+    The record stays as it is: overwrite or delete the key to mend it.
+    """
+
+    def __init__(self, reason: str, *, dht: str = "", key: Any = None) -> None:
+        where = []
+        if dht:
+            where.append(f"DHT {dht!r}")
+        if key is not None:
+            shown = repr(key)
+            where.append(f"key {shown if len(shown) <= 80 else shown[:77] + '...'}")
+        super().__init__(f"{', '.join(where)}: {reason}" if where else reason)
+        self.reason = reason
+        self.dht = dht
+        self.key = key
+
+    def with_key(self, key: Any) -> ValueDecodeError:
+        """The same error, naming the key of the record."""
+        return ValueDecodeError(self.reason, dht=self.dht, key=key)
+
+    def with_dht(self, dht: str) -> ValueDecodeError:
+        """The same error, naming the DHT of the record."""
+        return ValueDecodeError(self.reason, dht=dht, key=self.key)
 
 
 class KeyTooLarge(DomusError, ValueError):

@@ -18,11 +18,14 @@ import time
 from typing import Any
 
 from domus.supervisor import balancer
+from domus.supervisor.metrics import SupervisorMetrics
+from domus.supervisor.metrics import listen as serve_metrics
 from domus.supervisor.state import SupervisorState
 from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from domus._version import __version__
 from domus.errors import InvalidAttribute, SupervisorError
@@ -86,7 +89,8 @@ class SupervisorService(Service):
     def __init__(self, *, listen: str, data_dir: str, down_after: float = DOWN_AFTER,
                  push_timeout: float = PUSH_TIMEOUT, balance: str = "auto",
                  balancer_settings: balancer.Settings | None = None,
-                 secret_file: str | None = None, insecure: bool = False) -> None:
+                 secret_file: str | None = None, insecure: bool = False,
+                 metrics: str | None = None) -> None:
         if not (down_after > 0 and push_timeout > 0):
             raise ValueError(f"down_after ({down_after}) and push_timeout ({push_timeout}) "
                              "must be positive numbers of seconds")
@@ -94,6 +98,10 @@ class SupervisorService(Service):
             raise ValueError(f"balance must be one of {BALANCE_MODES}, not {balance!r}")
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
+        if metrics is not None:
+            addresses.parse(metrics)        # (a bad address fails before anything starts)
+        self.metrics_address = metrics      # where /metrics is served; None: nowhere
+        self.metrics = SupervisorMetrics(self)
         data_dir = os.path.abspath(data_dir)
         self.state = SupervisorState(data_dir)
         # The deployment secret (domus.wire.secret): given, or made at the
@@ -122,6 +130,8 @@ class SupervisorService(Service):
                 ("--balance-smoothing", knobs.smoothing, balancer.Settings.smoothing)):
             if value != default:
                 options.append([flag, value])
+        if metrics is not None:
+            options.append(["--metrics", metrics])
         if insecure:
             options.append(["--insecure", None])
         elif secret_file is not None:
@@ -153,6 +163,7 @@ class SupervisorService(Service):
         # change at a time (activation, deactivation, a bucket move).
         self._changing: dict[str, str] = {}
         self._port: Any = None
+        self._metrics_port: Any = None
         self._watch: task.LoopingCall | None = None
         self.started = time.time()
 
@@ -166,16 +177,21 @@ class SupervisorService(Service):
 
         def build(addr: Any) -> MessageProtocol:
             link = original(addr)
-            link.control_handler = self.control
+            link.control_handler = counted
             link.accepting, link.keys = True, self.keys
             link.max_control_body = MAX_REQUEST_BODY
             link.max_control_containers = MAX_REQUEST_CONTAINERS
             link.auth_failures = self._auth_failed
             return link
 
+        counted = self.metrics.counted(self.control)
         factory.buildProtocol = build
         self._port = reactor.listenTCP(self.listen_port, factory, interface=self.listen_host)
         self.state.stamp_all()    # (DHTs of an older state file)
+        if self.metrics_address:
+            self._metrics_port = serve_metrics(reactor, self.metrics_address, self.metrics)
+            log.info("supervisor: metrics at http://{address}/metrics",
+                     address=self.metrics_address)
         self.state.save()     # with this process's launch record
         self._watch = task.LoopingCall(self._watch_services)
         self._watch.start(1.0, now=False)
@@ -193,7 +209,8 @@ class SupervisorService(Service):
             if link.transport is not None:
                 link.transport.loseConnection()
         super().stopService()
-        return defer.maybeDeferred(self._port.stopListening) if self._port else defer.succeed(None)
+        ports = [port for port in (self._port, self._metrics_port) if port is not None]
+        return defer.DeferredList([defer.maybeDeferred(port.stopListening) for port in ports])
 
     def _auth_failed(self, why: str) -> None:
         self.auth_failures += 1
@@ -432,6 +449,7 @@ class SupervisorService(Service):
                      "{dhts}; it keeps them (`domus status` lists them; `domus service "
                      "discard {name} ID` discards one)", name=name, count=len(unknown),
                      dhts=[f"{orphan['name']} (id {orphan['id']})" for orphan in unknown])
+        self.metrics.registrations += 1
         return {"dhts": self._descriptors_for(name), "supervisor_version": __version__,
                 "deployment": self.state.deployment, "drop": drops}
 
@@ -490,6 +508,7 @@ class SupervisorService(Service):
         if next_id > self.state.next_dht_id:
             self.state.next_dht_id = next_id
             self.state.save()
+        self.metrics.heartbeats += 1
         return {"ok": True}
 
     def _watch_services(self) -> None:
@@ -659,6 +678,7 @@ class SupervisorService(Service):
             "routing_services": [entry["name"] for entry in descriptor["routing_services"]],
             "storage_services": [entry["name"] for entry in descriptor["storage_services"]],
             "replicas": descriptor.get("replicas") or 1,
+            "codec": descriptor.get("codec") or "msgpack",
             "degraded": bool(replicas.missing(descriptor)),
             "lost_buckets": len(descriptor.get("storage_lost") or {})}
 
@@ -669,6 +689,12 @@ class SupervisorService(Service):
             wanted = check_request(name, attributes or {})
         except InvalidAttribute as exc:
             raise ControlError("InvalidAttribute", str(exc)) from None
+        if wanted["codec"] == "pickle" and self.keys is None:
+            raise ControlError("InvalidAttribute", (
+                f"DHT {name!r}: codec 'pickle' needs a deployment with a secret, and this one "
+                f"runs --insecure: anyone who can send it a datagram could store a pickle "
+                f"that runs code in every client that reads it. Use codec 'msgpack' or "
+                f"'raw', or restart the deployment with a secret"))
         if name in self.state.dhts or name in self._creating:
             raise ControlError("DhtExists", f"a DHT named {name!r} already exists; open it with "
                                f"open_dht, or destroy it first")
@@ -717,6 +743,18 @@ class SupervisorService(Service):
                            f"{which} store platform {platform!r}: it needs {need} where the "
                            f"services run, then a restart of those services")
 
+    def _with_room(self, wanted: dict[str, Any], services: list[str],
+                   named: bool) -> list[str]:
+        """A disk DHT's storage services, but those whose disk is at its
+        reserve (balancer.takes_storage); named ones must all have room."""
+        view = self._balancer_view()
+        full = [name for name in services if not balancer.takes_storage(wanted, view[name])]
+        if full and (named or len(full) == len(services)):
+            raise ControlError("StorageError", f"service(s) {full} have their disk at its "
+                               f"reserve (`domus status`); free space there, or store the "
+                               f"DHT elsewhere")
+        return [name for name in services if name not in full]
+
     def _plan(self, name: str, wanted: dict[str, Any]) -> dict[str, Any]:
         live = self.live_services()
         if not live:
@@ -735,6 +773,7 @@ class SupervisorService(Service):
             if role == "storage_services":
                 chosen = self._able_to_store(wanted["platform"], chosen,
                                              named=bool(wanted.get(role)))
+                chosen = self._with_room(wanted, chosen, named=bool(wanted.get(role)))
             sets[role] = list(chosen)
         buckets = wanted.get("buckets") or default_bucket_count(
             len(set(sets["routing_services"]) | set(sets["storage_services"])))
@@ -743,7 +782,7 @@ class SupervisorService(Service):
             "hash": wanted["hash"], "storage": wanted["storage"], "platform": wanted["platform"],
             "routing": wanted["routing"], "routing_degree": wanted["routing_degree"],
             "routing_algorithm": wanted["routing_algorithm"], "lookup": wanted["lookup"],
-            "durability": wanted["durability"], "state": "active",
+            "durability": wanted["durability"], "codec": wanted["codec"], "state": "active",
             "created": time.time(), "version": 1, "initial_buckets": buckets,
             # whose it is (domus.wire.identities): a service deletes its
             # data only when told to by a message naming both
@@ -963,6 +1002,8 @@ class SupervisorService(Service):
 
         def done(result: dict[str, Any]) -> dict[str, Any]:
             seconds = time.monotonic() - started
+            if link is not None:                # (_carry_out counts its own)
+                self.metrics.moved("hand", role, seconds)
             log.info("DHT {name!r}: {role} of bucket {bucket} moved from {source} to "
                      "{target} in {seconds:.2f}s{records}", name=name, role=role,
                      bucket=bucket, source=source, target=service, seconds=seconds,
@@ -971,6 +1012,8 @@ class SupervisorService(Service):
 
         def finished(result: Any) -> Any:
             self._changing.pop(name, None)
+            if link is not None and isinstance(result, Failure):
+                self.metrics.move_failed("hand", role)
             return result
 
         return moving.addCallback(done).addBoth(finished)
@@ -1052,6 +1095,7 @@ class SupervisorService(Service):
                 result = yield self.op_move_bucket(None, name=move.dht, bucket=move.bucket,
                                                    role=move.role, service=move.target)
             except Exception as exc:  # reported, and the round ends
+                self.metrics.move_failed(by, move.role)
                 self.memory.note(time.monotonic(), f"{by}: moving {move.role} of bucket "
                                  f"{move.bucket} of DHT {move.dht!r} from {move.source} to "
                                  f"{move.target} failed: {_describe(exc)}", **move.as_dict())
@@ -1060,6 +1104,7 @@ class SupervisorService(Service):
                          error=_describe(exc))
                 break
             self.memory.moved_at[(move.dht, move.role, move.bucket)] = time.monotonic()
+            self.metrics.moved(by, move.role, result.get("seconds", 0.0))
             record = move.as_dict() | {"records": result.get("records"), "by": by,
                                        "seconds": round(result.get("seconds", 0.0), 3)}
             self.memory.note(time.monotonic(), f"{by}: moved {move.role} of bucket "
@@ -1380,11 +1425,16 @@ class SupervisorService(Service):
                     service: self.state.services[service]["address"] for service in candidates})
                 self._refuse_while_changing(dht, f"copy bucket {bucket} of")
                 self._changing[dht] = f"having a copy of bucket {bucket} made on {target}"
+                started = time.monotonic()
                 try:
                     result = yield self._copy_replica(descriptor, changed, bucket, source,
                                                       target)
+                except Exception:
+                    self.metrics.move_failed("drain", "backup")
+                    raise
                 finally:
                     self._changing.pop(dht, None)
+                self.metrics.moved("drain", "backup", time.monotonic() - started)
                 moved.append({"dht": dht, "bucket": bucket, "role": "backup", "source": name,
                               "target": target, "records": result["records"],
                               "why": f"{name} is draining"})
@@ -1525,7 +1575,13 @@ class SupervisorService(Service):
             current = self.state.dhts[name]
             changed = layout.move(current, "storage", bucket, target,
                                   self.state.services[target]["address"])
-            result = yield self._move_storage(current, changed, bucket, source, target)
+            started = time.monotonic()
+            try:
+                result = yield self._move_storage(current, changed, bucket, source, target)
+            except Exception:
+                self.metrics.move_failed("resize", "storage")
+                raise
+            self.metrics.moved("resize", "storage", time.monotonic() - started)
             moved += result.get("records") or 0
         storage = sorted(layout.owners(self.state.dhts[name], "storage").owners())
         failed, merged = yield self._regroup(name, storage, count // 2)
@@ -1631,6 +1687,7 @@ class SupervisorService(Service):
         if not changed_dhts:
             return
         self.state.save()
+        self.metrics.failovers += 1
         log.warn("failover: service {service} is out ({why}); DHTs {dhts} promote its "
                  "buckets' backups", service=service, why=why,
                  dhts=[descriptor["name"] for descriptor in changed_dhts])
@@ -1847,6 +1904,8 @@ class SupervisorService(Service):
         under = min(eligible, key=lambda name: held.get(name, 0) - shares[name])
         if held.get(over, 0) - shares[over] <= 1 or shares[under] - held.get(under, 0) <= 1:
             return None
+        if not balancer.takes_storage(descriptor, view[under]):
+            return None         # (its disk is at its reserve)
         for rank, copy in enumerate(replicas.backups(descriptor), start=1):
             for first, end, holder in copy.ranges():
                 if holder != over:
@@ -1872,10 +1931,15 @@ class SupervisorService(Service):
         changed = replicas.with_backups(descriptor, copies,
                                         {target: self.state.services[target]["address"]})
         self._changing[name] = f"having a backup of bucket {bucket} moved to {target}"
+        started = time.monotonic()
         try:
             result = yield self._copy_replica(descriptor, changed, bucket, primary, target)
+        except Exception:
+            self.metrics.move_failed("balancer", "backup")
+            raise
         finally:
             self._changing.pop(name, None)
+        self.metrics.moved("balancer", "backup", time.monotonic() - started)
         self.memory.moved_at[(name, "backup", bucket)] = time.monotonic()
         self.memory.note(time.monotonic(), f"balancer: moved the backup of bucket {bucket} of "
                          f"DHT {name!r} from {source} to {target} (copies follow capacity)",
@@ -1910,6 +1974,7 @@ class SupervisorService(Service):
                     result = yield self._copy_replica(descriptor, changed, bucket, source,
                                                       target)
                 except Exception as exc:  # reported; the next round tries again
+                    self.metrics.repairs["failed"] += 1
                     self.memory.note(time.monotonic(), f"repair: copying bucket {bucket} of "
                                      f"DHT {name!r} to {target} failed: {_describe(exc)}",
                                      dht=name, bucket=bucket)
@@ -1917,6 +1982,7 @@ class SupervisorService(Service):
                 finally:
                     self._changing.pop(name, None)
                 done += 1
+                self.metrics.repairs["done"] += 1
                 log.info("repair: DHT {name!r}: bucket {bucket} copied from {source} to "
                          "{target} ({records} records)", name=name, bucket=bucket,
                          source=source, target=target, records=result["records"])

@@ -82,6 +82,15 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _disk_reserve(text: str) -> Any:
+    from domus.storage.headroom import parse_reserve
+
+    try:
+        return parse_reserve(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _cpu_list(text: str) -> list[int]:
     """'2', '0,1' or '4-7' (as taskset -c): the CPU numbers, each one that
     this machine has."""
@@ -98,6 +107,15 @@ def _cpu_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"CPUs {text} are not all among this machine's "
                                          f"0 to {present - 1}")
     return sorted(cpus)
+
+
+def _listen_address(text: str) -> str:
+    """A HOST:PORT to listen on (``--metrics``)."""
+    try:
+        addresses.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _run_reactor(service: Any) -> int:
@@ -145,7 +163,8 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
                                        cooldown=args.balance_cooldown,
                                        cpu_busy=args.balance_cpu_busy,
                                        smoothing=args.balance_smoothing),
-            secret_file=args.secret_file, insecure=args.insecure)
+            secret_file=args.secret_file, insecure=args.insecure,
+            metrics=args.metrics)
     except ValueError as exc:
         raise SystemExit(f"domus: cannot start the supervisor: {exc}") from None
     return _run_reactor(supervisor)
@@ -161,7 +180,10 @@ def cmd_service(args: argparse.Namespace) -> int:
         service = DomusService(supervisor=addresses.supervisor_address(args.supervisor),
                                listen=args.listen, data_dir=args.data_dir, name=args.name,
                                heartbeat=args.heartbeat, resources=overrides,
-                               cpus=args.cpus, secret_file=args.secret_file)
+                               cpus=args.cpus, secret_file=args.secret_file,
+                               metrics=args.metrics,
+                               **({"disk_reserve": args.disk_reserve}
+                                  if args.disk_reserve is not None else {}))
     except ValueError as exc:
         raise SystemExit(f"domus: cannot start the service: {exc}") from None
     return _run_reactor(service)
@@ -170,8 +192,13 @@ def cmd_service(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from domus.ops.deploy import LocalDeployment
 
-    deployment = LocalDeployment(args.services, port=args.port, data_dir=args.data_dir,
-                                 host=args.host, insecure=args.insecure)
+    try:
+        deployment = LocalDeployment(args.services, port=args.port, data_dir=args.data_dir,
+                                     host=args.host, insecure=args.insecure,
+                                     metrics_port=args.metrics_port)
+    except ValueError as exc:
+        print(f"domus up: {exc}", file=sys.stderr)
+        return 2
     stopping = False
     code = 0
 
@@ -189,6 +216,10 @@ def cmd_up(args: argparse.Namespace) -> int:
               f"{args.services} services "
               f"({', '.join(deployment.service_address(i) for i in range(args.services))}); "
               f"logs in {os.path.join(deployment.data_dir, 'logs')}", flush=True)
+        if args.metrics_port is not None:
+            names = ["supervisor", *(deployment.service_name(i) for i in range(args.services))]
+            print("metrics: " + ", ".join(f"{name} http://{deployment.metrics_address(name)}"
+                                          f"/metrics" for name in names), flush=True)
         exports = " ".join(f"{name}={shlex.quote(value)}"
                            for name, value in deployment.environment().items())
         print(f"export {exports}; press Ctrl-C to stop", flush=True)
@@ -285,12 +316,16 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{load.get('node_cpu', 0):.0f}" if up else "-",
                      _megabytes(load.get("rss", 0)) if up else "-",
                      _size(load.get("free_ram")) if up else "-",
-                     _size(load.get("free_disk")) if up else "-",
+                     (_size(load.get("free_disk"))
+                      + (" DISK FULL" if load.get("disk_full") else "")) if up else "-",
                      f"{load.get('net_bytes_per_s', 0) / 1000:.0f}" if up else "-",
                      {"c": "C", "python": "python (slow)"}.get(service.get("hot_path"), "-"),
                      ",".join(_SHORT_PLATFORM.get(name, name)
                               for name in service.get("platforms", [])) or "-"))
     lines += _table(rows)
+    alarms = storage_alarms(status["services"])
+    if alarms:
+        lines += ["", "alarms:", *(f"  {alarm}" for alarm in alarms)]
     lines.append("")
     dht_rows = [("DHT", "ID", "STATE", "BUCKETS", "REPLICAS", "HASH", "STORAGE", "ROUTING",
                  "LOOKUP", "ROUTING SERVICES", "STORAGE SERVICES")]
@@ -305,6 +340,9 @@ def format_status(status: dict[str, Any]) -> str:
                          f"{dht['storage']}/{dht['platform']}", dht["routing"], dht["lookup"],
                          ",".join(dht["routing_services"]), ",".join(dht["storage_services"])))
     lines += _table(dht_rows) if status["dhts"] else ["no DHTs"]
+    stored = _stored_rows(status["services"])
+    if stored:
+        lines += ["", *_table(stored)]
     orphans = [(service["name"], orphan) for service in status["services"]
                for orphan in service.get("unknown_dhts") or []]
     if orphans:
@@ -318,6 +356,53 @@ def format_status(status: dict[str, Any]) -> str:
                  for name, orphan in orphans]
         lines += _table(rows)
     return "\n".join(lines)
+
+
+def _stored_rows(services: list[dict[str, Any]]) -> list[tuple[str, ...]]:
+    """What each service stores of each DHT, as its last heartbeat said: the
+    records and the bytes its platform counts holding for them (record-tree
+    arenas, Berkeley DB pages; "-" where the platform cannot tell)."""
+    rows = [("SERVICE", "DHT", "RECORDS", "HELD", "BYTES/RECORD")]
+    for service in services:
+        dhts = (service.get("stats") or {}).get("dhts") or {}
+        for name, held in sorted(dhts.items()):
+            if not held.get("storage_buckets"):
+                continue
+            records = held.get("records", 0)
+            size = held.get("storage_bytes")
+            rows.append((service["name"], name, f"{records:,}",
+                         "-" if size is None else _bytes(size),
+                         "-" if size is None or not records else f"{size / records:,.0f}"))
+    return rows if len(rows) > 1 else []
+
+
+def _bytes(value: float) -> str:
+    return _size(value) if value >= 1 << 20 else f"{value / 1024:.1f} KiB"
+
+
+def storage_alarms(services: list[dict[str, Any]]) -> list[str]:
+    """A line for each service whose disk is at its reserve, and for each
+    DHT whose storage will not open on a service (whole, or some buckets),
+    with why."""
+    alarms = []
+    for service in services:
+        name = service["name"]
+        load = service.get("load") or {}
+        if service["state"] == "up" and load.get("disk_full"):
+            alarms.append(f"{name}: DISK FULL: {_size(load.get('free_disk'))} free, reserve "
+                          f"{_size(load.get('disk_reserve'))}: puts on its disk DHTs are "
+                          f"refused (reads and deletes go on); delete records or free space "
+                          f"under its data dir")
+        for dht, held in sorted(((service.get("stats") or {}).get("dhts") or {}).items()):
+            if held.get("problem"):
+                alarms.append(f"{name}: DHT {dht!r} NOT SERVED (retrying): {held['problem']}")
+            failed = held.get("failed_buckets") or {}
+            if failed:
+                buckets = sorted(int(bucket) for bucket in failed)
+                shown = ", ".join(map(str, buckets[:8])) + (", ..." if len(buckets) > 8 else "")
+                alarms.append(f"{name}: DHT {dht!r}: {len(buckets)} buckets NOT SERVED "
+                              f"(retrying) [{shown}]: {next(iter(failed.values()))}")
+    return alarms
 
 
 def _size(value: float | None) -> str:
@@ -429,7 +514,7 @@ def cmd_dht(args: argparse.Namespace) -> int:
                 platform=args.platform, routing=args.routing,
                 routing_degree=args.routing_degree, routing_algorithm=args.routing_algorithm,
                 lookup=args.lookup,
-                durability=args.durability, replicas=args.replicas,
+                durability=args.durability, replicas=args.replicas, codec=args.codec,
                 routing_services=_names(args.routing_services),
                 storage_services=_names(args.storage_services))
             print(f"created DHT {dht.name!r} (id {dht.id}, {dht.bucket_count} buckets)")
@@ -620,7 +705,7 @@ def _version_line() -> str:
     from domus._version import __version__
 
     try:
-        from domus import _codec, _hotpath, _rbtree  # noqa: F401
+        from domus import _codec, _hotpath, _rbtree, _recordtree  # noqa: F401
         paths = "C extensions built"
     except ImportError:
         paths = "C extensions not built: pure-Python paths (slower)"
@@ -695,6 +780,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="address every process listens on")
     up.add_argument("--data-dir", default="domus-data", metavar="DIR",
                     help="the supervisor's and services' data dirs, logs and the secret")
+    up.add_argument("--metrics-port", type=_PORT, default=None, metavar="P",
+                    help="serve Prometheus metrics over HTTP: the supervisor's at "
+                    "http://HOST:P/metrics, the services' on the next N ports (P+1 .. P+N); "
+                    "default: no metrics")
     up.add_argument("--insecure", action="store_true", help="no deployment secret: anyone "
                     "who can reach its ports may use it (a trusted network only)")
     up.set_defaults(func=cmd_up)
@@ -733,6 +822,9 @@ def build_parser() -> argparse.ArgumentParser:
                      metavar="FRACTION", help="weight of each new sample of the CPU other work "
                      "uses on a node, in the balancer's average that routing shares follow "
                      "(default %(default)s: slow, so bursts move nothing)")
+    sup.add_argument("--metrics", type=_listen_address, default=None, metavar="HOST:PORT",
+                     help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                     "(default: not served)")
     sup.set_defaults(func=cmd_supervisor)
 
     svc = commands.add_parser(
@@ -760,6 +852,14 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
                      help="run on these CPUs only, e.g. 2 or 0,1 or 4-7 (default: those it "
                      "was started with); its cores and node load count these only")
+    svc.add_argument("--metrics", type=_listen_address, default=None, metavar="HOST:PORT",
+                     help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                     "(default: not served)")
+    svc.add_argument("--disk-reserve", type=_disk_reserve, default=None, metavar="SIZE|PCT",
+                     help="free space to keep on the data dir's filesystem: below it, puts on "
+                     "disk DHTs are refused (StorageFull) while reads and deletes go on; a "
+                     "size (512m, 2G) or a percentage (5%%); default 1%% of the filesystem, at "
+                     "least 64 MiB, at most 1 GiB and a quarter of the filesystem")
     svc.set_defaults(func=cmd_service)
 
     secret_parser = commands.add_parser("secret", help="make a deployment secret (for job "
@@ -795,6 +895,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--durability", help="disk DHTs: async (default) or sync")
     create.add_argument("--replicas", type=_REPLICAS, help="copies of each bucket, on distinct "
                         "services (distinct hosts where there are enough): 1 (default) to 3")
+    create.add_argument("--codec", help="how clients encode values: msgpack (default), "
+                        "pickle (any Python object; needs the deployment's secret) or raw "
+                        "(bytes)")
     create.add_argument("--routing-services", help="comma-separated service names")
     create.add_argument("--storage-services", help="comma-separated service names")
     listing = talks(actions.add_parser("list", help="every DHT, its state and layout"))

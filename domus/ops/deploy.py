@@ -65,9 +65,22 @@ class LocalDeployment:
     def __init__(self, services: int = 3, *, port: int = 7700, data_dir: str,
                  host: str = "127.0.0.1", heartbeat: float = 1.0,
                  log_to: IO[str] | None = None, service_args: list[str] | None = None,
-                 supervisor_args: list[str] | None = None, insecure: bool = False) -> None:
+                 supervisor_args: list[str] | None = None, insecure: bool = False,
+                 metrics_port: int | None = None) -> None:
         if services < 0:
             raise ValueError("the number of services must be >= 0")
+        if metrics_port is not None:
+            # The supervisor's metrics on metrics_port, service i's on the
+            # port after: none of them may be a port the deployment serves on.
+            clash = (set(range(metrics_port, metrics_port + services + 1))
+                     & set(range(port, port + services + 1)))
+            if clash:
+                raise ValueError(f"metrics ports {metrics_port}-{metrics_port + services} "
+                                 f"overlap the deployment's ports {port}-{port + services} "
+                                 f"(supervisor, then services); pick another metrics port")
+            if metrics_port + services > 65535:
+                raise ValueError(f"metrics ports {metrics_port}-{metrics_port + services} "
+                                 f"go past 65535")
         self.host = host
         self.port = port
         self.data_dir = os.path.abspath(data_dir)
@@ -77,6 +90,7 @@ class LocalDeployment:
         self.service_args = service_args or []
         self.supervisor_args = supervisor_args or []
         self.supervisor_address = f"{host}:{port}"
+        self.metrics_port = metrics_port
         # The deployment secret (domus.wire.secret): the supervisor makes it
         # in its data dir at its first start; every process started here is
         # given it.  None: --insecure.
@@ -96,6 +110,20 @@ class LocalDeployment:
 
     def service_address(self, index: int) -> str:
         return f"{self.host}:{self.port + 1 + index}"
+
+    def metrics_address(self, name: str) -> str | None:
+        """Where process ``name`` ("supervisor", or a service's name) serves
+        its metrics; None without metrics."""
+        if self.metrics_port is None:
+            return None
+        if name == "supervisor":
+            return f"{self.host}:{self.metrics_port}"
+        index = [self.service_name(i) for i in range(self.service_count)].index(name)
+        return f"{self.host}:{self.metrics_port + 1 + index}"
+
+    def _metrics_args(self, name: str) -> list[str]:
+        address = self.metrics_address(name)
+        return ["--metrics", address] if address else []
 
     def log_path(self, name: str) -> str:
         return os.path.join(self.data_dir, "logs", f"{name}.log")
@@ -119,23 +147,29 @@ class LocalDeployment:
         """A port of this deployment that another process holds is an
         error now, naming it, rather than a process that dies in its log
         (or, worse, another deployment answering in its place)."""
-        wanted = [("supervisor", self.port)] + [
-            (self.service_name(index), self.port + 1 + index)
+        wanted = [("supervisor", self.port, "--port")] + [
+            (self.service_name(index), self.port + 1 + index, "--port")
             for index in range(self.service_count)]
-        for name, port in wanted:
+        if self.metrics_port is not None:
+            wanted += [(f"{name}'s metrics", self.metrics_port + offset, "--metrics-port")
+                       for offset, name in enumerate(
+                           ["supervisor", *map(self.service_name, range(self.service_count))])]
+        for name, port, flag in wanted:
             if not 0 < port < 65536:
                 raise DomusError(f"port {port} (for {name}) is out of range: ports are 1 to "
                                  f"65535, and the services take the {self.service_count} "
                                  f"after the supervisor's")
             if not port_is_free(self.host, port):
-                raise DomusError(f"port {port} on {self.host} (for {name}) is in use: another "
-                                 f"deployment (domus status --supervisor {self.host}:{port})? "
-                                 f"Choose another with --port")
+                guess = (f"another deployment (domus status --supervisor {self.host}:{port})? "
+                         if flag == "--port" else "")
+                raise DomusError(f"port {port} on {self.host} (for {name}) is in use: "
+                                 f"{guess}Choose another with {flag}")
 
     def start_supervisor(self) -> None:
         self.supervisor = self._spawn("supervisor", [
             "supervisor", "--listen", self.supervisor_address,
-            "--data-dir", os.path.join(self.data_dir, "supervisor"), *self.supervisor_args])
+            "--data-dir", os.path.join(self.data_dir, "supervisor"),
+            *self._metrics_args("supervisor"), *self.supervisor_args])
         self.wait_for_supervisor()
 
     def start_service(self, index: int) -> None:
@@ -144,7 +178,8 @@ class LocalDeployment:
             "service", "--name", name, "--supervisor", self.supervisor_address,
             "--listen", self.service_address(index),
             "--data-dir", os.path.join(self.data_dir, name),
-            "--heartbeat", str(self.heartbeat), *self.service_args])
+            "--heartbeat", str(self.heartbeat), *self._metrics_args(name),
+            *self.service_args])
 
     def start(self, timeout: float = 30.0) -> LocalDeployment:
         self._refuse_taken_ports()

@@ -40,8 +40,10 @@ from domus.errors import ProtocolError
 from domus.service import holdings, hotpath
 from domus.service.hosted import MAX_NUMBERING, HostedDht
 from domus.service.replycache import ReplyCache
-from domus.storage import PLATFORMS, Repository, StorageFault
+from domus.storage import PLATFORMS, Repository, StorageFault, StorageFullFault
 from domus.storage.base import apply_batch
+from domus.storage.headroom import OK as ROOM_OK
+from domus.storage.headroom import Headroom, describe_bytes
 from domus.wire import auth, identities
 from domus.wire import protocol as wire
 
@@ -54,10 +56,31 @@ _REPLACED = b"\x00"
 _KEYED_END = wire.KEYED_END
 _KEYED_UNPACK = wire.KEYED.unpack_from
 _CHANGING = wire.CHANGING_OPS
+# The changes a disk DHT refuses once its service's disk is at its reserve
+# (deletes go on: they are how space comes back).
+_FILLING = frozenset({wire.OP_PUT, wire.OP_PUT_MANY})
+_NOT_CACHED = frozenset({wire.ST_MOVING, wire.ST_STORAGE_FULL})
+# A store that failed to open is tried again after these many seconds,
+# doubling up to the last.
+RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
+FULL_LOG_INTERVAL = 10.0     # at most one log line a while of writes refused for room
+RECLAIM_INTERVAL = 1.0       # seconds between two reclaims at the reserve
+CHECKPOINT_BYTES = 256 << 10  # of log between two checkpoints near the reserve
 # Every op whose request names a DHT (its id at byte 16).
 _DHT_OPS = frozenset({wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS,
                       wire.OP_PUT_MANY, wire.OP_GET_MANY, wire.OP_LENGTH, wire.OP_SCAN,
                       wire.OP_RANGE, wire.OP_LOOKUP})
+
+# Each reply status by its short name ("ok", "not_found", "not_owner", ...),
+# as stats() and the metrics name them.
+STATUS_KEYS = {value: name[3:].lower() for name, value in vars(wire).items()
+               if name.startswith("ST_") and isinstance(value, int)}
+
+
+def status_name(status: int) -> str:
+    """A reply status's short name; ``0x..`` for a byte no status has."""
+    return STATUS_KEYS.get(status) or f"0x{status:02x}"
+
 
 SCAN_TTL = 120.0
 MAX_SCANS = 4096
@@ -156,10 +179,12 @@ class RequestHandler:
         self._samples: list[int] = []      # dht id << 32 | bucket
         self._sampled = 0
         self.by_op = [0] * 256
+        self.by_status = [0] * 256      # replies given, by status (as the C path counts)
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
                                          "internal_errors": 0, "storage_errors": 0,
                                          "replicated": 0, "replication_failures": 0,
-                                         "unauthenticated": 0, "stale": 0}
+                                         "unauthenticated": 0, "stale": 0,
+                                         "storage_full": 0}
         # scan id -> (expiry, dht id, bucket, key snapshot, bucket count then)
         self._scans: OrderedDict[int, tuple[float, int, int, list[bytes], int]] = OrderedDict()
         self._scan_ids = itertools.count(1)
@@ -201,11 +226,21 @@ class RequestHandler:
         # the supervisor has told this service to host since it registered.
         self.unloaded: dict[int, dict[str, Any]] = holdings.on_disk(data_dir)
         self.claimed: set[int] = set()
+        # The free space kept under the data dir (domus.storage.headroom);
+        # None: no disk to watch.  Set by the service.
+        self.headroom: Headroom | None = None
+        self._full_logged = -FULL_LOG_INTERVAL
+        self._reclaimed = -RECLAIM_INTERVAL
 
     @property
     def requests(self) -> int:
-        """Requests received, whichever path answered them."""
+        """Requests received, whichever path answered them (a REPLICATE's
+        change is not one: the C path for backups counts the changes it
+        applies, which the stats leave out, as handle leaves them)."""
         return self._requests + (self.fast.requests if self.fast is not None else 0)
+
+    def _fast_paths(self) -> list[Any]:
+        return [fast for fast in (self.fast, self.backup_fast) if fast is not None]
 
     # ------------------------------------------------------------ dispatch
     def handle(self, data: bytes, reply_limit: int = wire.MAX_UDP_PAYLOAD,
@@ -214,37 +249,54 @@ class RequestHandler:
         transport can carry (a datagram, or a TCP frame).  A change to a
         replicated bucket is answered later: a ``Later`` that fires with the
         reply once every backup has taken it (``forward`` False: applied
-        here at once, as its backups have it)."""
-        self._requests += 1
+        here at once, as its backups have it).
+
+        Counts the request (``requests``, ``by_op``) and its reply's status
+        (``by_status``), as the C path counts those it answers; a change
+        applied here again with ``forward`` False (the primary's, once its
+        backups took it; a backup's, from its primary's REPLICATE) was
+        counted when its request came, and is not counted again."""
+        if forward:
+            self._requests += 1
         if len(data) < wire.REQUEST_HEADER_SIZE or data[0] != wire.REQUEST_MAGIC:
             self.counters["malformed"] += 1
             return None  # not even a request id to answer to
         request_id = data[4:8]
         if data[1] != wire.VERSION:
             self.counters["malformed"] += 1
+            self.by_status[wire.ST_BAD_VERSION] += 1
             return self._error(wire.ST_BAD_VERSION, request_id,
                                f"protocol version {data[1]} is not supported; "
                                f"this service speaks version {wire.VERSION}")
         op = data[2]
-        self.by_op[op] += 1
-        if not self._requests % SAMPLE_EVERY:
-            self._sample(op, data)
+        if forward:
+            self.by_op[op] += 1
+            if not self._requests % SAMPLE_EVERY:
+                self._sample(op, data)
         changing = op in _CHANGING
         if changing:
             token = data[4:16]
             cached = self.reply_cache.get(token)
             if cached is not None:
                 self.counters["replayed"] += 1
+                if forward:
+                    self.by_status[cached[2]] += 1
                 return cached
+            if op in _FILLING and self.headroom is not None \
+                    and self.headroom.state != ROOM_OK and not self._as_backup:
+                refused = self._short_of_room(data, request_id)
+                if refused is not None:
+                    return refused      # (not cached: nothing was applied)
             if forward and self.replicator is not None and len(data) >= 20:
                 hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
                 if hosted is not None and hosted.replicated and hosted.active:
                     waiting = self._replicate_out(hosted, data, token, reply_limit)
                     if waiting is not None:
-                        return waiting
+                        return waiting.addCallback(self._count_reply)
         operation = self._ops.get(op)
         if operation is None:
             self.counters["malformed"] += 1
+            self.by_status[wire.ST_UNKNOWN_OP] += 1
             return self._error(wire.ST_UNKNOWN_OP, request_id,
                                f"unknown operation 0x{op:02x}")
         try:
@@ -256,6 +308,10 @@ class RequestHandler:
         except RequestFailed as exc:
             self.counters["errors"] += 1
             answer = self._error(exc.status, request_id, exc.message, exc.prefix)
+        except StorageFullFault as exc:
+            self.counters["storage_full"] += 1
+            self._log_full(str(exc))
+            answer = self._error(wire.ST_STORAGE_FULL, request_id, str(exc))
         except StorageFault as exc:
             self.counters["storage_errors"] += 1
             log.error("service {service}: {op} failed: {problem}", service=self.service_name,
@@ -270,11 +326,152 @@ class RequestHandler:
             hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
             if hosted is not None and hosted.layout_tag:
                 answer = answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
-        if changing and answer[2] != wire.ST_MOVING:
-            # (MOVING applied nothing: a retry with the same id must be tried
-            # again, not told MOVING from the cache once the move is done.)
+        if changing and answer[2] not in _NOT_CACHED:
+            # (MOVING and STORAGE_FULL applied nothing: a retry with the same
+            # id must be tried again, not told so from the cache once the
+            # move is done or there is room again.)
             self.reply_cache.put(token, answer)
+        if forward:
+            self.by_status[answer[2]] += 1
         return answer
+
+    # ------------------------------------------------------------ room
+    def _short_of_room(self, data: bytes, request_id: bytes) -> bytes | None:
+        """The STORAGE_FULL answer to a put on a disk DHT while this
+        service's disk is at its reserve; None to go ahead."""
+        if len(data) < 20:
+            return None
+        hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
+        if hosted is None or hosted.medium != "disk" or not hosted.active:
+            return None
+        assert self.headroom is not None
+        why = self.headroom.refusal(f"a put on {hosted.label}")
+        if why is None:
+            if hosted.store is not None:
+                # What a checkpoint must write before it can let log files
+                # go stays small near the reserve: one each CHECKPOINT_BYTES
+                # of log (asking is cheap).
+                try:
+                    hosted.store.checkpoint(CHECKPOINT_BYTES)
+                except StorageFault as exc:
+                    self._log_full(str(exc))
+            return None
+        self.counters["storage_full"] += 1
+        self._log_full(why)
+        answer = self._error(wire.ST_STORAGE_FULL, request_id, why)
+        return answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
+
+    def _log_full(self, why: str) -> None:
+        now = self._clock()
+        if now - self._full_logged >= FULL_LOG_INTERVAL:
+            self._full_logged = now
+            log.warn("service {service}: writes refused for want of room ({count} so far): "
+                     "{why}", service=self.service_name, count=self.counters["storage_full"],
+                     why=why)
+
+    def room_changed(self) -> None:
+        """The headroom's state changed: the C path leaves changes of disk
+        DHTs to Python while the disk is near or at its reserve (so that
+        each put looks at the free space), and serves them again once it is
+        not."""
+        for dht_id, hosted in self.dhts.items():
+            if hosted.medium == "disk":
+                self._update_fast_table(dht_id)
+        if self.headroom is not None:
+            log.info("service {service}: disk {state}: {free} free under {path}, reserve "
+                     "{reserve}", service=self.service_name, state=self.headroom.state,
+                     free=describe_bytes(self.headroom.free), path=self.headroom.path,
+                     reserve=describe_bytes(self.headroom.reserve_bytes))
+
+    def _checkpoint(self) -> None:
+        """Checkpoint the disk DHTs' stores (near the reserve, each tick:
+        deletes are logged, and only a checkpoint lets old log files go)."""
+        for hosted in self.dhts.values():
+            if hosted.medium == "disk" and hosted.store is not None:
+                try:
+                    hosted.store.checkpoint()
+                except StorageFault as exc:
+                    self.counters["storage_errors"] += 1
+                    self._log_full(str(exc))
+
+    def reclaim(self, start: bool = False) -> int:
+        """Give the space deleted records freed in disk DHTs' files back to
+        the filesystem (see Store.reclaim); returns the bytes given back.
+        A DHT whose store fails is logged; the others are reclaimed."""
+        given = 0
+        for hosted in self.dhts.values():
+            if hosted.medium != "disk" or hosted.store is None:
+                continue
+            try:
+                given += hosted.store.reclaim(start)
+            except StorageFault as exc:
+                self.counters["storage_errors"] += 1
+                log.error("service {service}: giving space back failed: {problem}",
+                          service=self.service_name, problem=str(exc))
+        return given
+
+    def tend_storage(self) -> None:
+        """What the service does on a short timer (SAMPLE_INTERVAL): look at
+        the free space (the C path follows its state), give space back
+        while the disk is at its reserve (what deletes free there, at most
+        each RECLAIM_INTERVAL), and
+        open again what failed to open when its time has come."""
+        headroom = self.headroom
+        if headroom is not None:
+            was_full = headroom.full
+            if headroom.sample():
+                self.room_changed()
+            now = self._clock()
+            if headroom.state != ROOM_OK:
+                self._checkpoint()
+            if headroom.full and (not was_full or now - self._reclaimed >= RECLAIM_INTERVAL):
+                self._reclaimed = now
+                given = self.reclaim(start=not was_full)
+                if given:
+                    log.info("service {service}: gave {bytes} back to the filesystem from "
+                             "deleted records", service=self.service_name,
+                             bytes=describe_bytes(given))
+                    if headroom.sample():
+                        self.room_changed()
+        self.retry_storage()
+
+    def retry_storage(self) -> list[str]:
+        """Open again, when their time has come (RETRY_DELAYS, from the
+        last try), the stores of DHTs whose activation failed and the
+        buckets whose repository failed to open; returns the names of the
+        DHTs that serve again (wholly).  What still fails is logged once
+        per new reason."""
+        now = self._clock()
+        recovered = []
+        for dht_id, hosted in list(self.dhts.items()):
+            if not hosted.needs_retry() or now < hosted.retry_at:
+                continue
+            hosted.retries += 1
+            try:
+                hosted.retry()
+            except StorageFault as exc:
+                hosted.retry_at = now + RETRY_DELAYS[min(hosted.retries, len(RETRY_DELAYS) - 1)]
+                if str(exc) != hosted.last_retry_problem:
+                    hosted.last_retry_problem = str(exc)
+                    log.error("service {service}: still cannot serve {dht} (try {tries}; "
+                              "trying again with backoff): {problem}",
+                              service=self.service_name, dht=hosted.label,
+                              tries=hosted.retries, problem=str(exc))
+                continue
+            finally:
+                self._update_fast_table(dht_id)
+            if not hosted.needs_retry():
+                log.info("service {service}: {dht} serves again: its storage opened after "
+                         "{tries} tries", service=self.service_name, dht=hosted.label,
+                         tries=hosted.retries)
+                hosted.retries = 0
+                hosted.last_retry_problem = None
+                recovered.append(hosted.name)
+        return recovered
+
+    def _count_reply(self, answer: bytes) -> None:
+        """(A replicated change's reply, given once its backups answered.)"""
+        self.by_status[answer[2]] += 1
 
     # ------------------------------------------------------------ replication
     # A replicated DHT's bucket has a primary (which clients talk to) and
@@ -399,14 +596,13 @@ class RequestHandler:
         hosted = self._hosted(wire.U32.unpack_from(inner, 16)[0])
         answer = self.backup_fast.handle(inner, limit) if self.backup_fast is not None else None
         if answer is None:
-            token = inner[4:16]
-            answer = self.reply_cache.get(token)
-            if answer is None:
-                self._as_backup = True
-                try:
-                    answer = self.handle(inner, limit, forward=False)
-                finally:
-                    self._as_backup = False
+            # (A retry is answered from the reply cache by handle, and
+            # counted there as the C path counts it.)
+            self._as_backup = True
+            try:
+                answer = self.handle(inner, limit, forward=False)
+            finally:
+                self._as_backup = False
         self.counters["replicated"] += 1
         del hosted
         return _OK + request_id + answer            # type: ignore[operator]
@@ -415,10 +611,15 @@ class RequestHandler:
         """The answer to a request whose MAC checks but whose time is more
         than domus.wire.auth.TIME_WINDOW seconds from this service's clock:
         a replay, or a clock that is off (the message says which time this
-        service has)."""
+        service has).  Counted as a request (``by_op``) refused with
+        STALE_REQUEST (``by_status``), and in ``stale``; the C path hands
+        these over uncounted."""
         self.counters["stale"] += 1
-        if len(data) < wire.REQUEST_HEADER_SIZE:
-            return None
+        self._requests += 1
+        if len(data) < wire.REQUEST_HEADER_SIZE or data[0] != wire.REQUEST_MAGIC:
+            return None     # (as handle: no request id to answer to)
+        self.by_op[data[2]] += 1
+        self.by_status[wire.ST_STALE_REQUEST] += 1
         return self._error(wire.ST_STALE_REQUEST, data[4:8],
                            f"the request's time is more than {auth.TIME_WINDOW}s from service "
                            f"{self.service_name}'s clock ({int(time.time())}); a replay, or a "
@@ -482,7 +683,7 @@ class RequestHandler:
                 + message.encode("utf-8", "replace")[:1024])
 
     # ------------------------------------------------------------ lookup
-    def _hosted(self, dht_id: int) -> HostedDht:
+    def _hosted(self, dht_id: int, bucket: int | None = None) -> HostedDht:
         hosted = self.dhts.get(dht_id)
         if hosted is None:
             raise RequestFailed(wire.ST_UNKNOWN_DHT,
@@ -490,7 +691,7 @@ class RequestHandler:
                                 f"(destroyed, or never created); reopen it by name")
         if not hosted.active:
             if hosted.problem is not None:
-                raise RequestFailed(wire.ST_STORAGE_ERROR, hosted.problem)
+                raise RequestFailed(wire.ST_STORAGE_ERROR, hosted.problem_message(bucket))
             raise RequestFailed(wire.ST_INACTIVE, f"DHT {hosted.name!r} is inactive; "
                                 f"activate it (`domus dht activate {hosted.name}`) to use it")
         return hosted
@@ -506,7 +707,7 @@ class RequestHandler:
             repo = (hosted.backups if self._as_backup else hosted.repos).get(bucket)
             if repo is not None:
                 return repo
-        hosted = self._hosted(dht_id)
+        hosted = self._hosted(dht_id, bucket)
         if bucket in hosted.lost:
             raise RequestFailed(wire.ST_DATA_LOST, hosted.loss_message(bucket))
         if self._as_backup:
@@ -796,19 +997,23 @@ class RequestHandler:
 
     def stats(self) -> dict[str, Any]:
         fast = self.fast
-        by_op = self.by_op
+        by_op, by_status = self.by_op, self.by_status
         counters = dict(self.counters)
         if fast is not None:
             by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
-            counters["replayed"] += fast.replayed
-            counters["unauthenticated"] += fast.unauthenticated
+            by_status = [mine + theirs for mine, theirs in zip(by_status, fast.by_status)]
+        for path in self._fast_paths():     # (a retried REPLICATE is a replay either way)
+            counters["replayed"] += path.replayed
+            counters["unauthenticated"] += path.unauthenticated
         return {
             "name": self.service_name,
             "requests": self.requests,
             "by_op": {wire.OP_NAMES[op]: by_op[op] for op in wire.OP_NAMES if by_op[op]},
+            "by_status": {status_name(status): count
+                          for status, count in enumerate(by_status) if count},
             **counters,
             "hot_path": "c" if fast is not None else "python",
-            "hot_path_fallbacks": fast.fallbacks if fast is not None else 0,
+            "hot_path_fallbacks": sum(path.fallbacks for path in self._fast_paths()),
             "reply_cache": len(self.reply_cache),
             "reply_cache_evicted_early": self.reply_cache.evicted_early,
             "dhts": {hosted.name: self._dht_stats(hosted) for hosted in self.dhts.values()},
@@ -830,9 +1035,26 @@ class RequestHandler:
         storage_bytes = hosted.storage_bytes()
         if storage_bytes is not None:
             stats["storage_bytes"] = storage_bytes
+        if hosted.problem is not None:
+            stats["problem"] = hosted.problem
+        failed = hosted.failed_buckets()
+        if failed:
+            stats["failed_buckets"] = failed
         return stats
 
     # ------------------------------------------------------------ assignment
+    def _record_identity(self, descriptor: dict[str, Any]) -> None:
+        """Write the DHT's identity beside its files (holdings.write); a
+        home that cannot be written (a full disk, a file in the way) is
+        logged and tried again at the next assign or sync: the DHT's store
+        says itself why it will not open."""
+        try:
+            holdings.write(self.data_dir, descriptor)
+        except OSError as exc:
+            log.warn("service {service}: cannot record the identity of DHT {dht!r} (id {id}) "
+                     "with its files yet: {error}", service=self.service_name,
+                     dht=descriptor["name"], id=descriptor["id"], error=exc)
+
     def assign(self, descriptor: dict[str, Any]) -> dict[str, Any]:
         """Host (or re-host) a DHT as the supervisor describes it, active or
         inactive.  Returns its state here and the records a change of state
@@ -851,7 +1073,8 @@ class RequestHandler:
         try:
             if hosted is None:
                 hosted = HostedDht(descriptor, self.service_name, self.data_dir)
-                holdings.write(self.data_dir, descriptor)
+                self._record_identity(descriptor)
+                hosted.headroom = self.headroom
                 self.dhts[dht_id] = hosted
                 self.unloaded.pop(dht_id, None)
                 moved = hosted.apply(descriptor)
@@ -859,8 +1082,7 @@ class RequestHandler:
                          service=self.service_name, dht=descriptor["name"], id=dht_id,
                          state="active" if hosted.active else "inactive")
             else:
-                if recorded is None or recorded.get("stamp") is None:
-                    holdings.write(self.data_dir, descriptor)
+                self._record_identity(descriptor)
                 moved = hosted.apply(descriptor)
         finally:
             self._update_fast_table(dht_id)
@@ -876,7 +1098,11 @@ class RequestHandler:
         hosted = self.dhts.get(dht_id)
         if hosted is not None and hosted.active:
             layout = hosted.numbering << 8 | hosted.layout_tag
-            self.fast_table[dht_id] = (hosted.repos, layout | hosted.replicated << 16)
+            # (Bit 16: C leaves changes to Python; see room_changed.)
+            guarded = (hosted.medium == "disk" and self.headroom is not None
+                       and self.headroom.state != ROOM_OK)
+            self.fast_table[dht_id] = (hosted.repos,
+                                       layout | (hosted.replicated or guarded) << 16)
             self.backup_table[dht_id] = (hosted.backups, layout)
         else:
             self.fast_table.pop(dht_id, None)
@@ -958,7 +1184,12 @@ class RequestHandler:
         for dht_id in list(self.dhts):
             hosted = self.dhts.pop(dht_id)
             self._update_fast_table(dht_id)
-            hosted.close()
+            try:
+                hosted.close()
+            except StorageFault as exc:
+                self.counters["storage_errors"] += 1
+                log.error("service {service}: {problem}", service=self.service_name,
+                          problem=str(exc))
 
     def sync(self, descriptors: list[dict[str, Any]]) -> None:
         """Host the DHTs the supervisor lists, as it describes them.  A DHT

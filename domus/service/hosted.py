@@ -17,7 +17,15 @@ from domus.placement.bucketmap import BucketMap
 from domus.routing import FEWEST_HOPS, RoutingGraph, make_graph
 from domus.routing.base import contains
 from domus.service import holdings
-from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store, snapshot
+from domus.storage import (
+    PLATFORMS,
+    FailedRepository,
+    Repository,
+    StorageFault,
+    StorageFullFault,
+    Store,
+    snapshot,
+)
 from domus.storage.base import TrackedRepository
 from domus.wire import protocol as wire
 from domus.wire.keys import HASH_FUNCTIONS, bucket_shift
@@ -110,9 +118,28 @@ class HostedDht:
         # LOOKUPs answered here: found (the target is routed here) and
         # forwarded (told the next hop): the AS's routing load.
         self.lookups = {"found": 0, "forwarded": 0}
+        # Moves through here (the metrics report them): buckets frozen here
+        # as a move's source, the seconds they stayed frozen, and how each
+        # freeze ended (sent: the move was done; thawed: undone, abandoned
+        # or its lease ran out); buckets staged here as a target, the
+        # records staged, and the staged copies taken on (as primary or
+        # backup); regroups done after a resize and the records they copied.
+        self.moves: dict[str, float] = {
+            "frozen": 0, "frozen_seconds": 0.0, "sent": 0, "thawed": 0, "staged": 0,
+            "records_staged": 0, "received": 0, "regroups": 0, "records_regrouped": 0}
         # Why the last activation failed, while the supervisor still wants
-        # the DHT active: requests are told this rather than "inactive".
+        # the DHT active: requests are told this rather than "inactive",
+        # and the service tries again (``retry``, with backoff: the
+        # handler's retry_storage) with the descriptor it was given.
         self.problem: str | None = None
+        self.pending: dict[str, Any] | None = None
+        self.some_failed = False        # a bucket here is a FailedRepository
+        self.retries = 0
+        self.retry_at = 0.0
+        self.last_retry_problem: str | None = None
+        # The service's free space against its reserve (None: not watched);
+        # a bucket is not staged here while the disk is at the reserve.
+        self.headroom: Any = None
         self.descriptor = descriptor     # routes and buckets come with apply()
 
     def apply(self, descriptor: dict[str, Any]) -> int:
@@ -138,16 +165,73 @@ class HostedDht:
                 moved = self._activate(descriptor, placed)
             except StorageFault as exc:
                 self.problem = str(exc)
+                self.pending = descriptor
                 raise
         elif wanted:
             self._place(placed)
         elif self.active:
             moved = self._deactivate()
         self.problem = None
+        self.pending = None
         self.descriptor = descriptor
         self.layout_tag = wire.layout_tag(descriptor.get("version", 0))
         self._route(descriptor, storage)
         return moved
+
+    # ------------------------------------------------------------ storage faults
+    # A store that will not open (no room to recover, permissions, a
+    # damaged file) is reported as what it is: requests on the DHT's
+    # buckets get STORAGE_ERROR naming the DHT, the bucket, the path and
+    # the cause (never INACTIVE: the supervisor wants it active), and the
+    # service opens it again with backoff, serving as soon as it opens.  A
+    # single bucket whose database will not open is served by a
+    # FailedRepository meanwhile, and retried the same way.
+    def needs_retry(self) -> bool:
+        """Cheap (asked ten times a second): a failed bucket sets a flag."""
+        return self.pending is not None or self.some_failed
+
+    def retry(self) -> None:
+        """Try again what failed to open: the whole store (the descriptor
+        of the activation that failed), or each failed bucket.
+        StorageFault with the first reason it still fails for."""
+        if self.pending is not None and not self.active:
+            self.apply(self.pending)
+            return
+        self.pending = None
+        failed = self.failed_buckets()
+        if not failed or self.store is None:
+            return
+        on_medium = self.store.parts()
+        still: list[str] = []
+        for bucket in sorted(failed):
+            try:
+                self._open_bucket(bucket, on_medium)
+            except StorageFault as exc:
+                self.repos[bucket] = FailedRepository(str(exc))
+                still.append(str(exc))
+            else:
+                log.info("service {service}: {dht} bucket {bucket} opened; serving it",
+                         service=self.service_name, dht=self.label, bucket=bucket)
+        if still:
+            raise StorageFault(still[0])
+
+    def failed_buckets(self) -> dict[int, str]:
+        """bucket -> why its repository failed to open, for the buckets
+        stored here that are served by a FailedRepository."""
+        if not self.some_failed:
+            return {}
+        failed = {bucket: repo.reason for bucket, repo in self.repos.items()
+                  if isinstance(repo, FailedRepository)}
+        self.some_failed = bool(failed)
+        return failed
+
+    def problem_message(self, bucket: int | None) -> str:
+        """What a request on ``bucket`` is told while the DHT's store will
+        not open here."""
+        which = f"bucket {bucket} of {self.label}" if bucket is not None else self.label
+        return (f"{which} is not served on service {self.service_name}: {self.problem}; "
+                f"the service tries again by itself (with backoff) and serves it as soon as "
+                f"it opens")
 
     def _place(self, storage: BucketMap[str]) -> None:
         """Open the buckets ``storage`` (bucket -> service) puts here, drop
@@ -182,6 +266,7 @@ class HostedDht:
                 self.staged_at.pop(bucket, None)
                 self.repos[bucket] = staged
                 self.part_of[bucket] = (self.bucket_count, bucket)
+                self.moves["received"] += 1
                 adopted = True
                 continue
             try:
@@ -191,11 +276,13 @@ class HostedDht:
                 log.error("service {service}: {problem}", service=self.service_name,
                           problem=str(exc))
                 self.repos[bucket] = FailedRepository(str(exc))
+                self.some_failed = True
         for bucket in new_backups:
             staged = self.staged.pop(bucket, None)
             if staged is not None:          # copied here from its primary
                 self.staged_at.pop(bucket, None)
                 self.backups[bucket] = staged
+                self.moves["received"] += 1
                 adopted = True
                 continue
             # (At creation: an empty bucket.  The supervisor names a service
@@ -227,7 +314,8 @@ class HostedDht:
             self.store.remove(part[1], part[0])
         for bucket in sorted(self.frozen.keys() - stored):   # moved away: done
             self.frozen.pop(bucket)
-            self.frozen_at.pop(bucket, None)
+            self._end_freeze(bucket)
+            self.moves["sent"] += 1
             self.snapshots.pop(bucket, None)
             part = self.part_of.pop(bucket, (self.bucket_count, bucket))
             self.store.remove(part[1], part[0])
@@ -344,9 +432,13 @@ class HostedDht:
         self.repos.clear()
         self.backups.clear()
         self.part_of.clear()
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        store, self.store = self.store, None
+        if store is not None:
+            try:
+                store.close()
+            except StorageFault as exc:   # (what was flushed or logged is kept)
+                log.error("service {service}: {problem}", service=self.service_name,
+                          problem=str(exc))
 
     # ------------------------------------------------------------ moving a bucket
     # A bucket's storage moves from a source service to a target in these
@@ -420,7 +512,13 @@ class HostedDht:
             keys = self.snapshots[bucket] = repo.key_snapshot()
         self.frozen[bucket] = (self.repos.pop(bucket), keys)
         self.frozen_at[bucket] = time.monotonic()
+        self.moves["frozen"] += 1
         return len(self.frozen[bucket][0])
+
+    def _end_freeze(self, bucket: int) -> None:
+        since = self.frozen_at.pop(bucket, None)
+        if since is not None:
+            self.moves["frozen_seconds"] += time.monotonic() - since
 
     def thaw_expired(self) -> list[int]:
         """Thaw the buckets frozen here for longer than FREEZE_LEASE (their
@@ -463,7 +561,8 @@ class HostedDht:
         frozen = self.frozen.pop(bucket, None)
         if frozen is not None:
             self.repos[bucket] = frozen[0]
-        self.frozen_at.pop(bucket, None)
+            self.moves["thawed"] += 1
+        self._end_freeze(bucket)
         self.snapshots.pop(bucket, None)
         repo = self.repos.get(bucket)
         if isinstance(repo, TrackedRepository):
@@ -476,9 +575,14 @@ class HostedDht:
             raise StorageFault(f"{self.label}: service {self.service_name} cannot take "
                                f"bucket {bucket} (it stores it already, or the DHT is "
                                f"inactive)")
+        if self.medium == "disk" and self.headroom is not None:
+            why = self.headroom.refusal(f"bucket {bucket} of {self.label}")
+            if why is not None:
+                raise StorageFullFault(why)
         if first:
             self.discard(bucket)
             fresh = self.staged[bucket] = self.store.open(bucket, self.bucket_count)
+            self.moves["staged"] += 1
             # A disk bucket's file can outlive a move cut short by a crash,
             # or a bucket moved away while this service was down: a staged
             # copy starts empty, whatever the medium holds.
@@ -493,6 +597,7 @@ class HostedDht:
         # (a value None: deleted since it was sent; durable once adopted)
         repo.apply([(records[index], records[index + 1])
                     for index in range(0, len(records), 2)], durable=False)
+        self.moves["records_staged"] += len(records) // 2
         return len(repo)
 
     def discard(self, bucket: int) -> None:
@@ -702,6 +807,8 @@ class HostedDht:
             for part, members in groups.items():
                 done["records"] += yield from self._regroup_group(part, members, count)
                 done["parts"] += 1
+            self.moves["regroups"] += 1
+            self.moves["records_regrouped"] += done["records"]
         finally:
             self._regrouping = None
         return done

@@ -34,13 +34,14 @@ if not PURE_PYTHON:
         FastPath = None
 
 
-def rbtree_type() -> type | None:
-    """The C RBTree type whose instances the C path drives, if it is built."""
+def record_tree_type() -> type | None:
+    """The C RecordTree type whose instances (domus-rbt buckets) the C path
+    drives, if it is built."""
     try:
-        from domus._rbtree import RBTree
+        from domus._recordtree import RecordTree
     except ImportError:
         return None
-    return RBTree
+    return RecordTree  # type: ignore[no-any-return]
 
 
 def make_fast_path(dhts: dict[int, tuple[dict[int, Any], int]],
@@ -51,6 +52,6 @@ def make_fast_path(dhts: dict[int, tuple[dict[int, Any], int]],
     path must serve alone."""
     if FastPath is None:
         return None
-    return FastPath(dhts, reply_cache.generations, rbtree_type(),
+    return FastPath(dhts, reply_cache.generations, record_tree_type(),
                     current_limit=reply_cache.current_limit, dict_type=DictRepository,
                     key=key)

@@ -16,6 +16,7 @@ from typing import Any
 from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
+from twisted.protocols import policies
 from twisted.python.failure import Failure
 
 from domus._version import __version__
@@ -25,6 +26,8 @@ from domus.service.hosted import FREEZE_LEASE
 from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
+from domus.storage.headroom import DEFAULT as DEFAULT_RESERVE
+from domus.storage.headroom import SAMPLE_INTERVAL, Headroom, Reserve
 from domus.wire import address as addresses
 from domus.wire import checks, launch, secret
 from domus.wire import protocol as wire
@@ -54,8 +57,13 @@ class DomusService(Service):
     def __init__(self, *, supervisor: str, listen: str, data_dir: str, name: str | None = None,
                  heartbeat: float = HEARTBEAT_INTERVAL,
                  resources: dict[str, Any] | None = None,
-                 cpus: list[int] | None = None, secret_file: str | None = None) -> None:
+                 cpus: list[int] | None = None, secret_file: str | None = None,
+                 metrics: str | None = None,
+                 disk_reserve: Reserve = DEFAULT_RESERVE) -> None:
         self.supervisor_address = addresses.parse(supervisor)
+        if metrics is not None:
+            addresses.parse(metrics)        # (a bad address fails before anything starts)
+        self.metrics_address = metrics      # where /metrics is served; None: nowhere
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
         self.service_name = checks.service_name(name or self.address)
@@ -70,6 +78,10 @@ class DomusService(Service):
         options += [[f"--{field}", value] for field, value in sorted((resources or {}).items())]
         if cpus:
             options.append(["--cpus", ",".join(map(str, cpus))])
+        if metrics:
+            options.append(["--metrics", metrics])
+        if disk_reserve != DEFAULT_RESERVE:
+            options.append(["--disk-reserve", str(disk_reserve)])
         # The deployment secret, found as every process finds it
         # (domus.wire.secret); None: an insecure deployment.
         self.keys = secret.keys(secret_file)
@@ -80,6 +92,7 @@ class DomusService(Service):
         self.handler = RequestHandler(self.service_name, data_dir=data_dir,
                                       data_key=self.keys.data if self.keys else None)
         self.peers = PeerLinks(self.service_name, self.keys)
+        self.handler.headroom = Headroom(self.data_dir, disk_reserve, self.service_name)
         self.handler.replicator = self.peers.forward
         self.handler.copy_failed = self._copy_failed
         self._reported: dict[tuple[int, str], float] = {}
@@ -116,8 +129,16 @@ class DomusService(Service):
             return proto
 
         data_factory.buildProtocol = build
-        self._ports.append(reactor.listenTCP(self.listen_port, data_factory,
+        counted = policies.WrappingFactory(data_factory)
+        counted.protocol = _CountedBytes
+        self._ports.append(reactor.listenTCP(self.listen_port, counted,
                                              interface=self.listen_host))
+        if self.metrics_address:
+            from domus.service import metrics
+
+            self._ports.append(metrics.listen(reactor, self.metrics_address, self))
+            log.info("service {name}: metrics at http://{address}/metrics",
+                     name=self.service_name, address=self.metrics_address)
         log.info("service {name} serving on {address} (UDP and TCP, {path} hot path), "
                  "data dir {dir}", name=self.service_name, address=self.address,
                  path="C" if self.handler.fast is not None else "pure-Python",
@@ -132,7 +153,10 @@ class DomusService(Service):
         # when the service stops.
         flush = task.LoopingCall(self._flush)
         flush.start(FLUSH_INTERVAL, now=False)
-        self._timers += [expire, heartbeat, flush]
+        # Free space against the reserve, and stores that failed to open.
+        storage = task.LoopingCall(self._tend_storage)
+        storage.start(SAMPLE_INTERVAL, now=True)
+        self._timers += [expire, heartbeat, flush, storage]
         self._connect_supervisor()
 
     def stopService(self) -> defer.Deferred:
@@ -152,6 +176,12 @@ class DomusService(Service):
         log.info("service {name} stopping", name=self.service_name)
         super().stopService()
         return defer.DeferredList(stops)
+
+    def _tend_storage(self) -> None:
+        try:
+            self.handler.tend_storage()
+        except Exception:       # a bug: say so, and keep the timer going
+            log.failure("service {name}: watching its storage failed", name=self.service_name)
 
     def _flush(self) -> None:
         try:
@@ -256,6 +286,8 @@ class DomusService(Service):
     def _heartbeat(self) -> None:
         load = self.sampler.sample(self.handler.requests, time.monotonic(),
                                    self.handler.by_op[wire.OP_LOOKUP])
+        if self.handler.headroom is not None:
+            load.update(self.handler.headroom.report())
         if self.link is None or not self.registered:
             return
         stats = self.handler.stats()
@@ -423,6 +455,30 @@ class DomusService(Service):
             return self.handler.stats()
         raise ControlError("DomusError", f"service {self.service_name} takes control op "
                            f"{body['op']!r} only from the supervisor")
+
+
+class _CountedBytes(policies.ProtocolWrapper):
+    """A connection to the service's TCP port, whose bytes are counted as
+    they cross the socket, each way (frame headers, the handshake and the
+    frames' tags included), in the handler's counters, which the metrics
+    read."""
+
+    def _count(self, name: str, size: int) -> None:
+        counters = self.factory.wrappedFactory.counters
+        counters[name] = counters.get(name, 0) + size
+
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's name)
+        self._count("tcp_bytes_received", len(data))
+        super().dataReceived(data)
+
+    def write(self, data: bytes) -> None:
+        self._count("tcp_bytes_sent", len(data))
+        super().write(data)
+
+    def writeSequence(self, data: Any) -> None:  # noqa: N802
+        data = list(data)
+        self._count("tcp_bytes_sent", sum(map(len, data)))
+        super().writeSequence(data)
 
 
 class PeerLinks:

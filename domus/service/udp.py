@@ -78,6 +78,8 @@ class UdpServer:
         self._reactor: Any = None
         self.send_errors = 0        # Python-path counts; the C ones are in handler.fast
         self.recv_errors = 0
+        self.bytes_received = 0     # datagrams read in Python (C counts those serve() reads)
+        self.bytes_sent = 0         # replies sent from Python (the C path's fallbacks too)
 
     # ------------------------------------------------------------ lifecycle
     def start(self, reactor: Any) -> None:
@@ -157,7 +159,7 @@ class UdpServer:
             answer = auth.seal_reply(self.handler.data_key, answer,  # type: ignore[arg-type]
                                      request[8:16], stamp)
         try:
-            self.socket.sendto(answer, peer)
+            self.bytes_sent += self.socket.sendto(answer, peer)
         except OSError:
             self.send_errors += 1  # the client retries
 
@@ -175,6 +177,7 @@ class UdpServer:
                     raise
                 self.recv_errors += 1
                 continue
+            self.bytes_received += len(data)
             key = self.handler.data_key
             if key is not None:
                 opened = auth.open_request(key, data)
@@ -186,7 +189,7 @@ class UdpServer:
             answer = handle(data, wire.MAX_UDP_PAYLOAD)
             if isinstance(answer, bytes):
                 try:
-                    sendto(answer, peer)
+                    self.bytes_sent += sendto(answer, peer)
                 except OSError:
                     self.send_errors += 1
             elif answer is not None:

@@ -22,11 +22,12 @@ from domus.storage.base import (
     RamStore,
     Repository,
     StorageFault,
+    StorageFullFault,
     Store,
     UnavailableStore,
 )
 from domus.storage.pydict import DictRepository
-from domus.storage.rbt import RBTreeRepository
+from domus.storage.rbt import RBTreeRepository, RecordStore
 from domus.wire.attributes import MEDIA, PLANNED_PLATFORMS, PLATFORM_MEDIA, PLATFORM_NEEDS
 
 
@@ -43,6 +44,11 @@ def _ram_store(factory: Callable[[], Repository], _medium: str, _home: str | Non
     return RamStore(factory)
 
 
+def _record_store(_medium: str, _home: str | None, label: str = "DHT",
+                  _durability: str = "none", base_count: int | None = None) -> Store:
+    return RecordStore(label, base_count)
+
+
 def _berkeley_store(method: str, medium: str, home: str | None, label: str = "DHT",
                     durability: str = "async", base_count: int | None = None) -> Store:
     try:
@@ -57,7 +63,7 @@ def _berkeley_store(method: str, medium: str, home: str | None, label: str = "DH
 # platform -> (keeps key order, how to open a store); its media are the wire's.
 _IMPLEMENTATIONS: dict[str, tuple[bool, Callable[..., Store]]] = {
     "python-dict": (False, partial(_ram_store, DictRepository)),
-    "domus-rbt": (True, partial(_ram_store, RBTreeRepository)),
+    "domus-rbt": (True, _record_store),
     "domus-bsddb-btree": (True, partial(_berkeley_store, "btree")),
     "domus-bsddb-hash": (False, partial(_berkeley_store, "hash")),
 }
@@ -81,5 +87,5 @@ def available_platforms() -> tuple[str, ...]:
 
 
 __all__ = ["PLATFORMS", "available_platforms", "MEDIA", "PLANNED_PLATFORMS", "Platform",
-           "Repository", "Store", "RamStore", "FailedRepository", "StorageFault", "DictRepository",
-           "RBTreeRepository"]
+           "Repository", "Store", "RamStore", "FailedRepository", "StorageFault",
+           "StorageFullFault", "DictRepository", "RBTreeRepository", "RecordStore"]

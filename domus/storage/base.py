@@ -16,6 +16,12 @@ class StorageFault(Exception):
     bucket; the service answers STORAGE_ERROR and keeps serving the rest."""
 
 
+class StorageFullFault(StorageFault):
+    """The medium is out of room: no space left on the device, or a RAM
+    Berkeley DB cache that is full.  Nothing was stored; the service answers
+    STORAGE_FULL (the client raises domus.errors.StorageFull)."""
+
+
 class Repository(ABC):
     """The records of one bucket of one DHT."""
 
@@ -239,6 +245,20 @@ class Store(ABC):
         them; None when the platform cannot tell (Python objects in RAM)."""
         return None
 
+    def checkpoint(self, after: int = 0) -> None:
+        """Write what the medium's log holds into its files and let the log
+        files no longer needed go (nothing, for platforms without a log);
+        ``after``: only once the log has grown by that many bytes since the
+        last checkpoint (cheap to ask when it has not)."""
+
+    def reclaim(self, start: bool = False) -> int:
+        """Give the space that records deleted since the last call freed
+        inside the medium's files back to the filesystem (a service at its
+        disk reserve calls this; ``start``: only note how many records each
+        repository holds, the first time).  Returns the bytes given back
+        (nothing, for RAM platforms)."""
+        return 0
+
     @abstractmethod
     def close(self) -> None:
         """Close every repository, keeping what the medium holds."""
@@ -316,8 +336,12 @@ class RamStore(Store):
         part = (count, bucket, temporary)
         if part in self._repos:
             raise ValueError(f"bucket {bucket} is already open in this store")
-        repo = self._repos[part] = self._factory()
+        repo = self._repos[part] = self._new_repository(bucket, count)
         return repo
+
+    def _new_repository(self, bucket: int, count: int | None) -> Repository:
+        """A new, empty repository for a part (the factory's)."""
+        return self._factory()
 
     def remove(self, bucket: int, count: int | None = None, *,
                temporary: bool = False) -> None:

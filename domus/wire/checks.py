@@ -124,8 +124,9 @@ def figure(value: Any, what: str, *, low: float = 0.0, high: float, positive: bo
 
 def resources(given: Any) -> dict[str, Any]:
     """A service's declared resources: ``cores``, ``ram`` (bytes) and
-    ``disk`` (bytes), each finite, positive and at most what a machine can
-    have (MAX_RESOURCES), and ``hostname`` (a host name) if given.  Returns
+    ``disk`` (bytes), each finite, positive (the free disk may be 0: a
+    service restarted on a full disk) and at most what a machine can have
+    (MAX_RESOURCES), and ``hostname`` (a host name) if given.  Returns
     those fields (one left out counts as none of it); any other field is
     refused."""
     if not isinstance(given, dict):
@@ -138,7 +139,7 @@ def resources(given: Any) -> dict[str, Any]:
     for field, high in MAX_RESOURCES.items():
         if field in given:
             checked[field] = figure(given[field], f"resources' {field}", high=high,
-                                    positive=True)
+                                    positive=field != "disk")
     if given.get("hostname") is not None:
         checked["hostname"] = host(given["hostname"])
     return checked
@@ -146,12 +147,15 @@ def resources(given: Any) -> dict[str, Any]:
 
 def load(given: Any) -> dict[str, float]:
     """A heartbeat's load figures: each finite, not negative and at most
-    MAX_LOAD; names are short identifiers."""
+    MAX_LOAD, or a flag (True/False, e.g. ``disk_full``); names are short
+    identifiers."""
     if not isinstance(given, dict) or len(given) > 64:
         raise ValueError("a heartbeat's load must be a map of at most 64 figures")
     for name, value in given.items():
         if not isinstance(name, str) or not re.fullmatch(r"[a-z_]{1,32}", name):
             raise ValueError(f"load figure name {name!r} is not valid")
+        if isinstance(value, bool):
+            continue
         figure(value, f"load figure {name!r}", high=MAX_LOAD, positive=False)
     return given
 

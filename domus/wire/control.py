@@ -162,6 +162,8 @@ class MessageProtocol(Int32StringReceiver):
 
     # -- incoming
     def stringReceived(self, frame: bytes) -> None:
+        if self._refusal is not None:
+            return      # (refused: closing; nor the rest of what came in with it)
         if self._handshake is not None:
             self._handshake_frame(frame)
             return
@@ -322,8 +324,7 @@ def _control_result(answer: tuple[int, bytes]) -> Any:
     if status == wire.ST_OK:
         return wire.unpack(body) if body else None
     if status == wire.ST_CONTROL_ERROR:
-        error = wire.unpack(body)
-        raise RemoteControlError(error.get("error", "DomusError"), error.get("message", ""))
+        raise RemoteControlError(*wire.decode_control_error(body))
     raise RemoteControlError("DomusError", f"unexpected reply status 0x{status:02x}: "
                              f"{body.decode('utf-8', 'replace')}")
 

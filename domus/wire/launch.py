@@ -77,6 +77,16 @@ def _resource(field: str) -> Callable[[Any, str], float]:
     return check
 
 
+DISK_RESERVE = re.compile(r"^[0-9]{1,15}(\.[0-9]{1,6})?( ?%|[kmgtKMGT]?(i?[bB])?)$")
+
+
+def _disk_reserve(value: Any, flag: str) -> str:
+    if not isinstance(value, str) or not DISK_RESERVE.fullmatch(value):
+        raise ValueError(f"{flag} {value!r} is neither a size (512m, 1048576) nor a percentage "
+                         f"(5%)")
+    return value
+
+
 def _address(value: Any, flag: str) -> str:
     return checks.address(value)
 
@@ -94,7 +104,7 @@ OPTIONS: dict[str, dict[str, Callable[[Any, str], Any] | None]] = {
     "service": {
         "--heartbeat": _seconds, "--cores": _resource("cores"), "--ram": _resource("ram"),
         "--disk": _resource("disk"), "--cpus": _cpus, "--secret-file": _path,
-        "--metrics": _address,
+        "--metrics": _address, "--disk-reserve": _disk_reserve,
     },
 }
 

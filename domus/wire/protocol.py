@@ -78,6 +78,7 @@ ST_MOVING = 0x1A
 ST_STALE_LAYOUT = 0x1B
 ST_DATA_LOST = 0x1C
 ST_STALE_REQUEST = 0x1D
+ST_STORAGE_FULL = 0x1E
 ST_INTERNAL = 0x1F
 ST_CONTROL_ERROR = 0x20
 
@@ -92,6 +93,7 @@ STATUS_NAMES = {
     ST_STALE_LAYOUT: "the request's bucket numbering is not the DHT's: fetch its layout",
     ST_DATA_LOST: "every copy of the bucket was lost",
     ST_STALE_REQUEST: "the request's time is too far from the service's clock",
+    ST_STORAGE_FULL: "the service's disk is at its reserve (or its cache is full)",
     ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
 }
 
@@ -502,6 +504,19 @@ def decode_control(data: bytes, *, max_body: int = MAX_FRAME_BYTES,
     if not isinstance(body, dict) or not isinstance(body.get("op"), str):
         raise ProtocolError("control request body must be a map with a string 'op'")
     return body
+
+
+def decode_control_error(body: bytes) -> tuple[str, str]:
+    """(class name, message) of a CONTROL_ERROR reply's body, a msgpack map
+    ``{"error": str, "message": str}`` (a missing name is "DomusError", a
+    missing message ""); ProtocolError for anything else."""
+    error = unpack(body)
+    kind = error.get("error", "DomusError") if isinstance(error, dict) else None
+    message = error.get("message", "") if isinstance(error, dict) else None
+    if not isinstance(kind, str) or not isinstance(message, str):
+        raise ProtocolError(f"a control error must be a map of the strings 'error' and "
+                            f"'message', not {error!r:.200}")
+    return kind, message
 
 
 # ---------------------------------------------------------------- replies

@@ -11,10 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import domus
 from domus.errors import AuthenticationError
@@ -262,11 +264,13 @@ def kill_tree(process: subprocess.Popen) -> None:
 @pytest.mark.timeout(120)
 def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch):
     monkeypatch.delenv("DOMUS_SECRET_FILE", raising=False)
-    port = free_port_block(3)
+    port = free_port_block(6)
     ports = [port, port + 1, port + 2]
+    metrics = port + 3                  # the supervisor's; the services' on the next two
     data_dir = tmp_path / "up"
     up = subprocess.Popen([sys.executable, "-m", "domus", "up", "--services", "2", "--port",
-                           str(port), "--data-dir", str(data_dir)],
+                           str(port), "--data-dir", str(data_dir), "--metrics-port",
+                           str(metrics)],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           stdin=subprocess.DEVNULL, env=hermetic_env())
     try:
@@ -297,6 +301,19 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch
             dht = cluster.create_dht("up-test")
             dht.put_many({number: str(number) for number in range(100)})
             assert len(dht) == 100
+        # --metrics-port: each process's metrics, as the line it printed says
+        assert any(f"s2 http://{LOOPBACK}:{metrics + 2}/metrics" in line for line in lines)
+        stored = 0
+        for offset, name in ((1, "s1"), (2, "s2")):
+            with urllib.request.urlopen(f"http://{LOOPBACK}:{metrics + offset}/metrics",
+                                        timeout=10) as page:
+                families = {family.name: family for family in
+                            text_string_to_metric_families(page.read().decode())}
+            stored += sum(sample.value for sample in families["domus_service_records"].samples
+                          if sample.labels == {"service": name, "dht": "up-test"})
+        assert stored == 100
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{metrics}/metrics", timeout=10) as page:
+            assert b'domus_supervisor_services{state="up"} 2.0' in page.read()
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) == 3, [child.cmdline() for child in children]
         assert len(domus_processes(ports)) == 3
@@ -325,6 +342,14 @@ def test_up_runs_a_deployment_and_stops_cleanly_on_sigterm(tmp_path, monkeypatch
             kill_tree(up)
         for process in domus_processes(ports):
             process.kill()
+
+
+def test_up_refuses_metrics_ports_that_overlap_its_own(tmp_path):
+    stderr = fails("up", "--services", "2", "--port", "27700", "--metrics-port", "27702",
+                   "--data-dir", str(tmp_path / "up"))
+    assert "metrics ports 27702-27704 overlap the deployment's ports 27700-27702" in stderr
+    assert not (tmp_path / "up" / "supervisor").exists()      # nothing was started
+    assert "--metrics-port" in fails("up", "--metrics-port", "0")
 
 
 @pytest.mark.timeout(60)

@@ -101,7 +101,7 @@ def test_the_wheel_holds_every_module_of_the_source_tree():
     expected |= {f"domus/supervisor/{path.relative_to(ROOT / 'supervisor')}"
                  for path in (ROOT / "supervisor").rglob("*.py")}
     assert expected - shipped == set(), "left out of the wheel"
-    assert {"_codec", "_hotpath", "_rbtree"} <= {
+    assert {"_codec", "_hotpath", "_rbtree", "_recordtree"} <= {
         Path(name).name.split(".")[0] for name in shipped if name.endswith(".so")}
     assert re.search(rf"domus-{re.escape(domus.__version__)}-", wheel.name)
     # the sdist carries what it needs to build the wheel, and the tests
@@ -110,7 +110,8 @@ def test_the_wheel_holds_every_module_of_the_source_tree():
     prefix = f"domus-{domus.__version__}/"
     for needed in ("cext/codec.c", "cext/hashes.h", "cext/rbtree_api.h", "setup.py",
                    "pyproject.toml", "tests/integration/install_smoke.py",
-                   "supervisor/server.py"):
+                   "supervisor/server.py", "fuzz/harness.py",
+                   "fuzz/regressions/control_reply/control-error-body-is-an-int"):
         assert prefix + needed in names, f"{needed} is not in the sdist"
 
 

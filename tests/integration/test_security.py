@@ -271,6 +271,40 @@ def test_a_replayed_datagram_outside_the_time_window_is_refused_as_stale(guarded
     untouched(deployment)
 
 
+def test_a_record_tree_answers_sealed_gets_from_its_arena_and_nothing_unsealed(guarded):
+    """domus-rbt buckets keep records as bytes in an arena; the C path copies
+    a value from it into the reply and seals that, as it seals a dict's."""
+    deployment, other = guarded
+    records = {f"tree-{number}": b"v" * number for number in range(0, 1200, 7)}
+    with deployment.connect(timeout=CLIENT_TIMEOUT) as cluster:
+        dht = cluster.create_dht("guarded-tree", buckets=8, platform="domus-rbt")
+        try:
+            dht.update(records)
+            assert dict(dht.items()) == records
+            assert dht.get_many(list(records)) == records
+            addresses = service_addresses(cluster)
+            key = "tree-700"
+            address = addresses[owner_of(dht, key)]
+            bucket, encoded, dht_id = bucket_of_key(dht, key), encode_key(key), dht.id
+            wrong = secret.Keys.from_secret(secret.load(other), other)
+            with RawUdp(address) as raw:
+                status, body = raw.call(wire.OP_GET,
+                                        wire.KEYED.pack(dht_id, bucket, len(encoded)) + encoded)
+                assert (status, wire.unpack(body)) == (wire.ST_OK, records[key])
+                after = raw.stats()
+                message = wire.encode_keyed(wire.OP_GET, 9, raw.client_id, dht_id, bucket,
+                                            encoded)
+                raw.send_unsealed(message)
+                raw.send_unsealed(auth.seal_request(wrong.data, message))
+                raw.sock.settimeout(0.5)
+                with pytest.raises(TimeoutError):
+                    raw.sock.recv(65536)
+                assert raw.stats()["unauthenticated"] == after["unauthenticated"] + 2
+        finally:
+            cluster.destroy_dht("guarded-tree")
+    untouched(deployment)
+
+
 def test_a_service_with_the_wrong_secret_cannot_register(guarded, tmp_path):
     deployment, other = guarded
     port = free_port_block(1)

@@ -11,8 +11,10 @@ import pytest
 
 import domus
 import domus.errors
+from domus.ops.cli import format_status
+from domus.storage import rbt
 
-from .support import keys_on, wait_until
+from .support import keys_on, service_stats, wait_until
 
 
 def state_of(cluster, name: str) -> str:
@@ -90,3 +92,59 @@ def test_sync_durability_keeps_every_acknowledged_write_when_a_service_is_killed
     found = dht.get_many(acknowledged)
     missing = [key for key in acknowledged if found.get(key) != key * 3]
     assert not missing, f"{len(missing)} of {len(acknowledged)} acknowledged writes lost"
+
+
+@pytest.mark.timeout(120)
+def test_a_record_tree_bucket_gives_deleted_memory_to_new_records_and_frees_it_when_it_moves(
+        deployment, cluster):
+    """domus-rbt: fill a bucket, delete most of it, fill it again: the bytes
+    the service holds come back to the first fill's (deleted records' memory
+    is reused); moving the bucket away frees it on the source."""
+    if not rbt.C_EXTENSION:
+        pytest.skip("the pure-Python record tree reports no bytes held")
+    dht = cluster.create_dht("held", buckets=1, platform="domus-rbt",
+                             routing_services=["s1"], storage_services=["s1"])
+    addresses = {name: deployment.service_address(index)
+                 for index, name in enumerate(("s1", "s2", "s3"))}
+
+    def held(service: str) -> tuple[int, int]:
+        stats = service_stats(addresses[service])["dhts"]["held"]
+        return stats["records"], stats["storage_bytes"]
+
+    records = 20_000
+    dht.put_many({number: number.to_bytes(8, "big") for number in range(records)})
+    first_records, first = held("s1")
+    assert first_records == records
+    assert first <= 40 * records                        # 32 bytes a record, and pages
+
+    kept = range(0, records, 10)
+    for number in range(records):
+        if number % 10:
+            dht.delete(number)
+    emptied_records, emptied = held("s1")
+    assert emptied_records == len(kept)
+    assert emptied < first / 3                          # compacted: the memory went back
+
+    dht.put_many({-number: number.to_bytes(8, "big") for number in range(1, records + 1)
+                  if number % 10})
+    refilled_records, refilled = held("s1")
+    assert refilled_records == records
+    assert abs(refilled - first) <= first / 10
+    assert dht[-1] == (1).to_bytes(8, "big") and dht[10] == (10).to_bytes(8, "big")
+
+    # What domus status shows once the heartbeats carry it.
+    def shown() -> str | None:
+        lines = format_status(cluster.status()).splitlines()
+        row = next((line.split() for line in lines if line.split()[:2] == ["s1", "held"]),
+                   None)
+        return row if row is not None and row[2] == f"{records:,}" else None
+
+    row = wait_until(shown, timeout=15, what="domus status showing the bytes s1 holds")
+    assert int(row[-1]) == round(refilled / records)    # BYTES/RECORD
+
+    answer = cluster.move_bucket("held", 0, storage="s2")
+    assert answer["records"] == records
+    assert held("s1") == (0, 0)                          # the source freed its arena
+    moved_records, moved = held("s2")
+    assert moved_records == records and moved <= refilled * 1.1
+    assert len(dht) == records and dht[-1] == (1).to_bytes(8, "big")

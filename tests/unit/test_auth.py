@@ -322,12 +322,42 @@ def test_a_forged_frame_on_an_authenticated_link_closes_it():
     assert len(refusals) == 1
 
 
+def test_a_refused_peer_is_refused_once_and_nothing_it_sent_after_is_read():
+    # Frames that came in with the one refused were read on: each counted
+    # and refused again, and the side that connected, having refused an
+    # insecure impostor, took its ACCEPT and answered its calls (found by
+    # the handshake fuzz target).
+    from twisted.internet.testing import StringTransport
+
+    server = MessageProtocol()
+    server.accepting, server.keys = True, KEYS
+    refusals = []
+    server.auth_failures = refusals.append
+    server.makeConnection(StringTransport())
+    garbage = struct.pack(">I", 4) + b"junk"
+    server.dataReceived(garbage * 3)
+    assert len(refusals) == 1
+    assert server.transport.value().count(b"\xda\x01X") == 1
+
+    client = MessageProtocol()
+    client.keys = KEYS          # given explicitly: it refuses an insecure peer
+    client.control_handler = lambda body, link: "answered"
+    client.makeConnection(StringTransport())
+    outcome = results(client.authenticated)
+    impostor = [auth.Accepting(None).hello(), auth._frame(auth.ACCEPT, bytes(32)),
+                wire.encode_control(5, 6, {"op": "x"})]
+    client.dataReceived(b"".join(struct.pack(">I", len(frame)) + frame for frame in impostor))
+    assert isinstance(outcome[0].value, AuthenticationError)
+    assert client.transport.value() == b"" and not client.secure
+    assert client.transport.disconnecting
+
+
 # ------------------------------------------------------------ the UDP service
 
-def descriptor():
+def descriptor(platform="python-dict"):
     return {
         "id": DHT_ID, "name": "t", "buckets": 4, "hash": "xxh3", "storage": "ram",
-        "platform": "python-dict", "routing": "chord", "lookup": "D", "state": "active",
+        "platform": platform, "routing": "chord", "lookup": "D", "state": "active",
         "routing_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 4}],
         "storage_services": [{"name": "s1", "address": "127.0.0.1:1", "count": 4}],
     }
@@ -348,11 +378,17 @@ class Reactor:
         function(*args)
 
 
-@pytest.fixture(params=["c", "python"])
+# Both data paths, on a bucket of each RAM platform: a dict's values are sent
+# as the bytes objects they are, a record tree's are copied from its arena
+# into the reply, and both get the same trailer.
+@pytest.fixture(params=[(path, platform) for path in ("c", "python")
+                        for platform in ("python-dict", "domus-rbt")],
+                ids=lambda param: "-".join(param))
 def service(request):
+    path, platform = request.param
     handler = RequestHandler("s1", data_key=KEYS.data)
-    handler.assign(descriptor())
-    if request.param == "python":
+    handler.assign(descriptor(platform))
+    if path == "python":
         handler.fast = None
     elif handler.fast is None:
         pytest.skip("the C hot path is off")
@@ -407,6 +443,39 @@ def test_a_sealed_request_is_served_and_its_reply_sealed_for_it(service):
     assert stored(handler) == {b"\x03k": b"\xa5value"}
 
 
+def test_a_sealed_get_is_answered_with_the_stored_value_sealed_for_it(service):
+    handler, reactor, client = service
+    value = b"\xa5" + bytes(range(256)) * 4
+    exchange(reactor, client, [auth.seal_request(KEYS.data, put(1, value))], 1)
+    answered_in_c = handler.fast.requests if handler.fast is not None else None
+    sealed = auth.seal_request(KEYS.data, get(2))
+    reply, = exchange(reactor, client, [sealed], 1)
+    assert auth.open_reply(KEYS.data, reply, CLIENT, sealed[-12:-8]) == wire.reply(
+        wire.ST_OK, 2, value)
+    assert len(reply) == wire.REPLY_HEADER_SIZE + len(value) + auth.REPLY_TRAILER
+    if answered_in_c is not None:                   # (the C path answered it itself)
+        assert handler.fast.requests == answered_in_c + 1
+
+
+def test_a_value_that_fits_a_reply_but_not_its_trailer_is_refused_as_too_large(service):
+    handler, reactor, client = service
+    room = wire.MAX_UDP_PAYLOAD - wire.REPLY_HEADER_SIZE - auth.REPLY_TRAILER
+    repository = handler.dhts[DHT_ID].repos[0]
+    repository[b"\x03k"] = b"\xa5" + b"x" * room                  # (stored over TCP, say)
+    repository[b"\x03j"] = b"\xa5" + b"y" * (room - 1)
+    sealed = auth.seal_request(KEYS.data, get(3))
+    reply, = exchange(reactor, client, [sealed], 1)
+    opened = auth.open_reply(KEYS.data, reply, CLIENT, sealed[-12:-8])
+    assert opened is not None and opened[2] == wire.ST_REPLY_TOO_LARGE
+    largest = auth.seal_request(
+        KEYS.data, wire.encode_keyed(wire.OP_GET, 4, 7, DHT_ID, 0, b"\x03j"))
+    reply, = exchange(reactor, client, [largest], 1)
+    assert len(reply) == wire.MAX_UDP_PAYLOAD
+    assert auth.open_reply(KEYS.data, reply, CLIENT, largest[-12:-8]) == wire.reply(
+        wire.ST_OK, 4, b"\xa5" + b"y" * (room - 1))
+    assert stored(handler)[b"\x03k"] == b"\xa5" + b"x" * room
+
+
 def test_unsealed_and_forged_requests_change_nothing_get_nothing_and_are_counted(service):
     handler, reactor, client = service
     exchange(reactor, client, [auth.seal_request(KEYS.data, put(1))], 1)
@@ -435,6 +504,19 @@ def test_a_replayed_request_outside_the_time_window_is_refused_as_stale(service)
     assert b"clock" in opened
     assert stored(handler) == {}
     assert handler.stats()["stale"] == 1
+
+
+def test_a_stale_datagram_that_is_not_a_request_goes_unanswered(service):
+    # As handle(): without the request magic there is no request id to
+    # answer to (found by the sealed_udp fuzz target).
+    handler, reactor, client = service
+    old = int(time.time()) - auth.TIME_WINDOW - 60
+    not_a_request = b"\xff" + put(10)[1:]
+    answered = auth.seal_request(KEYS.data, get(11), seconds=old)
+    replies = exchange(reactor, client,
+                       [auth.seal_request(KEYS.data, not_a_request, seconds=old), answered], 1)
+    assert [reply[4:8] for reply in replies] == [(11).to_bytes(4, "big")]
+    assert handler.stats()["stale"] == 2
 
 
 # ------------------------------------------------------------ the clients

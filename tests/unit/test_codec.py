@@ -8,6 +8,7 @@ the same message.  ``make check-c`` runs this file under AddressSanitizer.
 
 from __future__ import annotations
 
+import collections
 import enum
 import gc
 import itertools
@@ -25,7 +26,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from domus.client import codec
-from domus.errors import KeyTooLarge, KeyTypeError, ProtocolError, ValueTypeError
+from domus.errors import (
+    KeyTooLarge,
+    KeyTypeError,
+    ProtocolError,
+    ValueDecodeError,
+    ValueTypeError,
+)
 from domus.placement.bucketmap import BucketMap
 from domus.wire import keys
 from domus.wire import protocol as wire
@@ -111,9 +118,14 @@ valid_keys = st.one_of(
     texts.map(Text), st.integers().map(Number), st.binary(max_size=20).map(bytearray),
     st.binary(max_size=20).map(Buffer), st.binary(max_size=20).map(memoryview),
 )
-wrong_keys = st.one_of(st.floats(), st.none(), st.tuples(st.integers()), st.lists(st.integers()),
+wrong_keys = st.one_of(st.floats(), st.none(), st.tuples(st.floats()), st.lists(st.integers()),
                        st.binary(max_size=8).map(Raw), st.just(object()), st.just({1: 2}))
-any_keys = st.one_of(valid_keys, wrong_keys)
+# Tuples of keys (nested, with a wrong key somewhere now and then).
+zero_led = st.binary(max_size=4).map(lambda raw: b"\x00" + raw)
+tuple_keys = st.recursive(st.one_of(valid_keys, zero_led),
+                          lambda inner: st.lists(inner, max_size=5).map(tuple), max_leaves=12)
+any_keys = st.one_of(valid_keys, wrong_keys, tuple_keys,
+                     st.tuples(tuple_keys, wrong_keys), st.tuples(wrong_keys, tuple_keys))
 
 
 # ------------------------------------------------------------ keys
@@ -122,6 +134,9 @@ any_keys = st.one_of(valid_keys, wrong_keys)
 @given(any_keys)
 def test_encode_key_is_byte_identical(key):
     same("encode_key", key)
+
+
+Point = collections.namedtuple("Point", "x y")
 
 
 class Huge(int):
@@ -144,9 +159,31 @@ class Huge(int):
     "", "a", "é", "\ud800", "\udfff\ud800", "😀", Text("t"), b"", b"\x00", bytearray(b"x"),
     Buffer(b"y"), memoryview(b"z"), memoryview(bytes(range(16)))[::3],
     memoryview(b"abcd").cast("B", (2, 2)), Raw(b"r"), 1.0, None, [1], (1,), object(), {},
+    (), ((),), (1, "a"), (True, Color.RED, Text("a")), ("a\x00", b"\x00\xff"), (1.0,),
+    ((1, 2), [3]), Point(1, "a"), (1 << 100, -(1 << 100)), (memoryview(b"\x00"),),
 ])
 def test_encode_key_edge_cases(key):
     same("encode_key", key)
+
+
+def nested(depth):
+    key = ()
+    for _ in range(depth):
+        key = (key,)
+    return key
+
+
+@pytest.mark.parametrize("key", [
+    ("x" * 8188,), ("x" * 8189,), (b"\x00" * 4094,), (b"\x00" * 4095,), ("x" * 8192,),
+    (1,) * 400, (0,) * 1000, tuple(["y" * 100] * 100), nested(31), nested(32), nested(33),
+    nested(1000),
+], ids=short_id)
+def test_tuple_keys_at_and_over_the_limits(key):
+    result = same("encode_key", key)
+    if result[0] == "ok":
+        assert len(result[1]) <= wire.MAX_KEY_BYTES
+    else:
+        assert result[1] in (KeyTooLarge, KeyTypeError)
 
 
 @pytest.mark.parametrize("key", [
@@ -717,6 +754,60 @@ def test_unpack_value_matches_msgpack(data, offset):
 ], ids=short_id)
 def test_unpack_value_edge_cases(data):
     assert _same_repr(outcome(C.unpack_value, data, 0), outcome(P.unpack_value, data, 0))
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (b"\x81\x90\x01", "TypeError: unhashable type: 'list'"),      # a map keyed by a list
+    (b"\x81\x80\x01", "TypeError: unhashable type: 'dict'"),      # ... by a map
+    (b"\xa5ab", "ValueError: Unpack failed: incomplete input"),    # cut short
+    (b"\x01\x02", "ExtraData: unpack(b) received extra data."),  # two values
+    (b"\xc1", "(FormatError)"),                                    # never used by msgpack
+    (b"\xa2\xff\xfe", "UnicodeDecodeError"),                        # not UTF-8
+    (b"", "incomplete input"),
+])
+def test_a_value_that_is_not_msgpack_is_a_value_decode_error(data, why):
+    for unpack_value in (C.unpack_value, P.unpack_value):
+        with pytest.raises(ValueDecodeError) as raised:
+            unpack_value(b"\xd1" * 8 + data, 8)
+        error = raised.value
+        assert isinstance(error, ValueError)
+        assert str(error).startswith(f"the stored value ({len(data)} byte")
+        assert "could not be decoded" in str(error) and why in str(error)
+        assert (error.dht, error.key) == ("", None)
+    assert outcome(C.unpack_value, data, 0) == outcome(P.unpack_value, data, 0)
+
+
+def test_a_value_decode_error_names_the_dht_and_the_key_it_is_given():
+    error = outcome(P.unpack_value, b"\xc1", 0)
+    located = ValueDecodeError(error[2]).with_key(("t", 1)).with_dht("words")
+    assert (located.dht, located.key) == ("words", ("t", 1))
+    assert str(located) == f"DHT 'words', key ('t', 1): {error[2]}"
+    assert str(ValueDecodeError("why", key="k" * 100)) == f"key {repr('k' * 100)[:77]}...: why"
+    # What the clients call for one value (with whichever unpack_value is in use).
+    with pytest.raises(ValueDecodeError, match=r"^DHT 'words', key 'apple': the stored"):
+        codec.value_of("words", "apple", b"\xd1" * 8 + b"\x81\x90\x01", 8)
+    assert codec.value_of("words", "apple", b"\xd1" * 8 + b"\x81\xa1a\x01", 8) == {"a": 1}
+
+
+@pytest.mark.parametrize("position", [0, 1, 3])
+def test_get_many_take_names_the_key_whose_value_it_cannot_decode(position):
+    values = [codec.reference.pack_value(number) for number in range(4)]
+    values[position] = b"\x81\x90\x01"
+    reply = wire.encode_get_many_reply(1, values)
+    wanted = ["a", ("b", 2), "c", "d"]
+    outcomes = []
+    for get_many_take in (C.get_many_take, P.get_many_take):
+        found = {}
+        with pytest.raises(ValueDecodeError) as raised:
+            get_many_take(reply, [0, 1, 2, 3], wanted, found, None)
+        assert raised.value.key == wanted[position]
+        assert str(raised.value).startswith(f"key {wanted[position]!r}: the stored value")
+        assert found == {wanted[index]: index for index in range(position)}   # those before
+        outcomes.append(str(raised.value))
+    assert outcomes[0] == outcomes[1]
+    # A position that names no wanted key fails as the reference does.
+    assert outcome(C.get_many_take, reply, [0, 9, 9, 9], wanted, {}, None) == \
+        outcome(P.get_many_take, reply, [0, 9, 9, 9], wanted, {}, None)
 
 
 def test_unpack_value_arguments():

@@ -170,8 +170,8 @@ def close_handlers():
 
 @pytest.fixture(params=list(TECHNOLOGIES))
 def platform(request):
-    if request.param == "domus-rbt" and hotpath.rbtree_type() is None:
-        pytest.skip("domus._rbtree (the C RBTree) is not built yet, so RBTree "
+    if request.param == "domus-rbt" and hotpath.record_tree_type() is None:
+        pytest.skip("domus._recordtree (the C RecordTree) is not built, so record tree "
                     "repositories cannot go through the C path")
     return request.param
 
@@ -202,7 +202,7 @@ def state(handler):
 def counters(handler):
     stats = handler.stats()
     return {name: stats[name] for name in (
-        "requests", "by_op", "malformed", "errors", "replayed", "internal_errors",
+        "requests", "by_op", "by_status", "malformed", "errors", "replayed", "internal_errors",
         "reply_cache", "reply_cache_evicted_early")}
 
 
@@ -326,11 +326,15 @@ def test_c_answers_the_common_requests_itself(platform):
     assert fast.requests == 8
     assert fast.fallbacks == 0
     assert [fast.by_op[op] for op in range(1, 7)] == [1, 2, 2, 1, 1, 1]
+    # by reply status: the GET and DELETE of a missing key are NOT_FOUND
+    assert fast.by_status[wire.ST_OK] == 6 and fast.by_status[wire.ST_NOT_FOUND] == 2
+    assert sum(fast.by_status) == 8
     assert handler.dhts[DHT_ID].repos[0].get(key) == b"a"
     stats = handler.stats()
     assert stats["requests"] == 8
     assert stats["by_op"] == {"put": 1, "get": 2, "delete": 2, "contains": 1,
                               "put_many": 1, "get_many": 1}
+    assert stats["by_status"] == {"ok": 6, "not_found": 2}
 
 
 def test_changes_answered_in_c_are_cached_in_the_current_generation():
@@ -359,6 +363,8 @@ def test_a_retry_is_answered_from_the_cache_and_not_applied_again(platform, rota
         wire.reply(wire.ST_OK, 9, b"from-b")
     assert fast.replayed == 1
     assert handler.stats()["replayed"] == 1
+    # the retry's reply (from the cache) is counted by its status, as any reply
+    assert handler.stats()["by_status"] == {"ok": 4}
 
 
 def test_a_retry_of_a_delete_in_c_does_not_delete_a_later_write():
@@ -529,6 +535,26 @@ def test_declines_of_every_kind_change_nothing(platform):
         assert pair.handled_in_c == handled, f"C answered {request!r}"
     assert pair.accelerated.fast.fallbacks == len(cases)
     pair.check()
+
+
+def test_a_replicate_applied_by_c_is_counted_as_the_python_handler_counts_it():
+    # A backup counts the REPLICATE, not the change inside it (as handle
+    # counts it), whichever path applies the change; a retry is a replay.
+    backed_up = dict(descriptor(5, "python-dict"), replicas=2,
+                     storage_backups=[[[0, 4, "s2"], [4, 8, "s1"]]])
+    reference, accelerated = make_handler(), make_handler()
+    for handler in (reference, accelerated):
+        handler.assign(backed_up)
+    reference.backup_fast = None
+    change = wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, 5, 4, b"\x03k", b"v")
+    for request_id in (2, 3):                   # applied, then a retry from the cache
+        request = wire.encode_replicate(request_id, 0x5A, change)
+        assert accelerated.handle(request) == reference.handle(request)
+    assert accelerated.backup_fast.requests == 2
+    assert counters(accelerated) == counters(reference)
+    assert accelerated.stats()["by_op"] == {"replicate": 2}
+    assert accelerated.stats()["requests"] == 2
+    assert accelerated.stats()["replayed"] == 1
 
 
 def test_a_malformed_cache_list_makes_c_decline_changes_but_not_reads():
@@ -776,8 +802,8 @@ def test_random_requests_get_identical_replies_and_effects(data):
 
 
 def test_random_requests_on_rbtree_repositories():
-    if hotpath.rbtree_type() is None:
-        pytest.skip("domus._rbtree (the C RBTree) is not built yet, so RBTree "
+    if hotpath.record_tree_type() is None:
+        pytest.skip("domus._recordtree (the C RecordTree) is not built, so record tree "
                     "repositories cannot go through the C path")
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -819,7 +845,7 @@ def run_random_requests(data, platform):
         pair.close()
 
 
-@pytest.mark.parametrize("platform", ["python-dict", "bsddb-btree-disk"])
+@pytest.mark.parametrize("platform", ["python-dict", "domus-rbt", "bsddb-btree-disk"])
 def test_10000_seeded_requests_get_identical_replies_and_effects(platform):
     rng = random.Random(0xD0D0)
     pair = Pair(platform, version=300)
@@ -872,7 +898,7 @@ def seeded_request(rng):
 
 @pytest.mark.skipif(os.environ.get("PYTHONMALLOC", "").startswith("malloc"),
                     reason="sys.getallocatedblocks() counts nothing under PYTHONMALLOC=malloc")
-@pytest.mark.parametrize("platform", ["python-dict", "bsddb-btree-ram"])
+@pytest.mark.parametrize("platform", ["python-dict", "domus-rbt", "bsddb-btree-ram"])
 def test_handling_requests_leaks_no_memory(platform):
     handler = make_handler(platform)
     fast = handler.fast
@@ -1016,6 +1042,14 @@ def test_serve_answers_over_real_sockets_and_falls_back_with_the_peer(family):
         assert handler.fast.serve(server.fileno(), fallback) == 0        # empty now
     assert handler.fast.requests == 5
     assert handler.fast.send_errors == 0
+    # every datagram read is counted, the declined one too; the replies C
+    # sent, not the one the fallback sent
+    assert handler.fast.bytes_received == sum(map(len, requests))
+    assert handler.fast.bytes_sent == sum(len(reply) for index, reply in enumerate(replies)
+                                          if index != 4)
+    assert handler.fast.by_status[wire.ST_OK] == 4
+    assert handler.fast.by_status[wire.ST_NOT_FOUND] == 1
+    assert sum(handler.by_status) == 1 and handler.by_status[replies[4][2]] == 1
 
 
 def test_serve_stops_after_max_datagrams():
@@ -1149,3 +1183,34 @@ def test_c_samples_one_request_in_sample_every_for_the_hot_bucket_report():
     samples, taken = handler.fast.take_samples()             # the ring went round
     assert len(samples) == _hotpath.SAMPLE_RING and taken == _hotpath.SAMPLE_RING + 5
     assert handler.bucket_load(1.0) == {}                    # (taken already)
+
+
+def test_big_batches_on_record_trees_get_identical_replies_and_effects():
+    """Batches of many entries: C walks the record trees' descents of 16
+    entries at a time together (prefetching) before applying them, which
+    must change nothing but the speed."""
+    if hotpath.record_tree_type() is None:
+        pytest.skip("domus._recordtree (the C RecordTree) is not built")
+    pair = Pair("domus-rbt")
+    rng = random.Random(24)
+    keys = [b"\x01" + rng.randbytes(8) for _ in range(4000)]
+
+    def bucket(key):
+        return key[1] % len(HELD)
+
+    request_id = 0
+    for start in range(0, len(keys), 500):
+        request_id += 1
+        entries = [(bucket(key), key, rng.randbytes(rng.choice([3, 30, 300])))
+                   for key in keys[start:start + 500]]
+        entries += entries[:20]                                 # keys put twice
+        pair.send(wire.encode_put_many(request_id, CLIENT_A, DHT_ID, entries),
+                  wire.MAX_FRAME_BYTES)
+    wanted = rng.sample(keys, 700) + [b"\x01absent%d" % n for n in range(50)]
+    rng.shuffle(wanted)
+    for limit in (wire.MAX_FRAME_BYTES, wire.MAX_UDP_PAYLOAD, 2000):
+        request_id += 1
+        pair.send(wire.encode_get_many(request_id, CLIENT_A, DHT_ID,
+                                       [(bucket(key), key) for key in wanted]), limit)
+    assert pair.handled_in_c == request_id
+    pair.check()

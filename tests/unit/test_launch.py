@@ -25,7 +25,7 @@ def free_port():
 def service_record(tmp_path, host=None, env=None, data_dir=None):
     record = launch_record.record(
         "service", f"127.0.0.1:{free_port()}", str(data_dir or tmp_path / "svc"),
-        [["--heartbeat", 0.5], ["--ram", 2**30], ["--cpus", "0"]],
+        [["--heartbeat", 0.5], ["--ram", 2**30], ["--cpus", "0"], ["--disk-reserve", "5%"]],
         name="s1", supervisor=SUPERVISOR)
     record["env"] = env if env is not None else {"DOMUS_MARK": "a b'c"}
     if host is not None:
@@ -98,6 +98,7 @@ def test_a_record_holds_validated_fields_and_rebuilds_the_domus_command(tmp_path
     ({"options": [["--cores", -1]]}, "out of range"),
     ({"options": [["--secret-file", "key"]]}, "absolute"),
     ({"options": [["--cpus", "0;id"]]}, "CPU list"),
+    ({"options": [["--disk-reserve", "1G; id"]]}, "neither a size"),
     ({"options": [["--heartbeat", 1], ["--heartbeat", 2]]}, "once each"),
 ])
 def test_a_record_that_is_not_valid_is_refused_naming_the_problem(tmp_path, change, problem):
@@ -113,8 +114,12 @@ def test_a_local_process_starts_detached_as_a_domus_service_with_its_environment
     said = []
     process = launch.start(record, report=said.append)
     try:
-        cmdline = (open(f"/proc/{process.pid}/cmdline", "rb").read().decode()
-                   .rstrip("\0").split("\0"))
+        # (the kernel shows an empty command line until the exec is done)
+        deadline = time.monotonic() + 10
+        while not (raw := open(f"/proc/{process.pid}/cmdline", "rb").read()):
+            assert time.monotonic() < deadline, "the process never showed a command line"
+            time.sleep(0.01)
+        cmdline = raw.decode().rstrip("\0").split("\0")
         assert cmdline == launch.command(record)
         assert cmdline[:4] == [sys.executable, "-m", "domus", "service"]
         environ = open(f"/proc/{process.pid}/environ", "rb").read().split(b"\0")

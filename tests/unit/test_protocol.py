@@ -317,7 +317,7 @@ DECODERS = [
     wire.decode_request_header, wire.decode_keyed, wire.decode_put, wire.decode_put_many,
     wire.decode_get_many, wire.decode_length, wire.decode_scan, wire.decode_range,
     wire.decode_control, wire.decode_reply_header, wire.decode_get_many_reply,
-    wire.decode_scan_reply, wire.decode_range_reply, wire.unpack,
+    wire.decode_scan_reply, wire.decode_range_reply, wire.unpack, wire.decode_control_error,
 ]
 
 
@@ -347,6 +347,45 @@ def test_decoders_raise_only_protocol_error_on_random_bytes(data):
 @given(valid_messages())
 def test_decoders_raise_only_protocol_error_on_valid_messages_of_other_kinds(data):
     decode_everything(data)
+
+
+@pytest.mark.parametrize("body", [
+    wire.pack(5), wire.pack(["UnknownDht", "gone"]), wire.pack({"error": 1, "message": "m"}),
+    wire.pack({"error": "UnknownDht", "message": [1]}), wire.pack({"error": None}), b"\xc1",
+])
+def test_a_control_error_that_is_not_a_map_of_strings_is_a_protocol_error(body):
+    # Both ends read it so: the blocking client (from the supervisor) and
+    # domus.wire.control (the Twisted client, services, the supervisor).
+    from domus.client.transport import _control_result as blocking_result
+    from domus.wire.control import _control_result as twisted_result
+
+    reply = wire.reply(wire.ST_CONTROL_ERROR, 1, body)
+    for read in (lambda: blocking_result("stats", wire.ST_CONTROL_ERROR, reply),
+                 lambda: twisted_result((wire.ST_CONTROL_ERROR, reply)),
+                 lambda: wire.decode_control_error(body)):
+        with pytest.raises(ProtocolError, match="control error must be a map|bad msgpack"):
+            read()
+
+
+def test_a_control_error_names_its_class_and_message():
+    from domus.client.transport import _control_result as blocking_result
+    from domus.errors import SupervisorError, UnknownDht
+    from domus.wire.control import RemoteControlError
+    from domus.wire.control import _control_result as twisted_result
+
+    assert wire.decode_control_error(wire.pack({"error": "UnknownDht", "message": "gone"})) == \
+        ("UnknownDht", "gone")
+    assert wire.decode_control_error(wire.pack({})) == ("DomusError", "")
+    reply = wire.reply(wire.ST_CONTROL_ERROR, 1, wire.pack({"error": "UnknownDht",
+                                                            "message": "no DHT 'w'"}))
+    with pytest.raises(UnknownDht, match="no DHT 'w'"):
+        blocking_result("open_dht", wire.ST_CONTROL_ERROR, reply)
+    with pytest.raises(RemoteControlError) as raised:
+        twisted_result((wire.ST_CONTROL_ERROR, reply))
+    assert (raised.value.kind, raised.value.message) == ("UnknownDht", "no DHT 'w'")
+    unnamed = wire.reply(wire.ST_CONTROL_ERROR, 1, wire.pack({"error": "Whatever"}))
+    with pytest.raises(SupervisorError, match="'open_dht' failed"):
+        blocking_result("open_dht", wire.ST_CONTROL_ERROR, unnamed)
 
 
 def test_protocol_error_is_a_value_error():

@@ -25,6 +25,7 @@ from domus.errors import (
     StorageError,
     SupervisorUnreachable,
     UnknownDht,
+    ValueDecodeError,
     ValueTooLarge,
 )
 from domus.wire import protocol as wire
@@ -332,6 +333,25 @@ def test_get_decodes_values_and_defaults(cluster) -> None:
     assert isinstance(missing[0].value, KeyError)
 
 
+def test_a_value_no_client_wrote_fails_with_a_value_decode_error(cluster) -> None:
+    cluster, transport = cluster
+    dht = TxDht(cluster, descriptor([8]))
+    one, many = outcome(dht.get(b"k1")), outcome(dht.get_many(["a", "b"]))
+    (get, _), (get_many, _) = transport.sent
+    foreign = b"\x81\x90\x01"          # a map keyed by a list: not a value
+    cluster.requests.datagramReceived(reply_to(get, wire.ST_OK, foreign), S1)
+    encoded = wire.decode_get_many(get_many)[1]
+    values = [foreign if key == encode_key("b") else msgpack.packb(1) for _bucket, key in encoded]
+    cluster.requests.datagramReceived(
+        wire.encode_get_many_reply(wire.U32.unpack_from(get_many, 4)[0], values), S1)
+    for result, key in ((one, b"k1"), (many, "b")):
+        error = result[0].value
+        assert isinstance(error, ValueDecodeError)
+        assert (error.dht, error.key) == ("words", key)
+        assert str(error).startswith(f"DHT 'words', key {key!r}: the stored value (3 bytes) "
+                                     f"could not be decoded")
+
+
 @pytest.mark.parametrize(("status", "error"), [(wire.ST_STORAGE_ERROR, StorageError),
                                                (wire.ST_TOO_LARGE, ValueTooLarge)])
 def test_error_replies_raise_what_the_sync_client_raises(cluster, status, error) -> None:
@@ -347,7 +367,7 @@ def test_bad_keys_fail_the_deferred_and_send_nothing(cluster) -> None:
     cluster, transport = cluster
     dht = TxDht(cluster, descriptor([8]))
     results = [outcome(dht.put(1.5, 1)), outcome(dht.contains(None)),
-               outcome(dht.get_many(["ok", ("a", "tuple")]))]
+               outcome(dht.get_many(["ok", ("a", 1.5)]))]
     assert all(isinstance(fired[0].value, KeyTypeError) for fired in results)
     assert transport.sent == []
 

@@ -99,6 +99,13 @@ def test_requests_are_answered_as_the_handler_answers_them(path, family):
         replies = served(server, client, requests, reactor, expected=4)
         assert replies == [reference.handle(data) for data in requests[:4]]
         assert handler.requests == 5
+        # every byte in and out counted once, by whichever path read or
+        # sent it (C reads all it serves; the fallback sends the PING's reply)
+        fast = handler.fast
+        assert server.bytes_received + (fast.bytes_received if fast else 0) == \
+            sum(map(len, requests))
+        assert server.bytes_sent + (fast.bytes_sent if fast else 0) == sum(map(len, replies))
+        assert server.bytes_sent == (len(replies[2]) if fast else sum(map(len, replies)))
     finally:
         client.close()
         server.stop()
