@@ -73,6 +73,20 @@
 #include "recordtree_api.h"
 #include "siphash.h"
 
+/* The wall clock's seconds, modulo 2^32, read as Python's time.time()
+ * reads it (CLOCK_REALTIME): time() may read a coarser clock that lags by a
+ * kernel tick after each second begins, and then the C path and the Python
+ * path would judge a request at the replay window's edge differently. */
+static uint32_t
+now_seconds(void)
+{
+    struct timespec now;
+    if (clock_gettime(CLOCK_REALTIME, &now) != 0) {
+        return (uint32_t)time(NULL);
+    }
+    return (uint32_t)now.tv_sec;
+}
+
 /* The wire format; domus/wire/protocol.py is the reference (the tests check the
  * constants exported below against it). */
 #define REQUEST_MAGIC 0xD0
@@ -86,7 +100,7 @@
 #define OP_GET_MANY 0x06
 #define ST_OK 0x00
 #define ST_NOT_FOUND 0x01
-#define ST_BUSY 0x1E
+#define ST_BUSY 0x21
 #define REQUEST_HEADER_SIZE 16
 #define REPLY_HEADER_SIZE 8
 #define TOKEN_OFFSET 4              /* request id and client id */
@@ -1957,7 +1971,7 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
             }
             stamp = self->buffer + size - REQUEST_TRAILER;
             length = size - REQUEST_TRAILER;
-            uint32_t skew = (uint32_t)time(NULL) - read_u32(stamp);
+            uint32_t skew = now_seconds() - read_u32(stamp);
             fresh = skew <= TIME_WINDOW || (uint32_t)-skew <= TIME_WINDOW;
         }
         Reply reply = {NULL, {0}, NULL};

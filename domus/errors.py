@@ -96,7 +96,18 @@ class WrongService(RemoteError):
 
 
 class StorageError(RemoteError):
-    """The service's repository failed (disk full, database error)."""
+    """The service's repository failed (a database error, a store that
+    cannot be opened): the message names the DHT, the bucket, the service,
+    the path and the cause.  Nothing was changed."""
+
+
+class StorageFull(StorageError):
+    """The service's disk is at its reserve (``domus service
+    --disk-reserve``), or a RAM Berkeley DB DHT's cache is full: the put was
+    refused and nothing was stored.  Reads and deletes are still served;
+    writes are taken again by themselves once space is back (records
+    deleted, the filesystem grown, another job's files removed).  The
+    message names the service, the path and the free space."""
 
 
 class DhtInactive(RemoteError):
@@ -114,7 +125,7 @@ class DataLost(RemoteError):
 
 
 class KeyTypeError(DomusError, TypeError):
-    """Keys must be int, str or bytes."""
+    """Keys must be int, str, bytes, or tuples of those."""
 
 
 class ValueTypeError(DomusError, TypeError):

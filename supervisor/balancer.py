@@ -35,6 +35,15 @@ with the most room, and *pinned* there for ``pin_time`` seconds: the
 target layout is the counts' placement with the pinned buckets on their
 pins, so the balancer does not move it back meanwhile.
 
+A full disk.  A service whose disk is at its reserve (``disk_full`` in
+its heartbeat: it refuses puts on its disk DHTs) is given no bucket of a
+disk DHT's storage: no move goes there, hot buckets included, until its
+heartbeats say it has room again: one that holds none of the DHT is not
+eligible; for one that holds some, while the target layout would put
+more there, the DHT's storage waits (only a drain's moves, elsewhere, go
+on), so that no bucket is moved twice for it.  What it holds stays (a
+drain moves it off by hand).
+
 Hysteresis and budgets.  A role is rebalanced only if some service is off
 its target count by more than ``tolerance`` buckets and more than
 ``relative_tolerance`` of its share, and that
@@ -134,15 +143,32 @@ def capacity(service: Mapping[str, Any], role: str, medium: str,
     return float(resources.get("ram") or 1)
 
 
+def disk_full(service: Mapping[str, Any]) -> bool:
+    """Whether a service said in its last heartbeat that its disk is at
+    its reserve."""
+    return bool((service.get("load") or {}).get("disk_full"))
+
+
+def takes_storage(descriptor: Mapping[str, Any], service: Mapping[str, Any] | None) -> bool:
+    """Whether buckets of the DHT's storage may be placed on or moved to
+    ``service`` now: not onto a full disk for a disk DHT."""
+    return service is not None and not (descriptor.get("storage") == "disk"
+                                        and disk_full(service))
+
+
 def eligible(descriptor: Mapping[str, Any], role: str, services: Mapping[str, Mapping[str, Any]],
              draining: Iterable[str] = ()) -> list[str]:
     """The services that should hold ``role`` of the DHT, in layout order."""
     leaving = set(draining) | set(descriptor.get(f"{role}_leaving", ()))
+    holding = layout.owners(descriptor, role) if role == "storage" else None
 
     def fit(name: str) -> bool:
         service = services.get(name)
         if service is None or service.get("state") != "up" or name in leaving:
             return False
+        if holding is not None and not takes_storage(descriptor, service) \
+                and not holding.buckets(name):
+            return False        # (a full disk that holds none of it: not a target)
         platforms = service.get("platforms")
         return role == "routing" or platforms is None or descriptor["platform"] in platforms
 
@@ -202,8 +228,8 @@ def hot_moves(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str,
     def cpu(name: str) -> float:
         return float((services[name].get("load") or {}).get("cpu") or 0)
 
-    room = sorted((name for name in eligible_storage if cpu(name) < settings.cpu_room),
-                  key=cpu)
+    room = sorted((name for name in eligible_storage if cpu(name) < settings.cpu_room
+                   and takes_storage(descriptor, services.get(name))), key=cpu)
     current = layout.owners(descriptor, "storage")
     moves = []
     for name in eligible_storage:
@@ -305,12 +331,20 @@ def plan(descriptor: Mapping[str, Any], services: Mapping[str, Mapping[str, Any]
             memory.imbalanced_since.pop(key, None)
             continue
         copies = replicas.backups(descriptor) if role == "storage" else []
-        for bucket, owner, goal in _differences(current, wanted):
+        differences = list(_differences(current, wanted))
+        # A target with its disk at its reserve: only what must move (off
+        # a leaving service) moves, and not onto it; the others wait, so
+        # that no bucket is moved twice for it.
+        waiting = role == "storage" and any(
+            not takes_storage(descriptor, services.get(goal)) for _b, _o, goal in differences)
+        for bucket, owner, goal in differences:
             if any(move.bucket == bucket and move.role == role for move in moves):
                 continue                            # (a hot move already)
             if any(copy.get(bucket) == goal for copy in copies):
                 continue        # (it holds a backup of it: two copies would share a service)
             must = owner in leaving
+            if waiting and (not must or not takes_storage(descriptor, services.get(goal))):
+                continue        # (a disk at its reserve: see above)
             if not must and now - memory.moved_at.get((name, role, bucket), -1e18) \
                     < settings.cooldown:
                 continue

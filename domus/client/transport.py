@@ -15,6 +15,15 @@ When the C codec is built, a request's first try is ``domus.client.codec.roundtr
 (send, spin briefly for the reply, then poll and recv; without the GIL); if
 it times out or is refused, the Python loop below carries on from there
 under the same rule.
+
+Threads: a ``ServiceChannel`` may be used by any number of threads at once.
+Each thread has its own connected UDP socket (and TCP connection) to the
+service, opened on its first request and closed with the channel or when
+the thread ends, so a reply only ever reaches the thread that asked, and
+requests of different threads are in flight side by side with no lock
+between them.  ``SupervisorLink`` serialises its (rare) control calls with
+a lock.  After a fork the child opens its own sockets and locks
+(``_after_fork``), so a job may connect once and fork its workers.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ import random
 import select
 import socket
 import struct
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +55,8 @@ from domus.wire import auth
 from domus.wire import protocol as wire
 from domus.wire.secret import Keys
 
-_FRAME = struct.Struct(">I")
+FRAME = struct.Struct(">I")      # a TCP message's length prefix
+_FRAME = FRAME
 FIRST_TIMEOUT = 0.25
 MAX_DEADLINE = wire.MAX_DEADLINE
 REFUSED_LIMIT = 3
@@ -54,6 +66,17 @@ WINDOW = 4              # datagrams in flight per service in a pipelined batch
 RECV_BUFFER = 4 * 1024 * 1024
 _roundtrip = codec.roundtrip   # None without the C codec
 DEFAULT_SPIN_US = 30.0
+
+
+def next_timeout(timeout: float, elapsed: float, deadline: float) -> float | None:
+    """The retry rule: after a try that waited ``timeout`` seconds without
+    a reply, ``elapsed`` seconds after the first send, how long the next try
+    waits (twice as long, never past the deadline); None once the deadline
+    has passed (give up).  The event-driven clients follow it to the
+    letter; ServiceChannel's loop below is the same rule, inline."""
+    if elapsed >= deadline:
+        return None
+    return min(timeout * 2, max(deadline - elapsed, 0.001))
 
 
 def spin_from_environment(environ: Any = os.environ) -> float:
@@ -79,12 +102,37 @@ _TIMED_OUT = "timed out"       # how a first try made in C ended
 _REFUSED = "refused"
 
 
+# Objects holding sockets, locks or ids that a forked child must not share
+# with its parent: each has ``_after_fork()``, run in the child (one hook for
+# all, holding them weakly, so a closed client is not kept alive by it).
+# (by id: a Dht, a mapping, is not hashable)
+_FORK_AWARE: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _after_fork_in_child() -> None:
+    for holder in list(_FORK_AWARE.values()):
+        holder._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def fork_aware(holder: Any) -> None:
+    """Have ``holder._after_fork()`` run in every forked child (while
+    ``holder`` lives)."""
+    _FORK_AWARE[id(holder)] = holder
+
+
 class RequestIds:
-    """Request ids and the client id, fresh in a forked child."""
+    """Request ids and the client id, fresh in a forked child.  ``next()``
+    is safe from any thread (one C-level counter step under the GIL)."""
 
     def __init__(self) -> None:
         self._reset()
-        os.register_at_fork(after_in_child=self._reset)
+        fork_aware(self)
+
+    def _after_fork(self) -> None:
+        self._reset()
 
     def _reset(self) -> None:
         self.client_id = int.from_bytes(os.urandom(8), "big")
@@ -144,6 +192,18 @@ class SupervisorLink:
         self._session: auth.Session | None = None
         self.secure = False             # (the deployment's handshake said so)
         self._pid = os.getpid()
+        # One call at a time on the one connection (control calls are rare
+        # and never on the data path).
+        self._lock = threading.RLock()
+        fork_aware(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a lock of its own (another thread of the parent
+        may have held this one when it forked); the connection is the
+        parent's, left to it (``_connect`` opens another)."""
+        self._lock = threading.RLock()
+        self._sock = None
+        self._session = None
 
     def _connect(self) -> socket.socket:
         if self._sock is not None and self._pid == os.getpid():
@@ -185,6 +245,10 @@ class SupervisorLink:
         """Run control op ``op``; its result, or the matching domus.errors
         exception.  A read-only op is sent again once if the connection
         breaks; a change is not (it may have been applied)."""
+        with self._lock:
+            return self._call(op, timeout, params)
+
+    def _call(self, op: str, timeout: float | None, params: dict[str, Any]) -> Any:
         attempts = (1, 2) if op in READ_ONLY_CONTROL else (2,)
         for attempt in attempts:
             sock = self._connect()
@@ -216,11 +280,18 @@ class SupervisorLink:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._sock.close()
+                finally:
+                    self._sock = None
+
+
+def control_result(op: str, status: int, frame: bytes) -> Any:
+    """The result of control op ``op`` from the supervisor's reply (status
+    and frame), or its domus.errors exception, raised."""
+    return _control_result(op, status, frame)
 
 
 def _control_result(op: str, status: int, frame: bytes) -> Any:
@@ -270,8 +341,51 @@ def service_unavailable(name: str, address: str, what: str, dht: str = "",
         service=name, address=address, dht=dht, bucket=bucket)
 
 
+class _Closer:
+    """Closes one thread's sockets to a service when the thread ends (its
+    thread-local values are dropped), so they never linger as unclosed."""
+
+    __slots__ = ("sockets",)
+
+    def __init__(self) -> None:
+        self.sockets: list[socket.socket] = []
+
+    def hold(self, sock: socket.socket) -> None:
+        self.sockets = [held for held in self.sockets if held.fileno() != -1]
+        self.sockets.append(sock)
+
+    def __del__(self) -> None:
+        for sock in self.sockets:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+class _ThreadSockets(threading.local):
+    """One thread's sockets to one service (see ServiceChannel)."""
+
+    sock: socket.socket | None = None
+    fd = -1
+    tcp: socket.socket | None = None
+    tcp_session: auth.Session | None = None
+    closer: _Closer | None = None
+
+    def hold(self, sock: socket.socket) -> None:
+        if self.closer is None:
+            self.closer = _Closer()
+        self.closer.hold(sock)
+
+
 class ServiceChannel:
-    """Requests to one service.  Not thread-safe: one per thread/process."""
+    """Requests to one service, from any number of threads.
+
+    Each thread that uses the channel gets its own connected UDP socket
+    (``sock``, opened on first use) and its own TCP connection (``_tcp``,
+    opened when a message does not fit a datagram): a thread only ever
+    reads replies to its own requests, threads never wait for one another,
+    and a thread's sockets close when it ends or the channel is closed.
+    ``retries`` and ``timeouts`` are counted by every thread, unlocked."""
 
     def __init__(self, name: str, address: str, *, deadline: float,
                  first_timeout: float = FIRST_TIMEOUT, keys: Keys | None = None) -> None:
@@ -281,33 +395,88 @@ class ServiceChannel:
         # key, TCP connections opened with the handshake (domus.wire.auth).
         self.keys = keys
         self._key = keys.data if keys is not None else None
-        self._tcp_session: auth.Session | None = None
         self.host, self.port = addresses.parse(address)
         self.deadline = min(deadline, MAX_DEADLINE)
         self.first_timeout = min(first_timeout, self.deadline)
         self.retries = 0
         self.timeouts = 0
         self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
-        self._tcp: socket.socket | None = None
-        self._open()
-        os.register_at_fork(after_in_child=self._open)
+        self._closed = False
+        self._local = _ThreadSockets()
+        # Every socket any thread opened (weakly: a thread that ends takes
+        # its sockets with it), for close().
+        self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+        self._open()            # (the caller's: an unreachable address fails here)
+        fork_aware(self)
 
-    def _open(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    def _open(self) -> socket.socket:
+        """The calling thread's UDP socket, connected to the service."""
+        if self._closed:
+            raise ServiceUnavailable(f"the client's channel to service {self.name} "
+                                     f"({self.address}) is closed; connect again",
+                                     service=self.name, address=self.address)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
         except OSError:
             pass
-        self.sock.connect((self.host, self.port))
-        self.sock.settimeout(self.first_timeout)
-        self._fd = self.sock.fileno()
-        self._tcp = None
+        try:
+            sock.connect((self.host, self.port))
+        except OSError:
+            sock.close()
+            raise
+        sock.settimeout(self.first_timeout)
+        local = self._local
+        local.sock, local.fd = sock, sock.fileno()
+        local.hold(sock)
+        self._sockets.add(sock)
+        return sock
+
+    def _after_fork(self) -> None:
+        """In a forked child: sockets of its own, opened as it needs them
+        (the inherited ones are the parent's: a reply to the child's
+        request could reach the parent, or the other way round)."""
+        for sock in list(self._sockets):
+            sock.close()            # (the child's copy of the descriptor only)
+        self._sockets = weakref.WeakSet()
+        self._local = _ThreadSockets()
+
+    @property
+    def sock(self) -> socket.socket:
+        """The calling thread's connected UDP socket to the service."""
+        sock = self._local.sock
+        return sock if sock is not None else self._open()
+
+    @property
+    def _fd(self) -> int:
+        local = self._local
+        return local.fd if local.sock is not None else self._open().fileno()
+
+    @property
+    def _tcp(self) -> socket.socket | None:
+        return self._local.tcp
+
+    @_tcp.setter
+    def _tcp(self, sock: socket.socket | None) -> None:
+        self._local.tcp = sock
+        if sock is not None:
+            self._local.hold(sock)
+            self._sockets.add(sock)
+
+    @property
+    def _tcp_session(self) -> auth.Session | None:
+        return self._local.tcp_session
+
+    @_tcp_session.setter
+    def _tcp_session(self, session: auth.Session | None) -> None:
+        self._local.tcp_session = session
 
     def close(self) -> None:
-        self.sock.close()
-        if self._tcp is not None:
-            self._tcp.close()
-            self._tcp = None
+        """Close every thread's sockets; requests made after fail."""
+        self._closed = True
+        for sock in list(self._sockets):
+            sock.close()
+        self._local = _ThreadSockets()
 
     def unavailable(self, what: str, dht: str = "",
                     bucket: int | None = None) -> ServiceUnavailable:
@@ -433,11 +602,7 @@ class ServiceChannel:
     def _opened(self, data: bytes, message: bytes, stamps: list[bytes]) -> bytes:
         """A datagram as this request's reply if its MAC checks for one of
         the request's tries, else b"" (skipped)."""
-        for stamp in reversed(stamps):
-            opened = auth.open_reply(self._key, data, message[8:16], stamp)  # type: ignore
-            if opened is not None:
-                return opened
-        return b""
+        return auth.open_reply_to(self._key, data, message, stamps) or b""  # type: ignore
 
     def request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
         """``request`` over TCP (BUSY answers backed off and retried alike)."""

@@ -20,7 +20,7 @@ from domus.wire import address as addresses
 from domus.wire.attributes import MAX_BUCKETS, MIN_BUCKETS
 from domus.wire.keys import DEFAULT_HASH, HASH_FUNCTIONS
 
-SERVICE_ADMIN = ("list", "remove", "drain")
+SERVICE_ADMIN = ("list", "remove", "drain", "discard")
 
 
 def _positive_seconds(text: str) -> float:
@@ -31,6 +31,16 @@ def _positive_seconds(text: str) -> float:
     if not 0 < seconds < float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
     return seconds
+
+
+def _dht_id(text: str) -> int:
+    from domus.wire import checks
+
+    try:
+        return checks.dht_id(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a DHT id (an integer from 1 to "
+                                         f"{checks.MAX_DHT_ID})") from None
 
 
 def _number(kind: type, low: float, high: float, what: str) -> Any:
@@ -76,6 +86,15 @@ def _fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
     return value
+
+
+def _disk_reserve(text: str) -> Any:
+    from domus.storage.headroom import parse_reserve
+
+    try:
+        return parse_reserve(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -141,18 +160,20 @@ def _run_reactor(service: Any) -> int:
 def cmd_supervisor(args: argparse.Namespace) -> int:
     from domus.supervisor.server import SupervisorService
 
-    return _run_reactor(SupervisorService(listen=args.listen, data_dir=args.data_dir,
-                                          down_after=args.down_after,
-                                          push_timeout=args.push_timeout,
-                                          balance=args.balance,
-                                          balancer_settings=Settings(
-                                              settle=args.balance_settle,
-                                              max_moves=args.balance_max_moves,
-                                              cooldown=args.balance_cooldown,
-                                              cpu_busy=args.balance_cpu_busy,
-                                              smoothing=args.balance_smoothing),
-                                          secret_file=args.secret_file,
-                                          insecure=args.insecure, metrics=args.metrics))
+    try:
+        supervisor = SupervisorService(
+            listen=args.listen, data_dir=args.data_dir, down_after=args.down_after,
+            push_timeout=args.push_timeout, balance=args.balance,
+            balancer_settings=Settings(settle=args.balance_settle,
+                                       max_moves=args.balance_max_moves,
+                                       cooldown=args.balance_cooldown,
+                                       cpu_busy=args.balance_cpu_busy,
+                                       smoothing=args.balance_smoothing),
+            secret_file=args.secret_file, insecure=args.insecure,
+            metrics=args.metrics)
+    except ValueError as exc:
+        raise SystemExit(f"domus: cannot start the supervisor: {exc}") from None
+    return _run_reactor(supervisor)
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -169,13 +190,16 @@ def cmd_service(args: argparse.Namespace) -> int:
             input_budget=args.input_budget, max_scans=args.max_scans,
             max_scan_keys=args.max_scan_keys, udp_reply_factor=args.udp_reply_factor,
             shed_after=args.shed_after)
+        service = DomusService(supervisor=addresses.supervisor_address(args.supervisor),
+                               listen=args.listen, data_dir=args.data_dir, name=args.name,
+                               heartbeat=args.heartbeat, resources=overrides,
+                               cpus=args.cpus, secret_file=args.secret_file,
+                               limits=bounds, metrics=args.metrics,
+                               **({"disk_reserve": args.disk_reserve}
+                                  if args.disk_reserve is not None else {}))
     except ValueError as exc:
-        raise SystemExit(f"domus service: {exc}") from None
-    return _run_reactor(DomusService(supervisor=addresses.supervisor_address(args.supervisor),
-                                     listen=args.listen, data_dir=args.data_dir, name=args.name,
-                                     heartbeat=args.heartbeat, resources=overrides,
-                                     cpus=args.cpus, secret_file=args.secret_file,
-                                     limits=bounds, metrics=args.metrics))
+        raise SystemExit(f"domus: cannot start the service: {exc}") from None
+    return _run_reactor(service)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -305,12 +329,16 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{load.get('node_cpu', 0):.0f}" if up else "-",
                      _megabytes(load.get("rss", 0)) if up else "-",
                      _size(load.get("free_ram")) if up else "-",
-                     _size(load.get("free_disk")) if up else "-",
+                     (_size(load.get("free_disk"))
+                      + (" DISK FULL" if load.get("disk_full") else "")) if up else "-",
                      f"{load.get('net_bytes_per_s', 0) / 1000:.0f}" if up else "-",
                      {"c": "C", "python": "python (slow)"}.get(service.get("hot_path"), "-"),
                      ",".join(_SHORT_PLATFORM.get(name, name)
                               for name in service.get("platforms", [])) or "-"))
     lines += _table(rows)
+    alarms = storage_alarms(status["services"])
+    if alarms:
+        lines += ["", "alarms:", *(f"  {alarm}" for alarm in alarms)]
     lines.append("")
     dht_rows = [("DHT", "ID", "STATE", "BUCKETS", "REPLICAS", "HASH", "STORAGE", "ROUTING",
                  "LOOKUP", "ROUTING SERVICES", "STORAGE SERVICES")]
@@ -328,6 +356,18 @@ def format_status(status: dict[str, Any]) -> str:
     stored = _stored_rows(status["services"])
     if stored:
         lines += ["", *_table(stored)]
+    orphans = [(service["name"], orphan) for service in status["services"]
+               for orphan in service.get("unknown_dhts") or []]
+    if orphans:
+        lines += ["", "DHTs unknown to the supervisor (kept by their services; "
+                  "`domus service discard SERVICE ID` deletes one):"]
+        rows = [("SERVICE", "ID", "NAME", "STORAGE", "RECORDS", "DEPLOYMENT", "STAMP")]
+        rows += [(name, str(orphan["id"]), str(orphan.get("name") or "?"),
+                  f"{orphan.get('storage') or '?'}/{orphan.get('platform') or '?'}",
+                  "-" if orphan.get("records") is None else f"{orphan['records']:,}",
+                  str(orphan.get("deployment") or "?"), str(orphan.get("stamp") or "?"))
+                 for name, orphan in orphans]
+        lines += _table(rows)
     return "\n".join(lines)
 
 
@@ -351,6 +391,31 @@ def _stored_rows(services: list[dict[str, Any]]) -> list[tuple[str, ...]]:
 
 def _bytes(value: float) -> str:
     return _size(value) if value >= 1 << 20 else f"{value / 1024:.1f} KiB"
+
+
+def storage_alarms(services: list[dict[str, Any]]) -> list[str]:
+    """A line for each service whose disk is at its reserve, and for each
+    DHT whose storage will not open on a service (whole, or some buckets),
+    with why."""
+    alarms = []
+    for service in services:
+        name = service["name"]
+        load = service.get("load") or {}
+        if service["state"] == "up" and load.get("disk_full"):
+            alarms.append(f"{name}: DISK FULL: {_size(load.get('free_disk'))} free, reserve "
+                          f"{_size(load.get('disk_reserve'))}: puts on its disk DHTs are "
+                          f"refused (reads and deletes go on); delete records or free space "
+                          f"under its data dir")
+        for dht, held in sorted(((service.get("stats") or {}).get("dhts") or {}).items()):
+            if held.get("problem"):
+                alarms.append(f"{name}: DHT {dht!r} NOT SERVED (retrying): {held['problem']}")
+            failed = held.get("failed_buckets") or {}
+            if failed:
+                buckets = sorted(int(bucket) for bucket in failed)
+                shown = ", ".join(map(str, buckets[:8])) + (", ..." if len(buckets) > 8 else "")
+                alarms.append(f"{name}: DHT {dht!r}: {len(buckets)} buckets NOT SERVED "
+                              f"(retrying) [{shown}]: {next(iter(failed.values()))}")
+    return alarms
 
 
 def _size(value: float | None) -> str:
@@ -409,6 +474,13 @@ def cmd_service_admin(args: argparse.Namespace) -> int:
             print(f"removed service {args.name}" + (
                 "" if lost is None else f" by force: its buckets of {answer['dhts']} went to "
                 f"their backups, or empty to the other services; {lost:,} records lost"))
+        elif args.action == "discard":
+            answer = cluster.discard_dht(args.name, args.dht_id)
+            records = answer.get("records")
+            print(f"service {args.name} discarded DHT {answer.get('name')!r} (id "
+                  f"{answer['id']}, deployment {answer.get('deployment')}, stamp "
+                  f"{answer.get('stamp')})" + ("" if records is None else
+                                                f": {records:,} records"))
         elif args.action == "drain":
             drained = cluster.drain_service(args.name)
             print(f"drained service {args.name}: {drained['moves']} bucket moves, "
@@ -455,7 +527,7 @@ def cmd_dht(args: argparse.Namespace) -> int:
                 platform=args.platform, routing=args.routing,
                 routing_degree=args.routing_degree, routing_algorithm=args.routing_algorithm,
                 lookup=args.lookup,
-                durability=args.durability, replicas=args.replicas,
+                durability=args.durability, replicas=args.replicas, codec=args.codec,
                 routing_services=_names(args.routing_services),
                 storage_services=_names(args.storage_services))
             print(f"created DHT {dht.name!r} (id {dht.id}, {dht.bucket_count} buckets)")
@@ -796,6 +868,11 @@ def build_parser() -> argparse.ArgumentParser:
     svc.add_argument("--metrics", type=_listen_address, default=None, metavar="HOST:PORT",
                      help="serve Prometheus metrics at http://HOST:PORT/metrics "
                      "(default: not served)")
+    svc.add_argument("--disk-reserve", type=_disk_reserve, default=None, metavar="SIZE|PCT",
+                     help="free space to keep on the data dir's filesystem: below it, puts on "
+                     "disk DHTs are refused (StorageFull) while reads and deletes go on; a "
+                     "size (512m, 2G) or a percentage (5%%); default 1%% of the filesystem, at "
+                     "least 64 MiB, at most 1 GiB and a quarter of the filesystem")
     bounds = svc.add_argument_group("bounds", "what peers can make the service hold "
                                     "(docs/operations.md, Bounds)")
     bounds.add_argument("--max-connections", type=_CONNECTIONS, default=limits.MAX_CONNECTIONS,
@@ -861,6 +938,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--durability", help="disk DHTs: async (default) or sync")
     create.add_argument("--replicas", type=_REPLICAS, help="copies of each bucket, on distinct "
                         "services (distinct hosts where there are enough): 1 (default) to 3")
+    create.add_argument("--codec", help="how clients encode values: msgpack (default), "
+                        "pickle (any Python object; needs the deployment's secret) or raw "
+                        "(bytes)")
     create.add_argument("--routing-services", help="comma-separated service names")
     create.add_argument("--storage-services", help="comma-separated service names")
     listing = talks(actions.add_parser("list", help="every DHT, its state and layout"))
@@ -948,6 +1028,8 @@ SERVICE_ADMIN_HELP = {
     "list": "every registered service: its address, state and roles",
     "remove": "take a service out of the deployment (it must hold no buckets, or --force)",
     "drain": "move every bucket off a service, so that it can leave",
+    "discard": "delete a DHT a service holds that the supervisor does not know (see "
+               "`domus status`)",
 }
 
 
@@ -966,8 +1048,12 @@ def _service_admin_parser() -> argparse.ArgumentParser:
                          "./domus-data/supervisor/secret)")
         if action == "list":
             sub.add_argument("--json", action="store_true", help="print JSON")
-        if action in ("remove", "drain"):
+        if action in ("remove", "drain", "discard"):
             sub.add_argument("name")
+        if action == "discard":
+            sub.add_argument("dht_id", type=_dht_id, metavar="DHT_ID",
+                             help="the id `domus status` shows under DHTs unknown to the "
+                             "supervisor")
         if action == "remove":
             sub.add_argument("--force", action="store_true", help="remove it even if it holds "
                              "buckets: they go, empty, to the others, and its records are lost")

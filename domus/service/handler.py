@@ -37,14 +37,16 @@ from typing import Any
 from twisted.logger import Logger
 
 from domus.errors import ProtocolError
-from domus.service import hotpath
+from domus.service import holdings, hotpath
 from domus.service.hosted import MAX_NUMBERING, HostedDht
 from domus.service.limits import DEFAULT as DEFAULT_LIMITS
 from domus.service.limits import Limits
 from domus.service.replycache import ReplyCache
-from domus.storage import Repository, StorageFault
+from domus.storage import PLATFORMS, Repository, StorageFault, StorageFullFault
 from domus.storage.base import apply_batch
-from domus.wire import auth
+from domus.storage.headroom import OK as ROOM_OK
+from domus.storage.headroom import Headroom, describe_bytes
+from domus.wire import auth, identities
 from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
@@ -57,6 +59,15 @@ _KEYED_END = wire.KEYED_END
 _KEYED_UNPACK = wire.KEYED.unpack_from
 _CHANGING = wire.CHANGING_OPS
 _APPLIED = (wire.ST_OK, wire.ST_NOT_FOUND)
+# The changes a disk DHT refuses once its service's disk is at its reserve
+# (deletes go on: they are how space comes back).
+_FILLING = frozenset({wire.OP_PUT, wire.OP_PUT_MANY})
+# A store that failed to open is tried again after these many seconds,
+# doubling up to the last.
+RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
+FULL_LOG_INTERVAL = 10.0     # at most one log line a while of writes refused for room
+RECLAIM_INTERVAL = 1.0       # seconds between two reclaims at the reserve
+CHECKPOINT_BYTES = 256 << 10  # of log between two checkpoints near the reserve
 # Every op whose request names a DHT (its id at byte 16).
 _DHT_OPS = frozenset({wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS,
                       wire.OP_PUT_MANY, wire.OP_GET_MANY, wire.OP_LENGTH, wire.OP_SCAN,
@@ -195,7 +206,8 @@ class RequestHandler:
                                          "internal_errors": 0, "storage_errors": 0,
                                          "replicated": 0, "replication_failures": 0,
                                          "unauthenticated": 0, "stale": 0, "busy": 0,
-                                         "shed": 0, "scans_forgotten": 0}
+                                         "shed": 0, "scans_forgotten": 0,
+                                         "storage_full": 0}
         self.limits = limits
         # Open scans, least recently used first; their number per client
         # id; the shared snapshots by (DHT id, bucket); the keys held by
@@ -239,6 +251,16 @@ class RequestHandler:
         self.copy_failed: Callable[[HostedDht, str, str], None] | None = None
         self._in_flight: dict[bytes, Later] = {}
         self._as_backup = False
+        # What is held here and whose (domus.service.holdings): DHTs found
+        # on disk at start that are not hosted (id -> identity), and the ids
+        # the supervisor has told this service to host since it registered.
+        self.unloaded: dict[int, dict[str, Any]] = holdings.on_disk(data_dir)
+        self.claimed: set[int] = set()
+        # The free space kept under the data dir (domus.storage.headroom);
+        # None: no disk to watch.  Set by the service.
+        self.headroom: Headroom | None = None
+        self._full_logged = -FULL_LOG_INTERVAL
+        self._reclaimed = -RECLAIM_INTERVAL
 
     @property
     def requests(self) -> int:
@@ -294,7 +316,14 @@ class RequestHandler:
                 # (Every entry may still be retried: none is dropped for
                 # this one, which is not applied; the client backs off.)
                 self.counters["busy"] += 1
+                if forward:
+                    self.by_status[wire.ST_BUSY] += 1
                 return bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_BUSY, 0)) + request_id
+            if op in _FILLING and self.headroom is not None \
+                    and self.headroom.state != ROOM_OK and not self._as_backup:
+                refused = self._short_of_room(data, request_id)
+                if refused is not None:
+                    return refused      # (not cached: nothing was applied)
             if forward and self.replicator is not None and len(data) >= 20:
                 hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
                 if hosted is not None and hosted.replicated and hosted.active:
@@ -316,6 +345,10 @@ class RequestHandler:
         except RequestFailed as exc:
             self.counters["errors"] += 1
             answer = self._error(exc.status, request_id, exc.message, exc.prefix)
+        except StorageFullFault as exc:
+            self.counters["storage_full"] += 1
+            self._log_full(str(exc))
+            answer = self._error(wire.ST_STORAGE_FULL, request_id, str(exc))
         except StorageFault as exc:
             self.counters["storage_errors"] += 1
             log.error("service {service}: {op} failed: {problem}", service=self.service_name,
@@ -339,6 +372,140 @@ class RequestHandler:
         if forward:
             self.by_status[answer[2]] += 1
         return answer
+
+    # ------------------------------------------------------------ room
+    def _short_of_room(self, data: bytes, request_id: bytes) -> bytes | None:
+        """The STORAGE_FULL answer to a put on a disk DHT while this
+        service's disk is at its reserve; None to go ahead."""
+        if len(data) < 20:
+            return None
+        hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
+        if hosted is None or hosted.medium != "disk" or not hosted.active:
+            return None
+        assert self.headroom is not None
+        why = self.headroom.refusal(f"a put on {hosted.label}")
+        if why is None:
+            if hosted.store is not None:
+                # What a checkpoint must write before it can let log files
+                # go stays small near the reserve: one each CHECKPOINT_BYTES
+                # of log (asking is cheap).
+                try:
+                    hosted.store.checkpoint(CHECKPOINT_BYTES)
+                except StorageFault as exc:
+                    self._log_full(str(exc))
+            return None
+        self.counters["storage_full"] += 1
+        self._log_full(why)
+        answer = self._error(wire.ST_STORAGE_FULL, request_id, why)
+        return answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
+
+    def _log_full(self, why: str) -> None:
+        now = self._clock()
+        if now - self._full_logged >= FULL_LOG_INTERVAL:
+            self._full_logged = now
+            log.warn("service {service}: writes refused for want of room ({count} so far): "
+                     "{why}", service=self.service_name, count=self.counters["storage_full"],
+                     why=why)
+
+    def room_changed(self) -> None:
+        """The headroom's state changed: the C path leaves changes of disk
+        DHTs to Python while the disk is near or at its reserve (so that
+        each put looks at the free space), and serves them again once it is
+        not."""
+        for dht_id, hosted in self.dhts.items():
+            if hosted.medium == "disk":
+                self._update_fast_table(dht_id)
+        if self.headroom is not None:
+            log.info("service {service}: disk {state}: {free} free under {path}, reserve "
+                     "{reserve}", service=self.service_name, state=self.headroom.state,
+                     free=describe_bytes(self.headroom.free), path=self.headroom.path,
+                     reserve=describe_bytes(self.headroom.reserve_bytes))
+
+    def _checkpoint(self) -> None:
+        """Checkpoint the disk DHTs' stores (near the reserve, each tick:
+        deletes are logged, and only a checkpoint lets old log files go)."""
+        for hosted in self.dhts.values():
+            if hosted.medium == "disk" and hosted.store is not None:
+                try:
+                    hosted.store.checkpoint()
+                except StorageFault as exc:
+                    self.counters["storage_errors"] += 1
+                    self._log_full(str(exc))
+
+    def reclaim(self, start: bool = False) -> int:
+        """Give the space deleted records freed in disk DHTs' files back to
+        the filesystem (see Store.reclaim); returns the bytes given back.
+        A DHT whose store fails is logged; the others are reclaimed."""
+        given = 0
+        for hosted in self.dhts.values():
+            if hosted.medium != "disk" or hosted.store is None:
+                continue
+            try:
+                given += hosted.store.reclaim(start)
+            except StorageFault as exc:
+                self.counters["storage_errors"] += 1
+                log.error("service {service}: giving space back failed: {problem}",
+                          service=self.service_name, problem=str(exc))
+        return given
+
+    def tend_storage(self) -> None:
+        """What the service does on a short timer (SAMPLE_INTERVAL): look at
+        the free space (the C path follows its state), give space back
+        while the disk is at its reserve (what deletes free there, at most
+        each RECLAIM_INTERVAL), and
+        open again what failed to open when its time has come."""
+        headroom = self.headroom
+        if headroom is not None:
+            was_full = headroom.full
+            if headroom.sample():
+                self.room_changed()
+            now = self._clock()
+            if headroom.state != ROOM_OK:
+                self._checkpoint()
+            if headroom.full and (not was_full or now - self._reclaimed >= RECLAIM_INTERVAL):
+                self._reclaimed = now
+                given = self.reclaim(start=not was_full)
+                if given:
+                    log.info("service {service}: gave {bytes} back to the filesystem from "
+                             "deleted records", service=self.service_name,
+                             bytes=describe_bytes(given))
+                    if headroom.sample():
+                        self.room_changed()
+        self.retry_storage()
+
+    def retry_storage(self) -> list[str]:
+        """Open again, when their time has come (RETRY_DELAYS, from the
+        last try), the stores of DHTs whose activation failed and the
+        buckets whose repository failed to open; returns the names of the
+        DHTs that serve again (wholly).  What still fails is logged once
+        per new reason."""
+        now = self._clock()
+        recovered = []
+        for dht_id, hosted in list(self.dhts.items()):
+            if not hosted.needs_retry() or now < hosted.retry_at:
+                continue
+            hosted.retries += 1
+            try:
+                hosted.retry()
+            except StorageFault as exc:
+                hosted.retry_at = now + RETRY_DELAYS[min(hosted.retries, len(RETRY_DELAYS) - 1)]
+                if str(exc) != hosted.last_retry_problem:
+                    hosted.last_retry_problem = str(exc)
+                    log.error("service {service}: still cannot serve {dht} (try {tries}; "
+                              "trying again with backoff): {problem}",
+                              service=self.service_name, dht=hosted.label,
+                              tries=hosted.retries, problem=str(exc))
+                continue
+            finally:
+                self._update_fast_table(dht_id)
+            if not hosted.needs_retry():
+                log.info("service {service}: {dht} serves again: its storage opened after "
+                         "{tries} tries", service=self.service_name, dht=hosted.label,
+                         tries=hosted.retries)
+                hosted.retries = 0
+                hosted.last_retry_problem = None
+                recovered.append(hosted.name)
+        return recovered
 
     def _count_reply(self, answer: bytes) -> None:
         """(A replicated change's reply, given once its backups answered.)"""
@@ -554,7 +721,7 @@ class RequestHandler:
                 + message.encode("utf-8", "replace")[:1024])
 
     # ------------------------------------------------------------ lookup
-    def _hosted(self, dht_id: int) -> HostedDht:
+    def _hosted(self, dht_id: int, bucket: int | None = None) -> HostedDht:
         hosted = self.dhts.get(dht_id)
         if hosted is None:
             raise RequestFailed(wire.ST_UNKNOWN_DHT,
@@ -562,7 +729,7 @@ class RequestHandler:
                                 f"(destroyed, or never created); reopen it by name")
         if not hosted.active:
             if hosted.problem is not None:
-                raise RequestFailed(wire.ST_STORAGE_ERROR, hosted.problem)
+                raise RequestFailed(wire.ST_STORAGE_ERROR, hosted.problem_message(bucket))
             raise RequestFailed(wire.ST_INACTIVE, f"DHT {hosted.name!r} is inactive; "
                                 f"activate it (`domus dht activate {hosted.name}`) to use it")
         return hosted
@@ -578,7 +745,7 @@ class RequestHandler:
             repo = (hosted.backups if self._as_backup else hosted.repos).get(bucket)
             if repo is not None:
                 return repo
-        hosted = self._hosted(dht_id)
+        hosted = self._hosted(dht_id, bucket)
         if bucket in hosted.lost:
             raise RequestFailed(wire.ST_DATA_LOST, hosted.loss_message(bucket))
         if self._as_backup:
@@ -977,28 +1144,58 @@ class RequestHandler:
         storage_bytes = hosted.storage_bytes()
         if storage_bytes is not None:
             stats["storage_bytes"] = storage_bytes
+        if hosted.problem is not None:
+            stats["problem"] = hosted.problem
+        failed = hosted.failed_buckets()
+        if failed:
+            stats["failed_buckets"] = failed
         return stats
 
     # ------------------------------------------------------------ assignment
+    def _record_identity(self, descriptor: dict[str, Any]) -> None:
+        """Write the DHT's identity beside its files (holdings.write); a
+        home that cannot be written (a full disk, a file in the way) is
+        logged and tried again at the next assign or sync: the DHT's store
+        says itself why it will not open."""
+        try:
+            holdings.write(self.data_dir, descriptor)
+        except OSError as exc:
+            log.warn("service {service}: cannot record the identity of DHT {dht!r} (id {id}) "
+                     "with its files yet: {error}", service=self.service_name,
+                     dht=descriptor["name"], id=descriptor["id"], error=exc)
+
     def assign(self, descriptor: dict[str, Any]) -> dict[str, Any]:
         """Host (or re-host) a DHT as the supervisor describes it, active or
         inactive.  Returns its state here and the records a change of state
         saved or loaded; a change that fails raises StorageFault and leaves
-        the DHT as it was."""
+        the DHT as it was.  A descriptor that is not valid, or that names
+        the id of another DHT held here (domus.service.holdings), raises
+        ValueError before anything is opened."""
+        holdings.check_descriptor(descriptor, PLATFORMS)
         dht_id = descriptor["id"]
         hosted = self.dhts.get(dht_id)
+        recorded = (holdings.identity_of(hosted.descriptor) if hosted is not None
+                    else self.unloaded.get(dht_id))
+        refusal = holdings.conflict(recorded, descriptor)
+        if refusal is not None:
+            raise ValueError(refusal)
         try:
             if hosted is None:
                 hosted = HostedDht(descriptor, self.service_name, self.data_dir)
+                self._record_identity(descriptor)
+                hosted.headroom = self.headroom
                 self.dhts[dht_id] = hosted
+                self.unloaded.pop(dht_id, None)
                 moved = hosted.apply(descriptor)
                 log.info("service {service}: now hosting DHT {dht!r} (id {id}, {state})",
                          service=self.service_name, dht=descriptor["name"], id=dht_id,
                          state="active" if hosted.active else "inactive")
             else:
+                self._record_identity(descriptor)
                 moved = hosted.apply(descriptor)
         finally:
             self._update_fast_table(dht_id)
+        self.claimed.add(dht_id)
         return {"state": "active" if hosted.active else "inactive", "records": moved}
 
     def refresh_fast_table(self, dht_id: int) -> None:
@@ -1010,21 +1207,76 @@ class RequestHandler:
         hosted = self.dhts.get(dht_id)
         if hosted is not None and hosted.active:
             layout = hosted.numbering << 8 | hosted.layout_tag
-            self.fast_table[dht_id] = (hosted.repos, layout | hosted.replicated << 16)
+            # (Bit 16: C leaves changes to Python; see room_changed.)
+            guarded = (hosted.medium == "disk" and self.headroom is not None
+                       and self.headroom.state != ROOM_OK)
+            self.fast_table[dht_id] = (hosted.repos,
+                                       layout | (hosted.replicated or guarded) << 16)
             self.backup_table[dht_id] = (hosted.backups, layout)
         else:
             self.fast_table.pop(dht_id, None)
             self.backup_table.pop(dht_id, None)
 
-    def drop(self, dht_id: int) -> bool:
+    def drop(self, named: dict[str, Any]) -> bool:
+        """Delete a DHT held here, memory and files, as the supervisor says:
+        ``named`` gives its id, deployment and stamp, which must be those
+        the DHT was created with (ValueError otherwise, and nothing is
+        touched).  False if no DHT of that id is held here."""
+        named = identities.checked(named, required=False)
+        dht_id = named["id"]
+        hosted = self.dhts.get(dht_id)
+        recorded = (holdings.identity_of(hosted.descriptor) if hosted is not None
+                    else self.unloaded.get(dht_id))
+        if recorded is None:
+            return False
+        if not identities.same(recorded, named):
+            raise ValueError(f"service {self.service_name} refuses to drop DHT id {dht_id}: "
+                             f"the deployment and stamp named ({named['deployment']}, "
+                             f"{named['stamp']}) are not those of the DHT held under that id "
+                             f"({recorded.get('name')!r}: {recorded.get('deployment')}, "
+                             f"{recorded.get('stamp')}); it is kept")
+        self._forget_dht(dht_id)
+        return True
+
+    def discard(self, named: dict[str, Any]) -> dict[str, Any]:
+        """Delete a DHT held here that the supervisor has not told this
+        service to host (an orphan; see domus.wire.identities), named by its
+        id, deployment and stamp; an operator's decision."""
+        named = identities.checked(named, required=False)
+        dht_id = named["id"]
+        if dht_id in self.claimed:
+            raise ValueError(f"DHT id {dht_id} is one the supervisor has this service host; "
+                             f"destroy it with `domus dht destroy`")
+        if not self.drop(named):
+            raise ValueError(f"service {self.service_name} holds no DHT with id {dht_id}")
+        return {"discarded": dht_id}
+
+    def _forget_dht(self, dht_id: int) -> None:
         hosted = self.dhts.pop(dht_id, None)
         self._update_fast_table(dht_id)
+        self.unloaded.pop(dht_id, None)
+        self.claimed.discard(dht_id)
         if hosted is None:
-            return False
+            log.info("service {service}: deleting the files of DHT id {id}",
+                     service=self.service_name, id=dht_id)
+            holdings.remove(self.data_dir, dht_id)
+            return
         log.info("service {service}: dropping DHT {dht!r} ({records} records)",
                  service=self.service_name, dht=hosted.name, records=hosted.records())
         hosted.destroy()
-        return True
+
+    def holdings(self, *, unclaimed: bool = False) -> list[dict[str, Any]]:
+        """Every DHT held here (hosted, or only on disk), with its identity;
+        ``unclaimed``: only those the supervisor has not told this service
+        to host since it registered (what a heartbeat reports)."""
+        held = [holdings.report(holdings.identity_of(hosted.descriptor), loaded=True,
+                                records=hosted.records())
+                for dht_id, hosted in sorted(self.dhts.items())
+                if not (unclaimed and dht_id in self.claimed)]
+        held += [holdings.report(identity, loaded=False, records=None)
+                 for dht_id, identity in sorted(self.unloaded.items())
+                 if dht_id not in self.dhts and not (unclaimed and dht_id in self.claimed)]
+        return held
 
     def flush(self) -> None:
         """Write what the DHTs hosted here have buffered to their media."""
@@ -1041,18 +1293,26 @@ class RequestHandler:
         for dht_id in list(self.dhts):
             hosted = self.dhts.pop(dht_id)
             self._update_fast_table(dht_id)
-            hosted.close()
+            try:
+                hosted.close()
+            except StorageFault as exc:
+                self.counters["storage_errors"] += 1
+                log.error("service {service}: {problem}", service=self.service_name,
+                          problem=str(exc))
 
     def sync(self, descriptors: list[dict[str, Any]]) -> None:
-        """Make the hosted DHTs exactly those the supervisor lists.  A DHT
-        whose change of state fails is logged and left as it was; the
-        others are still synced.  Bucket moves under way are abandoned
-        (see HostedDht, "Moving a bucket"): the supervisor sends this when
-        the service registers, on a link no move was driven over."""
-        wanted = {descriptor["id"] for descriptor in descriptors}
-        for dht_id in list(self.dhts):
-            if dht_id not in wanted:
-                self.drop(dht_id)
+        """Host the DHTs the supervisor lists, as it describes them.  A DHT
+        held here that it does not list is kept, not deleted (it may be of
+        another deployment, or one a supervisor restarted on the wrong data
+        dir no longer knows): it is reported as unclaimed, and only a
+        ``drop`` or ``discard`` naming it deletes it.  A DHT whose change of
+        state fails (or whose descriptor is refused) is logged and left as
+        it was; the others are still synced.  Bucket moves under way are
+        abandoned (see HostedDht, "Moving a bucket"): the supervisor sends
+        this when the service registers, on a link no move was driven over."""
+        if not isinstance(descriptors, list):
+            raise ValueError("sync needs a list of DHT descriptors")
+        self.claimed = set()
         for hosted in self.dhts.values():
             hosted.abandon_moves()
         for descriptor in descriptors:
@@ -1062,3 +1322,12 @@ class RequestHandler:
                 self.counters["storage_errors"] += 1
                 log.error("service {service}: {problem}", service=self.service_name,
                           problem=str(exc))
+            except ValueError as exc:
+                log.error("service {service}: refused a DHT of the supervisor's: {problem}",
+                          service=self.service_name, problem=str(exc))
+        for hosted in self.dhts.values():
+            if hosted.id not in self.claimed:
+                log.warn("service {service}: keeps DHT {dht!r} (id {id}), which its "
+                         "supervisor does not list (`domus status` shows it; `domus service "
+                         "discard` deletes it)", service=self.service_name, dht=hosted.name,
+                         id=hosted.id)

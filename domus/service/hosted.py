@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import shutil
 import time
 from collections.abc import Generator
@@ -17,7 +16,16 @@ from domus.placement import layout, replicas
 from domus.placement.bucketmap import BucketMap
 from domus.routing import FEWEST_HOPS, RoutingGraph, make_graph
 from domus.routing.base import contains
-from domus.storage import PLATFORMS, FailedRepository, Repository, StorageFault, Store, snapshot
+from domus.service import holdings
+from domus.storage import (
+    PLATFORMS,
+    FailedRepository,
+    Repository,
+    StorageFault,
+    StorageFullFault,
+    Store,
+    snapshot,
+)
 from domus.storage.base import TrackedRepository
 from domus.wire import protocol as wire
 from domus.wire.keys import HASH_FUNCTIONS, bucket_shift
@@ -31,9 +39,7 @@ MAX_NUMBERING = 33      # a request's bucket numbering at most: 2^32 buckets
 log = Logger(namespace="domus.service")
 
 
-def dht_home(data_dir: str, dht_id: int) -> str:
-    """Where a service keeps a DHT's files (DHT ids are never reused)."""
-    return os.path.join(data_dir, "dhts", str(dht_id))
+dht_home = holdings.dht_home      # (where a DHT's files are: its id checked)
 
 
 class HostedDht:
@@ -122,8 +128,18 @@ class HostedDht:
             "frozen": 0, "frozen_seconds": 0.0, "sent": 0, "thawed": 0, "staged": 0,
             "records_staged": 0, "received": 0, "regroups": 0, "records_regrouped": 0}
         # Why the last activation failed, while the supervisor still wants
-        # the DHT active: requests are told this rather than "inactive".
+        # the DHT active: requests are told this rather than "inactive",
+        # and the service tries again (``retry``, with backoff: the
+        # handler's retry_storage) with the descriptor it was given.
         self.problem: str | None = None
+        self.pending: dict[str, Any] | None = None
+        self.some_failed = False        # a bucket here is a FailedRepository
+        self.retries = 0
+        self.retry_at = 0.0
+        self.last_retry_problem: str | None = None
+        # The service's free space against its reserve (None: not watched);
+        # a bucket is not staged here while the disk is at the reserve.
+        self.headroom: Any = None
         self.descriptor = descriptor     # routes and buckets come with apply()
 
     def apply(self, descriptor: dict[str, Any]) -> int:
@@ -149,16 +165,73 @@ class HostedDht:
                 moved = self._activate(descriptor, placed)
             except StorageFault as exc:
                 self.problem = str(exc)
+                self.pending = descriptor
                 raise
         elif wanted:
             self._place(placed)
         elif self.active:
             moved = self._deactivate()
         self.problem = None
+        self.pending = None
         self.descriptor = descriptor
         self.layout_tag = wire.layout_tag(descriptor.get("version", 0))
         self._route(descriptor, storage)
         return moved
+
+    # ------------------------------------------------------------ storage faults
+    # A store that will not open (no room to recover, permissions, a
+    # damaged file) is reported as what it is: requests on the DHT's
+    # buckets get STORAGE_ERROR naming the DHT, the bucket, the path and
+    # the cause (never INACTIVE: the supervisor wants it active), and the
+    # service opens it again with backoff, serving as soon as it opens.  A
+    # single bucket whose database will not open is served by a
+    # FailedRepository meanwhile, and retried the same way.
+    def needs_retry(self) -> bool:
+        """Cheap (asked ten times a second): a failed bucket sets a flag."""
+        return self.pending is not None or self.some_failed
+
+    def retry(self) -> None:
+        """Try again what failed to open: the whole store (the descriptor
+        of the activation that failed), or each failed bucket.
+        StorageFault with the first reason it still fails for."""
+        if self.pending is not None and not self.active:
+            self.apply(self.pending)
+            return
+        self.pending = None
+        failed = self.failed_buckets()
+        if not failed or self.store is None:
+            return
+        on_medium = self.store.parts()
+        still: list[str] = []
+        for bucket in sorted(failed):
+            try:
+                self._open_bucket(bucket, on_medium)
+            except StorageFault as exc:
+                self.repos[bucket] = FailedRepository(str(exc))
+                still.append(str(exc))
+            else:
+                log.info("service {service}: {dht} bucket {bucket} opened; serving it",
+                         service=self.service_name, dht=self.label, bucket=bucket)
+        if still:
+            raise StorageFault(still[0])
+
+    def failed_buckets(self) -> dict[int, str]:
+        """bucket -> why its repository failed to open, for the buckets
+        stored here that are served by a FailedRepository."""
+        if not self.some_failed:
+            return {}
+        failed = {bucket: repo.reason for bucket, repo in self.repos.items()
+                  if isinstance(repo, FailedRepository)}
+        self.some_failed = bool(failed)
+        return failed
+
+    def problem_message(self, bucket: int | None) -> str:
+        """What a request on ``bucket`` is told while the DHT's store will
+        not open here."""
+        which = f"bucket {bucket} of {self.label}" if bucket is not None else self.label
+        return (f"{which} is not served on service {self.service_name}: {self.problem}; "
+                f"the service tries again by itself (with backoff) and serves it as soon as "
+                f"it opens")
 
     def _place(self, storage: BucketMap[str]) -> None:
         """Open the buckets ``storage`` (bucket -> service) puts here, drop
@@ -203,6 +276,7 @@ class HostedDht:
                 log.error("service {service}: {problem}", service=self.service_name,
                           problem=str(exc))
                 self.repos[bucket] = FailedRepository(str(exc))
+                self.some_failed = True
         for bucket in new_backups:
             staged = self.staged.pop(bucket, None)
             if staged is not None:          # copied here from its primary
@@ -358,9 +432,13 @@ class HostedDht:
         self.repos.clear()
         self.backups.clear()
         self.part_of.clear()
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        store, self.store = self.store, None
+        if store is not None:
+            try:
+                store.close()
+            except StorageFault as exc:   # (what was flushed or logged is kept)
+                log.error("service {service}: {problem}", service=self.service_name,
+                          problem=str(exc))
 
     # ------------------------------------------------------------ moving a bucket
     # A bucket's storage moves from a source service to a target in these
@@ -497,6 +575,10 @@ class HostedDht:
             raise StorageFault(f"{self.label}: service {self.service_name} cannot take "
                                f"bucket {bucket} (it stores it already, or the DHT is "
                                f"inactive)")
+        if self.medium == "disk" and self.headroom is not None:
+            why = self.headroom.refusal(f"bucket {bucket} of {self.label}")
+            if why is not None:
+                raise StorageFullFault(why)
         if first:
             self.discard(bucket)
             fresh = self.staged[bucket] = self.store.open(bucket, self.bucket_count)

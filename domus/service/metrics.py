@@ -144,6 +144,19 @@ class ServiceCollector:
                                  + (udp.send_errors if udp else 0))
         yield socket_errors
 
+        room = handler.headroom
+        if room is not None:
+            yield metrics.gauge("domus_service_disk_free_bytes", "free bytes on the "
+                                "filesystem of the service's data dir (as an unprivileged "
+                                "process may use them)", me, room.free)
+            yield metrics.gauge("domus_service_disk_reserve_bytes", "the free space the "
+                                "service keeps there (--disk-reserve)", me, room.reserve_bytes)
+            yield metrics.gauge("domus_service_disk_full", "1 while the disk is at its "
+                                "reserve: puts on disk DHTs are refused (StorageFull)", me,
+                                1 if room.full else 0)
+        yield metrics.counter("domus_service_storage_full", "changes refused for want of room "
+                              "(the disk reserve, no space left, a full RAM Berkeley DB "
+                              "cache): nothing stored", me, counters.get("storage_full", 0))
         yield from self._dhts(handler, name)
         yield from self.process.families()
         info = GaugeMetricFamily("domus_service_info", "always 1: the service's version, "
@@ -199,6 +212,9 @@ class ServiceCollector:
         frozen = GaugeMetricFamily("domus_service_move_buckets_frozen", "buckets frozen here "
                                    "now (being moved away, or copied to a backup)",
                                    labels=per_dht)
+        unopened = GaugeMetricFamily("domus_service_storage_unopened", "1 while the DHT's "
+                                     "store, or a bucket of it, will not open here (the "
+                                     "service tries again with backoff)", labels=per_dht)
         lookups = CounterMetricFamily("domus_service_lookups", "distributed LOOKUP hops "
                                       "answered here: found (the target bucket is routed "
                                       "here: the last hop) or forwarded (told the next hop)",
@@ -218,11 +234,12 @@ class ServiceCollector:
             active.add_metric(labels, 1 if hosted.active else 0)
             lost.add_metric(labels, len(hosted.lost))
             frozen.add_metric(labels, len(hosted.frozen))
+            unopened.add_metric(labels, 1 if hosted.needs_retry() else 0)
             for result, count in hosted.lookups.items():
                 lookups.add_metric([*labels, result], count)
             for metric, key, _documentation in MOVE_COUNTERS:
                 moves[metric].add_metric(labels, hosted.moves[key])
-        yield from (records, storage_bytes, buckets, active, lost, frozen, lookups,
+        yield from (records, storage_bytes, buckets, active, lost, frozen, unopened, lookups,
                     *moves.values())
 
 

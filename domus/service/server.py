@@ -28,9 +28,12 @@ from domus.service.limits import Limits
 from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
+from domus.storage.headroom import DEFAULT as DEFAULT_RESERVE
+from domus.storage.headroom import SAMPLE_INTERVAL, Headroom, Reserve
 from domus.wire import address as addresses
-from domus.wire import launch, secret
+from domus.wire import checks, launch, secret
 from domus.wire import protocol as wire
+from domus.wire.attributes import MAX_BUCKETS
 from domus.wire.control import ControlError, MessageProtocol, RemoteControlError
 
 log = Logger(namespace="domus.service")
@@ -42,6 +45,11 @@ REPLICATE_TIMEOUT = 2.0
 COPY_FAILED_REPORT_INTERVAL = 1.0   # at most one report per backup and DHT a second
 FLUSH_INTERVAL = 1.0
 RECONNECT_MAX_DELAY = 2.0
+# A registration that fails for any reason but a refusal is tried again on
+# the same link after REGISTER_FIRST_DELAY, doubling up to REGISTER_MAX_DELAY.
+REGISTER_FIRST_DELAY = 0.5
+REGISTER_MAX_DELAY = 30.0
+REGISTRATION_REFUSED = "RegistrationRefused"    # (the supervisor's REFUSED)
 MOVE_OPS = frozenset({"track_bucket", "catch_up_bucket", "freeze_bucket", "export_bucket",
                       "thaw_bucket", "stage_bucket", "discard_bucket"})
 EXPORT_PAGE_BYTES = 4 << 20    # records per export page, well under a TCP frame
@@ -52,41 +60,43 @@ class DomusService(Service):
                  heartbeat: float = HEARTBEAT_INTERVAL,
                  resources: dict[str, Any] | None = None,
                  cpus: list[int] | None = None, secret_file: str | None = None,
-                 limits: Limits = DEFAULT_LIMITS, metrics: str | None = None) -> None:
+                 limits: Limits = DEFAULT_LIMITS, metrics: str | None = None,
+                 disk_reserve: Reserve = DEFAULT_RESERVE) -> None:
         self.supervisor_address = addresses.parse(supervisor)
         if metrics is not None:
             addresses.parse(metrics)        # (a bad address fails before anything starts)
         self.metrics_address = metrics      # where /metrics is served; None: nowhere
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
-        self.service_name = name or self.address
-        self.data_dir = os.path.abspath(data_dir)
+        self.service_name = checks.service_name(name or self.address)
+        checks.address(self.address)
+        self.data_dir = checks.absolute_path(os.path.abspath(data_dir), "data dir")
         os.makedirs(data_dir, exist_ok=True)
         self.heartbeat_interval = heartbeat
         if cpus:
             pin_to_cpus(cpus)       # (before the resources count them)
         self.resources = base_resources(data_dir, **(resources or {}))
-        declared = [argument for field, value in sorted((resources or {}).items())
-                    for argument in (f"--{field}", str(value))]
+        options: list[list[Any]] = [["--heartbeat", heartbeat]]
+        options += [[f"--{field}", value] for field, value in sorted((resources or {}).items())]
         if cpus:
-            declared += ["--cpus", ",".join(map(str, cpus))]
+            options.append(["--cpus", ",".join(map(str, cpus))])
         if metrics:
-            declared += ["--metrics", metrics]
+            options.append(["--metrics", metrics])
+        if disk_reserve != DEFAULT_RESERVE:
+            options.append(["--disk-reserve", str(disk_reserve)])
         # The deployment secret, found as every process finds it
         # (domus.wire.secret); None: an insecure deployment.
         self.keys = secret.keys(secret_file)
         if self.keys is not None:
-            declared += ["--secret-file", os.path.abspath(self.keys.source)]
-        self.launch = launch.record("service", self.address, [
-            "service", "--name", self.service_name,
-            "--supervisor", supervisor, "--listen", self.address,
-            "--data-dir", self.data_dir, "--heartbeat", str(heartbeat), *declared],
-            self.data_dir)
+            options.append(["--secret-file", os.path.abspath(self.keys.source)])
+        self.launch = launch.record("service", self.address, self.data_dir, options,
+                                    name=self.service_name, supervisor=supervisor)
         self.limits = limits
         self.handler = RequestHandler(self.service_name, data_dir=data_dir,
                                       data_key=self.keys.data if self.keys else None,
                                       limits=limits)
         self.peers = PeerLinks(self.service_name, self.keys)
+        self.handler.headroom = Headroom(self.data_dir, disk_reserve, self.service_name)
         self.handler.replicator = self.peers.forward
         self.handler.copy_failed = self._copy_failed
         self._reported: dict[tuple[int, str], float] = {}
@@ -95,6 +105,7 @@ class DomusService(Service):
         self.started = time.time()
         self.link: MessageProtocol | None = None
         self.registered = False
+        self._register_delay = REGISTER_FIRST_DELAY
         self._ports: list[Any] = []
         self.udp: UdpServer | None = None
         self._timers: list[task.LoopingCall] = []
@@ -141,7 +152,10 @@ class DomusService(Service):
         # when the service stops.
         flush = task.LoopingCall(self._flush)
         flush.start(FLUSH_INTERVAL, now=False)
-        self._timers += [expire, heartbeat, flush]
+        # Free space against the reserve, and stores that failed to open.
+        storage = task.LoopingCall(self._tend_storage)
+        storage.start(SAMPLE_INTERVAL, now=True)
+        self._timers += [expire, heartbeat, flush, storage]
         self._connect_supervisor()
 
     def stopService(self) -> defer.Deferred:
@@ -161,6 +175,12 @@ class DomusService(Service):
         log.info("service {name} stopping", name=self.service_name)
         super().stopService()
         return defer.DeferredList(stops)
+
+    def _tend_storage(self) -> None:
+        try:
+            self.handler.tend_storage()
+        except Exception:       # a bug: say so, and keep the timer going
+            log.failure("service {name}: watching its storage failed", name=self.service_name)
 
     def _flush(self) -> None:
         try:
@@ -202,11 +222,20 @@ class DomusService(Service):
                                 resources=self.resources, version=__version__, held=held,
                                 pid=os.getpid(), launch=self.launch,
                                 platforms=list(available_platforms()),
-                                hot_path="c" if self.handler.fast is not None else "python")
+                                hot_path="c" if self.handler.fast is not None else "python",
+                                holdings=self.handler.holdings())
         registering.addCallbacks(self._registered, self._register_failed, errbackArgs=(link,))
 
     def _registered(self, answer: dict[str, Any]) -> None:
+        self._register_delay = REGISTER_FIRST_DELAY
         self.handler.sync(answer.get("dhts", []))
+        # DHTs it holds that the supervisor destroyed (or took it out of)
+        # while it was away, each named by id, deployment and stamp.
+        for named in answer.get("drop") or []:
+            try:
+                self.handler.drop(named)
+            except (ValueError, AttributeError, TypeError) as exc:
+                log.error("service {name}: {error}", name=self.service_name, error=str(exc))
         self.registered = True
         log.info("service {name} registered with the supervisor; hosting {count} DHTs",
                  name=self.service_name, count=len(self.handler.dhts))
@@ -214,18 +243,26 @@ class DomusService(Service):
     def _register_failed(self, failure: Any, link: MessageProtocol) -> None:
         from twisted.internet import reactor
 
-        if failure.check(RemoteControlError):
-            # A refusal is a configuration error (e.g. a name taken by another
-            # live service): retrying cannot help, so stop and say why.
+        if failure.check(RemoteControlError) and failure.value.kind == REGISTRATION_REFUSED:
+            # A refusal for a reason (a name taken by another live service,
+            # a figure out of range): retrying cannot help, so stop and say why.
             log.error("service {name}: the supervisor refused registration: {error}; "
                       "stopping", name=self.service_name, error=failure.getErrorMessage())
             self.exit_code = 2
             reactor.stop()
             return
-        log.warn("service {name}: registration failed ({error}); retrying",
-                 name=self.service_name, error=failure.getErrorMessage())
-        if link.transport is not None:
-            link.transport.loseConnection()
+        # Anything else (the supervisor's disk is full, an error of its own,
+        # no answer in time) may pass: try again on this link, backing off.
+        delay = self._register_delay
+        self._register_delay = min(delay * 2, REGISTER_MAX_DELAY)
+        log.warn("service {name}: registration failed ({error}); retrying in {delay:.1f}s",
+                 name=self.service_name, error=failure.getErrorMessage(), delay=delay)
+
+        def again() -> None:
+            if link is self.link and link.connected and not self._stopping:
+                self._authenticated(link)
+
+        reactor.callLater(delay, again)
 
     def link_lost(self) -> None:
         self.link = None
@@ -248,6 +285,8 @@ class DomusService(Service):
     def _heartbeat(self) -> None:
         load = self.sampler.sample(self.handler.requests, time.monotonic(),
                                    self.handler.by_op[wire.OP_LOOKUP])
+        if self.handler.headroom is not None:
+            load.update(self.handler.headroom.report())
         if self.link is None or not self.registered:
             return
         stats = self.handler.stats()
@@ -264,7 +303,8 @@ class DomusService(Service):
                                      "bucket_records": {
                                          hosted.name: hosted.bucket_records()
                                          for hosted in self.handler.dhts.values()},
-                                     "bucket_requests": hot},
+                                     "bucket_requests": hot,
+                                     "orphans": self.handler.holdings(unclaimed=True)},
                               timeout=max(5.0, 3 * self.heartbeat_interval))
         beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: {error}",
                                                  name=self.service_name,
@@ -274,15 +314,26 @@ class DomusService(Service):
         op = body["op"]
         if op == "assign":
             try:
-                return {"ok": True, **self.handler.assign(body["dht"])}
+                return {"ok": True, **self.handler.assign(body.get("dht"))}
             except StorageFault as exc:
                 raise ControlError("StorageError", f"service {self.service_name}: {exc}") \
                     from None
-        if op == "drop":
-            return {"dropped": self.handler.drop(body["id"])}
-        if op == "sync":
-            self.handler.sync(body["dhts"])
-            return {"ok": True}
+            except ValueError as exc:
+                raise ControlError("InvalidAttribute", f"service {self.service_name}: {exc}") \
+                    from None
+        if op in ("drop", "discard", "sync"):
+            try:
+                if op == "drop":
+                    return {"dropped": self.handler.drop(body)}
+                if op == "discard":
+                    return self.handler.discard(body)
+                self.handler.sync(body.get("dhts"))
+                return {"ok": True}
+            except ValueError as exc:
+                raise ControlError("DomusError", f"service {self.service_name}: {exc}") \
+                    from None
+        if op == "ping":
+            return {"name": self.service_name}
         if op == "shutdown":
             from twisted.internet import reactor
 
@@ -303,10 +354,10 @@ class DomusService(Service):
         "seconds"} once done."""
         from twisted.internet import reactor
 
-        hosted = self.handler.dhts.get(body.get("id"))
+        hosted = self._hosted_named(body)
         count = body.get("count")
         if hosted is None or not isinstance(count, int) or isinstance(count, bool) \
-                or count < 1:
+                or not 1 <= count <= MAX_BUCKETS or count & (count - 1):
             raise ControlError("DomusError", f"service {self.service_name}: regroup_buckets "
                                f"needs the id of a DHT hosted here and a bucket count")
         try:
@@ -344,12 +395,21 @@ class DomusService(Service):
         step()
         return finished
 
+    def _hosted_named(self, body: dict[str, Any]) -> Any:
+        """The DHT hosted here that ``body``'s ``id`` names (None if it is
+        not an id, or not one hosted here)."""
+        dht_id = body.get("id")
+        if not isinstance(dht_id, int) or isinstance(dht_id, bool):
+            return None
+        return self.handler.dhts.get(dht_id)
+
     def _move_step(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """One step of moving a bucket (domus.service.hosted, "Moving a
         bucket"), as the supervisor drives it."""
-        hosted = self.handler.dhts.get(body.get("id"))
+        hosted = self._hosted_named(body)
         bucket = body.get("bucket")
-        if hosted is None or not isinstance(bucket, int):
+        if hosted is None or not isinstance(bucket, int) or isinstance(bucket, bool) \
+                or not 0 <= bucket < hosted.bucket_count:
             raise ControlError("DomusError", f"service {self.service_name}: {op} needs the id "
                                f"of a DHT hosted here and a bucket number")
         try:

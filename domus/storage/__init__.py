@@ -22,6 +22,7 @@ from domus.storage.base import (
     RamStore,
     Repository,
     StorageFault,
+    StorageFullFault,
     Store,
     UnavailableStore,
 )
@@ -86,5 +87,5 @@ def available_platforms() -> tuple[str, ...]:
 
 
 __all__ = ["PLATFORMS", "available_platforms", "MEDIA", "PLANNED_PLATFORMS", "Platform",
-           "Repository", "Store", "RamStore", "FailedRepository", "StorageFault", "DictRepository",
-           "RBTreeRepository", "RecordStore"]
+           "Repository", "Store", "RamStore", "FailedRepository", "StorageFault",
+           "StorageFullFault", "DictRepository", "RBTreeRepository", "RecordStore"]

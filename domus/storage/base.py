@@ -16,6 +16,12 @@ class StorageFault(Exception):
     bucket; the service answers STORAGE_ERROR and keeps serving the rest."""
 
 
+class StorageFullFault(StorageFault):
+    """The medium is out of room: no space left on the device, or a RAM
+    Berkeley DB cache that is full.  Nothing was stored; the service answers
+    STORAGE_FULL (the client raises domus.errors.StorageFull)."""
+
+
 class Repository(ABC):
     """The records of one bucket of one DHT."""
 
@@ -238,6 +244,20 @@ class Store(ABC):
         """The bytes the store's repositories occupy, as the platform counts
         them; None when the platform cannot tell (Python objects in RAM)."""
         return None
+
+    def checkpoint(self, after: int = 0) -> None:
+        """Write what the medium's log holds into its files and let the log
+        files no longer needed go (nothing, for platforms without a log);
+        ``after``: only once the log has grown by that many bytes since the
+        last checkpoint (cheap to ask when it has not)."""
+
+    def reclaim(self, start: bool = False) -> int:
+        """Give the space that records deleted since the last call freed
+        inside the medium's files back to the filesystem (a service at its
+        disk reserve calls this; ``start``: only note how many records each
+        repository holds, the first time).  Returns the bytes given back
+        (nothing, for RAM platforms)."""
+        return 0
 
     @abstractmethod
     def close(self) -> None:

@@ -32,7 +32,8 @@ import psutil
 from berkeleydb import db
 
 from domus.rbtree import RBTree
-from domus.storage.base import Repository, StorageFault, Store
+from domus.storage.base import Repository, StorageFault, StorageFullFault, Store
+from domus.storage.headroom import describe_bytes, filesystem_space
 
 
 class _DatabaseRepository:
@@ -66,6 +67,48 @@ if os.environ.get("DOMUS_PURE_PYTHON") != "1":
 DISK_CACHE_BYTES = 32 * 1024 * 1024
 RAM_CACHE_MAX = 4 << 30
 _GIGABYTE = 1 << 30
+# A sync store's log files: small, so that a checkpoint lets old ones go
+# even on a nearly full filesystem (Berkeley DB removes a log file only
+# once a newer one is in use; its default, 10 MiB, can hold a small
+# filesystem's whole free space).  A record larger than this (up to the
+# 16 MiB value limit) is logged page by page, across files.
+LOG_FILE_BYTES = 1 << 20
+# Pages ``reclaim`` gives back per repository per call, so that a service
+# at its reserve never stops serving for long.
+RECLAIM_PAGES = 4096
+# Free space under which a store that will not open is said to need room.
+RECOVERY_ROOM = 16 << 20
+# Free space under which a failing disk database is said to be out of room.
+FULL_DISK = 1 << 20
+
+
+def cause(exc: BaseException) -> str:
+    """A Berkeley DB error's own words (its message without the errno)."""
+    if len(exc.args) > 1 and isinstance(exc.args[1], str):
+        return exc.args[1]        # (Berkeley DB's: errno, then its words)
+    return str(exc) or type(exc).__name__
+
+
+FAILED = "Berkeley DB failed"
+
+
+def fault(label: str, exc: BaseException, where: str, cache_bytes: int,
+          doing: str = FAILED) -> StorageFault:
+    """The StorageFault of a Berkeley DB error: StorageFullFault when the
+    medium is out of room (no space left on the device under ``where``, or
+    a full cache), naming what is full; else a StorageFault with the cause."""
+    if isinstance(exc, db.DBNoSpaceError):
+        return StorageFullFault(f"{label}: {doing}: no space left on the device of {where} "
+                                f"({cause(exc)}); free space on that filesystem or delete "
+                                f"records")
+    if isinstance(exc, (MemoryError, db.DBNoMemoryError)):
+        return StorageFullFault(f"{label}: its Berkeley DB cache ({cache_bytes >> 20} MiB, "
+                                f"{where}) is full ({cause(exc)}); nothing was stored; delete "
+                                f"records, or store the DHT on disk")
+    if doing == FAILED:
+        # (No path: the same failure reads the same on every service.)
+        return StorageFault(f"{label}: {doing}: {cause(exc)}")
+    return StorageFault(f"{label}: {doing} ({where}): {cause(exc)}")
 
 
 def ram_cache_bytes() -> int:
@@ -98,7 +141,8 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
     ``record_count`` changed by whoever created or deleted a key."""
 
     def __init__(self, database: db.DB, ordered: bool, name: str, label: str,
-                 environment: db.DBEnv | None = None) -> None:
+                 environment: db.DBEnv | None = None, where: str = "in memory",
+                 cache_bytes: int = 0) -> None:
         super().__init__(database, no_overwrite=db.DB_NOOVERWRITE,
                          key_exists=db.DBKeyExistError, not_found=db.DBNotFoundError)
         self._db = database
@@ -106,12 +150,27 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
         self.ordered = ordered
         self.name = name
         self.label = label
+        self.where = where           # its file, or "in memory"
+        self.cache_bytes = cache_bytes
         # Counted once at open, then kept: DB->stat is a walk, or a guess.
         self.record_count = sum(1 for _ in self._keys())
+        # Its records when ``reclaim`` last looked (None: not yet).
+        self.reclaimed_at: int | None = None
 
     def _fault(self, exc: BaseException) -> StorageFault:
-        detail = exc.args[1] if isinstance(exc, db.DBError) and len(exc.args) > 1 else exc
-        return StorageFault(f"{self.label}: Berkeley DB failed: {detail}")
+        found = fault(self.label, exc, self.where, self.cache_bytes)
+        if isinstance(found, StorageFullFault) or self.where == "in memory":
+            return found
+        # (A cache that cannot write its pages back to a full disk says
+        # "Input/output error": the filesystem tells what it is.)
+        try:
+            free = filesystem_space(os.path.dirname(self.where))[0]
+        except OSError:
+            return found
+        if free >= FULL_DISK:
+            return found
+        return StorageFullFault(f"{found}; its filesystem has {describe_bytes(free)} free "
+                                f"({self.where}): free space there or delete records")
 
     def put(self, key: bytes, value: bytes) -> bool:
         try:
@@ -293,6 +352,18 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
             raise self._fault(exc) from exc
         return stat["pagecnt"] * stat["pagesize"]
 
+    def reclaim(self) -> int:
+        """Give the free pages at the end of the database's file back to
+        the filesystem, moving records off them first (DB->compact with
+        DB_FREE_SPACE; at most RECLAIM_PAGES a call).  Returns the bytes
+        given back."""
+        try:
+            before = self.storage_bytes()
+            self._db.compact(flags=db.DB_FREE_SPACE, compact_pages=RECLAIM_PAGES)
+            return max(before - self.storage_bytes(), 0)
+        except (db.DBError, MemoryError) as exc:
+            raise self._fault(exc) from exc
+
     def truncate(self) -> None:
         """Delete every record at once."""
         try:
@@ -327,25 +398,69 @@ class BerkeleyStore(Store):
         self.home = home if medium == "disk" else None
         self._type = db.DB_BTREE if method == "btree" else db.DB_HASH
         self._repos: RBTree = RBTree()
-        self._env = db.DBEnv()
-        cache = ram_cache_bytes() if medium == "ram" else DISK_CACHE_BYTES
-        self._env.set_cachesize(cache // _GIGABYTE, cache % _GIGABYTE)
-        if self.home is not None:
-            os.makedirs(self.home, exist_ok=True)
-        flags = db.DB_CREATE | db.DB_INIT_MPOOL | db.DB_PRIVATE
-        if self.transactional:
-            # DB_RECOVER replays the log: after a crash, every committed
-            # write is back before the first request is served.
-            flags |= db.DB_INIT_TXN | db.DB_INIT_LOG | db.DB_INIT_LOCK | db.DB_RECOVER
-            self._env.log_set_config(db.DB_LOG_AUTO_REMOVE, 1)
-        self._env.open(self.home, flags)
-        self._open_flags = db.DB_CREATE | (db.DB_AUTO_COMMIT if self.transactional else 0)
+        self.cache_bytes = ram_cache_bytes() if medium == "ram" else DISK_CACHE_BYTES
         self.base_count = base_count
+        self._open_flags = db.DB_CREATE | (db.DB_AUTO_COMMIT if self.transactional else 0)
+        self._env = self._open_environment()
         if self.home is not None:
             # A merge cut short by a crash: its parts are whole still.
-            for leftover in os.listdir(self.home):
-                if leftover.endswith(TEMPORARY):
+            try:
+                leftovers = [name for name in os.listdir(self.home)
+                             if name.endswith(TEMPORARY)]
+                for leftover in leftovers:
                     self._delete(leftover)
+            except (OSError, StorageFault) as exc:
+                self.close()
+                raise StorageFault(f"{self.label}: cannot clear what a merge cut short left "
+                                   f"in {self.home}: {exc}") from exc
+
+    def _open_environment(self) -> db.DBEnv:
+        """The environment, opened (a sync store's recovered: DB_RECOVER
+        replays the log, so every committed write is back before the first
+        request is served).  A StorageFault naming the DHT, the path and the
+        cause if it cannot be (no space left for recovery, permissions, a
+        damaged log): StorageFullFault if out of room."""
+        where = self.home if self.home is not None else "in memory"
+        env = db.DBEnv()
+        try:
+            env.set_cachesize(self.cache_bytes // _GIGABYTE, self.cache_bytes % _GIGABYTE)
+            if self.home is not None:
+                os.makedirs(self.home, exist_ok=True)
+            flags = db.DB_CREATE | db.DB_INIT_MPOOL | db.DB_PRIVATE
+            if self.transactional:
+                flags |= db.DB_INIT_TXN | db.DB_INIT_LOG | db.DB_INIT_LOCK | db.DB_RECOVER
+                env.set_lg_max(LOG_FILE_BYTES)
+                env.log_set_config(db.DB_LOG_AUTO_REMOVE, 1)
+            env.open(self.home, flags)
+        except (db.DBError, MemoryError, OSError) as exc:
+            try:
+                env.close()
+            except db.DBError:
+                pass            # (a handle whose open failed may refuse even this)
+            if isinstance(exc, OSError):
+                raise StorageFault(f"{self.label}: cannot open its Berkeley DB environment "
+                                   f"({where}): {exc.strerror or exc}") from exc
+            doing = ("cannot open and recover its Berkeley DB environment"
+                     if self.transactional else "cannot open its Berkeley DB environment")
+            found = fault(self.label, exc, where, self.cache_bytes, doing)
+            free = self._free_space()
+            if free is not None and free < RECOVERY_ROOM:
+                # (Berkeley DB's own words then rarely say it: recovery
+                # that cannot write reports a lost environment.)
+                found = StorageFullFault(f"{found}; its filesystem has {describe_bytes(free)} "
+                                         f"free, and opening needs room: free space there")
+            raise found from exc
+        return env
+
+    def _free_space(self) -> int | None:
+        """Free bytes on the filesystem of a disk store's home (None: RAM,
+        or it cannot be told)."""
+        if self.home is None:
+            return None
+        try:
+            return filesystem_space(self.home)[0]
+        except OSError:
+            return None
 
     def _flags(self) -> int:
         return db.DB_AUTO_COMMIT if self.transactional else 0
@@ -368,6 +483,7 @@ class BerkeleyStore(Store):
         if name in self._repos:
             raise ValueError(f"bucket {bucket} is already open in this store")
         database = db.DB(self._env)
+        where = os.path.join(self.home, name) if self.home is not None else "in memory"
         label = f"{self.label} bucket {bucket}"
         if count is not None and count != self.base_count:
             label += f" (of {count})"
@@ -378,13 +494,12 @@ class BerkeleyStore(Store):
                 database.open(name, None, self._type, self._open_flags)
         except (db.DBError, MemoryError) as exc:
             database.close()
-            detail = exc.args[1] if isinstance(exc, db.DBError) and len(exc.args) > 1 else exc
-            where = os.path.join(self.home, name) if self.home is not None else "in memory"
-            raise StorageFault(f"{label}: cannot open its Berkeley DB database "
-                               f"({where}): {detail}") from exc
+            raise fault(label, exc, where, self.cache_bytes,
+                        "cannot open its Berkeley DB database") from exc
         try:
             repo = BerkeleyRepository(database, self.method == "btree", name, label,
-                                      self._env if self.transactional else None)
+                                      self._env if self.transactional else None, where,
+                                      self.cache_bytes)
         except StorageFault:
             database.close()
             raise
@@ -460,7 +575,8 @@ class BerkeleyStore(Store):
             try:
                 self._env.txn_checkpoint()
             except (db.DBError, MemoryError) as exc:
-                failures.append(f"{self.label}: Berkeley DB checkpoint failed: {exc}")
+                failures.append(f"{self.label}: Berkeley DB checkpoint failed ({self.home}): "
+                                f"{cause(exc)}")
         for repo in self._repos.values():
             try:
                 repo.sync()
@@ -469,6 +585,45 @@ class BerkeleyStore(Store):
         if failures:
             raise StorageFault("; ".join(failures))
 
+    def checkpoint(self, after: int = 0) -> None:
+        """A sync store's checkpoint: the pages its log holds are written to
+        their files and the log files no longer needed are removed (what
+        lets deletes go on at a full disk: each is logged first)."""
+        if self.transactional and self._env is not None:
+            try:
+                self._env.txn_checkpoint((after + 1023) // 1024)
+            except (db.DBError, MemoryError) as exc:
+                raise StorageFault(f"{self.label}: Berkeley DB checkpoint failed "
+                                   f"({self.home}): {cause(exc)}") from exc
+
+    def reclaim(self, start: bool = False) -> int:
+        """Checkpoint (a sync store: its old log files go), then compact
+        each database that lost records since the last call, so that the
+        pages its deleted records freed go back to the filesystem (``start``:
+        only note the records of each).  Only those: compacting moves
+        records, which is logged, and the log is written inside the
+        reserve.  Disk only.  A StorageFault names every bucket that
+        failed; the others are reclaimed still."""
+        if self.home is None:
+            return 0
+        failures = []
+        try:
+            self.checkpoint()
+        except StorageFault as exc:
+            failures.append(str(exc))
+        given = 0
+        for repo in self._repos.values():
+            if not start and repo.reclaimed_at is not None \
+                    and repo.record_count < repo.reclaimed_at:
+                try:
+                    given += repo.reclaim()
+                except StorageFault as exc:
+                    failures.append(str(exc))
+            repo.reclaimed_at = repo.record_count
+        if failures:
+            raise StorageFault("; ".join(failures))
+        return given
+
     def storage_bytes(self) -> int:
         """The bytes of every open database's pages (see
         BerkeleyRepository.storage_bytes); a StorageFault if one cannot
@@ -476,13 +631,26 @@ class BerkeleyStore(Store):
         return sum(repo.storage_bytes() for repo in self._repos.values())
 
     def close(self) -> None:
+        """Close every database and the environment, each whatever the
+        others do (a full disk may fail the flush a close makes); a
+        StorageFault names what failed.  A sync store's log still holds
+        every acknowledged write: recovery replays it at the next open."""
         if self._env is None:
             return
+        failures = []
         for repo in self._repos.values():
-            repo.close()
+            try:
+                repo.close()
+            except (db.DBError, MemoryError) as exc:
+                failures.append(f"{repo.label}: closing failed: {cause(exc)}")
         self._repos.clear()
-        self._env.close()
-        self._env = None  # type: ignore[assignment]
+        env, self._env = self._env, None
+        try:
+            env.close()
+        except (db.DBError, MemoryError) as exc:
+            failures.append(f"{self.label}: closing its environment failed: {cause(exc)}")
+        if failures:
+            raise StorageFault("; ".join(failures))
 
     def destroy(self) -> None:
         self.close()

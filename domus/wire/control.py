@@ -76,6 +76,9 @@ class MessageProtocol(Int32StringReceiver):
     # to its backups, which keep their own table): (status, id, frame).
     reply_handler: Callable[[int, int, bytes], None] | None = None
     call_timeout = 10.0
+    # Bounds of a control request's body (domus.wire.protocol.decode_control)
+    max_control_body = wire.MAX_FRAME_BYTES
+    max_control_containers = wire.MAX_CONTROL_CONTAINERS
     clock: Any = None  # IReactorTime for call timeouts; None: the global reactor
 
     def __init__(self) -> None:
@@ -209,7 +212,8 @@ class MessageProtocol(Int32StringReceiver):
 
     def _control_received(self, frame: bytes, request_id: int) -> None:
         try:
-            body = wire.decode_control(frame)
+            body = wire.decode_control(frame, max_body=self.max_control_body,
+                                       max_containers=self.max_control_containers)
         except ProtocolError as exc:
             self.sendString(wire.reply(wire.ST_CONTROL_ERROR, request_id,
                                        wire.pack({"error": "ProtocolError", "message": str(exc)})))

@@ -78,9 +78,10 @@ ST_MOVING = 0x1A
 ST_STALE_LAYOUT = 0x1B
 ST_DATA_LOST = 0x1C
 ST_STALE_REQUEST = 0x1D
-ST_BUSY = 0x1E
+ST_STORAGE_FULL = 0x1E
 ST_INTERNAL = 0x1F
 ST_CONTROL_ERROR = 0x20
+ST_BUSY = 0x21
 
 STATUS_NAMES = {
     ST_OK: "ok", ST_NOT_FOUND: "not found", ST_MALFORMED: "malformed request",
@@ -93,6 +94,7 @@ STATUS_NAMES = {
     ST_STALE_LAYOUT: "the request's bucket numbering is not the DHT's: fetch its layout",
     ST_DATA_LOST: "every copy of the bucket was lost",
     ST_STALE_REQUEST: "the request's time is too far from the service's clock",
+    ST_STORAGE_FULL: "the service's disk is at its reserve (or its cache is full)",
     ST_BUSY: "the service is overloaded; back off and retry",
     ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
 }
@@ -485,8 +487,42 @@ def decode_lookup(data: bytes) -> tuple[int, int, int | None]:
     return dht_id, target, None if current == NO_BUCKET else current
 
 
-def decode_control(data: bytes) -> dict[str, Any]:
-    body = unpack(data[REQUEST_HEADER_SIZE:])
+# A control request's msgpack body is bounded before it costs memory: in
+# bytes (by whoever receives it: MAX_FRAME_BYTES at most), in the length of
+# each array and map (checked by msgpack before it allocates one), in the
+# number of arrays and maps in all (an empty one is one byte on the wire and
+# some 64 bytes in memory), and in depth (msgpack's own stack, 1024).
+MAX_CONTROL_ELEMENTS = 1 << 22      # items of one array (a page of records: 2 per record)
+MAX_CONTROL_MAP = 1 << 20           # entries of one map
+MAX_CONTROL_CONTAINERS = 1 << 20    # arrays and maps in one body
+
+
+def decode_control(data: bytes, *, max_body: int = MAX_FRAME_BYTES,
+                   max_containers: int = MAX_CONTROL_CONTAINERS) -> dict[str, Any]:
+    """A control request's body (a map with a string ``op``), or
+    ProtocolError: malformed, or over ``max_body`` bytes, an array or map
+    too long, more than ``max_containers`` arrays and maps, too deep."""
+    size = len(data) - REQUEST_HEADER_SIZE
+    if size > max_body:
+        raise ProtocolError(f"control request body of {size} bytes is over the {max_body}-"
+                            f"byte limit of this connection")
+    containers = 0
+
+    def count(container: Any) -> Any:
+        nonlocal containers
+        containers += 1
+        if containers > max_containers:
+            raise ValueError(f"more than {max_containers} arrays and maps")
+        return container
+
+    try:
+        body = msgpack.unpackb(data[REQUEST_HEADER_SIZE:], raw=False, strict_map_key=False,
+                               max_array_len=MAX_CONTROL_ELEMENTS,
+                               max_map_len=MAX_CONTROL_MAP, list_hook=count,
+                               object_hook=count)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"bad control request body: {exc or type(exc).__name__}") \
+            from None
     if not isinstance(body, dict) or not isinstance(body.get("op"), str):
         raise ProtocolError("control request body must be a map with a string 'op'")
     return body

@@ -246,3 +246,52 @@ def test_no_hot_move_without_a_busy_service_or_a_bucket_that_stands_out():
         services["s1"]["load"]["requests_per_s"] = 6000.0
         moves = balancer.plan(dht, services, Memory(), settings, now=0.0, heat=heat)
         assert [move for move in moves if "requests/s" in move.why] == [], (cpus, heat)
+
+
+def disk_full(**changes):
+    full = service(**changes)
+    full["load"].update(free_disk=1.0 * GIB, disk_reserve=2.0 * GIB, disk_full=True)
+    return full
+
+
+def test_no_storage_of_a_disk_dht_goes_onto_a_service_whose_disk_is_full():
+    """s3 joins with its disk at its reserve: it routes its share, but no
+    bucket of a disk DHT's storage is moved there (a RAM DHT's is), and what
+    s1 and s2 hold stays; once its heartbeat says it has room, it gets its
+    share."""
+    services = {"s1": service(), "s2": service(), "s3": disk_full()}
+    disk = descriptor(buckets=48, medium="disk", platform="domus-bsddb-btree")
+    final, moves = run_to_the_end(disk, services)
+    assert held(final, "routing") == {"s1": 16, "s2": 16, "s3": 16}
+    assert held(final) == {"s1": 24, "s2": 24}
+    assert not [move for move in moves if move.role == "storage"]
+    ram = descriptor(buckets=48)
+    assert held(run_to_the_end(ram, services)[0]) == {"s1": 16, "s2": 16, "s3": 16}
+    drained, _moves = run_to_the_end(final, services, draining=("s1",))
+    assert held(drained) == {"s2": 48}               # a drain goes where there is room
+    services["s3"] = service()                       # room again
+    final, moves = run_to_the_end(final, services)
+    assert held(final) == {"s1": 16, "s2": 16, "s3": 16}
+
+
+def test_storage_waits_while_its_target_holds_some_and_its_disk_is_full():
+    services = {"s1": service(), "s2": service(), "s3": disk_full()}
+    dht = descriptor(buckets=48, storage=("s1", "s2", "s3"), medium="disk",
+                     platform="domus-bsddb-btree", counts=[20, 20, 8])
+    moves = balancer.plan(dht, services, Memory(), Settings(settle=0, cooldown=0))
+    assert moves and {move.role for move in moves} == {"routing"}     # routing goes on
+    services["s3"] = service()
+    assert held(run_to_the_end(dht, services)[0]) == {"s1": 16, "s2": 16, "s3": 16}
+
+
+def test_a_hot_bucket_is_not_moved_onto_a_full_disk():
+    dht = descriptor(buckets=16, medium="disk", platform="domus-bsddb-btree")
+    services = {"s1": service(cpu=97.0), "s2": disk_full(cpu=10.0)}
+    services["s1"]["load"]["requests_per_s"] = 6000.0
+    heat = {"s1": {3: 3000.0}}
+    moves = balancer.plan(dht, services, Memory(), Settings(settle=0, cooldown=0), now=0.0,
+                          heat=heat)
+    assert [move for move in moves if move.role == "storage"] == []
+    assert balancer.takes_storage(dht, services["s1"])
+    assert not balancer.takes_storage(dht, services["s2"])
+    assert balancer.takes_storage(descriptor(), services["s2"])     # a RAM DHT's

@@ -356,14 +356,34 @@ def test_reassignment_drops_buckets_no_longer_stored_here():
     assert put(handler, moved, b"again")[0] == wire.ST_NOT_OWNER
 
 
-def test_sync_drops_dhts_the_supervisor_no_longer_lists():
+def test_sync_keeps_dhts_the_supervisor_no_longer_lists_and_reports_them():
     handler = make_handler()
     put(handler, key_in(0), b"v")
     handler.sync([descriptor(id=2, name="other")])
-    assert sorted(handler.dhts) == [2]
-    assert get(handler, key_in(0))[0] == wire.ST_UNKNOWN_DHT
-    assert handler.drop(2) is True
-    assert handler.drop(2) is False
+    assert sorted(handler.dhts) == [DHT_ID, 2]
+    assert get(handler, key_in(0)) == (wire.ST_OK, b"v")
+    unclaimed = handler.holdings(unclaimed=True)
+    assert [(held["id"], held["records"], held["loaded"]) for held in unclaimed] == [
+        (DHT_ID, 1, True)]
+    assert handler.drop({"id": 2}) is True
+    assert handler.drop({"id": 2}) is False
+
+
+def test_a_drop_must_name_the_dhts_deployment_and_stamp():
+    handler = make_handler()
+    stamped = descriptor(id=3, name="stamped", deployment="d" * 32, stamp="5" * 32)
+    handler.assign(stamped)
+    for wrong in ({"id": 3}, {"id": 3, "deployment": "d" * 32, "stamp": "6" * 32},
+                  {"id": 3, "deployment": "e" * 32, "stamp": "5" * 32}):
+        with pytest.raises(ValueError, match="refuses to drop DHT id 3"):
+            handler.drop(wrong)
+        assert 3 in handler.dhts
+    for bad in ({"id": "/home/alice"}, {"id": -1}, {"id": True}, {"id": 2**40},
+                {"id": 3, "deployment": "../x", "stamp": "5" * 32}):
+        with pytest.raises(ValueError, match="not valid"):
+            handler.drop(bad)
+    assert handler.drop({"id": 3, "deployment": "d" * 32, "stamp": "5" * 32}) is True
+    assert 3 not in handler.dhts
 
 
 # ------------------------------------------------------------ malformed requests

@@ -548,8 +548,10 @@ def test_a_put_many_that_meets_a_storage_fault_changes_nothing(tmp_path, storage
     full_at(hosted.repos[2], puts)                 # (bucket 2 is written last)
     request = wire.encode_put_many(next_id(), CLIENT_A, DHT_ID, entries)
     status, message = parse(handler.handle(request), request)
-    assert status == wire.ST_STORAGE_ERROR
-    assert b"DHT 't' bucket 2: Berkeley DB failed: No space left on device" in message
+    # (No space: StorageFull for the client, nothing stored.)
+    assert status == wire.ST_STORAGE_FULL
+    assert b"DHT 't' bucket 2: Berkeley DB failed: no space left on the device of " in message
+    assert b"No space left on device" in message
     for bucket in range(3):
         repo = hosted.repos[bucket]
         assert repo.get(old[bucket]) == b"before", bucket

@@ -1,8 +1,8 @@
-"""Storage faults: a bucket whose Berkeley DB file is corrupt, a disk that
-fills up, or a RAM Berkeley DB whose cache is full, gives STORAGE_ERROR naming
-the bucket; the service goes on serving its other buckets and loses nothing
-it had stored.  Through the C hot path too: it declines what fails, and the
-Python handler reports it."""
+"""Storage faults: a bucket whose Berkeley DB file is corrupt gives
+STORAGE_ERROR naming the bucket, a disk that fills up or a RAM Berkeley DB
+whose cache is full gives STORAGE_FULL; the service goes on serving its
+other buckets and loses nothing it had stored.  Through the C hot path
+too: it declines what fails, and the Python handler reports it."""
 
 from __future__ import annotations
 
@@ -112,8 +112,10 @@ def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk)
             handler.flush()
     else:
         pytest.fail("120 MB went into a 4 MiB disk without an error")
-    assert status == wire.ST_STORAGE_ERROR, message
-    assert b"DHT 'faulty' bucket" in message and b"Berkeley DB failed" in message
+    # (This handler watches no reserve: the device itself fills.)
+    assert status == wire.ST_STORAGE_FULL, message
+    assert b"DHT 'faulty' bucket" in message
+    assert b"no space left on the device" in message or b"its filesystem has" in message
     assert handler.counters["internal_errors"] == 0
     if handler.fast is not None:
         assert handler.fast.requests >= len(stored) and handler.fast.fallbacks >= 1
@@ -144,14 +146,17 @@ def test_a_full_ram_cache_gives_a_storage_error_and_keeps_what_was_stored(monkey
             stored.append(key)
         else:
             pytest.fail("5 MB went into a 1 MiB cache without an error")
-        assert status == wire.ST_STORAGE_ERROR, message
-        assert b"DHT 'faulty' bucket" in message and b"Berkeley DB failed" in message
+        # A full cache is StorageFull for the client, as a full disk is.
+        assert status == wire.ST_STORAGE_FULL, message
+        assert b"DHT 'faulty' bucket" in message
+        assert b"its Berkeley DB cache (1 MiB, in memory) is full" in message
         assert b"Cannot allocate memory" in message
-        assert handler.counters == dict(handler.counters, storage_errors=1, internal_errors=0)
+        assert handler.counters == dict(handler.counters, storage_full=1, storage_errors=0,
+                                        internal_errors=0)
         batch = wire.encode_put_many(next(REQUEST_IDS), 7, DHT_ID, [
             (bucket_of(key, "xxh3", BUCKETS), key, value) for key in
             [encode_key(f"more{number}") for number in range(50)]])
-        assert handle(batch)[2] == wire.ST_STORAGE_ERROR
+        assert handle(batch)[2] == wire.ST_STORAGE_FULL
         if handler.fast is not None:
             assert handler.fast.requests == len(stored)
             assert handler.fast.fallbacks == 2
@@ -175,7 +180,7 @@ def test_deactivating_a_ram_dht_onto_a_full_disk_keeps_it_active_and_whole(small
         handler.assign(inactive)
     assert "No space left on device" in str(failure.value)
     assert handler.dhts[DHT_ID].active
-    assert os.listdir(dht_home(small_disk, DHT_ID)) == []          # no partial snapshot
+    assert os.listdir(dht_home(small_disk, DHT_ID)) == ["identity.json"]   # no partial snapshot
     for key in keys:
         reply = handler.handle(request(wire.OP_GET, key), 1 << 20)
         assert status_and_message(reply) == (wire.ST_OK, value)
