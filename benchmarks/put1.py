@@ -138,10 +138,10 @@ def _run_clients(worker: Callable[..., None], target: Any, clients: int,
 def measure_domus(clients: list[int], seconds: float,
                   insecure: bool = False) -> dict[int, float]:
     data_dir = tempfile.mkdtemp(prefix="domus-bench-")
+    os.environ.pop("DOMUS_SECRET_FILE", None)       # (an earlier deployment's, gone)
     try:
         with LocalDeployment(1, port=free_port_block(2), data_dir=data_dir,
                              insecure=insecure) as deployment:
-            os.environ.pop("DOMUS_SECRET_FILE", None)
             os.environ.update(deployment.environment())   # (workers find its secret)
 
             with deployment.connect() as cluster:

@@ -55,6 +55,8 @@
 #define TAG_POSBIG 0x02         /* int >= 2**63: u16 L, the L-byte magnitude */
 #define TAG_STR 0x03
 #define TAG_BYTES 0x04
+#define TAG_TUPLE 0x05          /* elements, 0x00 escaped as 0x00 0xFF, each ended by 0x00 */
+#define MAX_TUPLE_DEPTH 32
 #define BIGINT_LENGTH_SIZE 2    /* the u16 before a big int's magnitude */
 #define INT64_OFFSET (UINT64_C(1) << 63)
 
@@ -339,12 +341,89 @@ fail:
     return -1;
 }
 
+static int key_parts_at(codec_state *state, PyObject *key, KeyParts *parts, int depth);
+
+/* A tuple key ``depth`` tuples deep, as domus.wire.keys._encode_tuple: tag
+ * 0x05, then each element's own encoding with every 0x00 byte followed by
+ * 0xFF, and a 0x00 after each element.  The payload is a bytes object owned
+ * by parts->holder.  0, or -1 with the reference's exception set: an
+ * element's (KeyTypeError, KeyTooLarge), KeyTypeError past MAX_TUPLE_DEPTH,
+ * KeyTooLarge (with the whole encoded size, counted but not stored past the
+ * limit) for a tuple over MAX_KEY_BYTES. */
+static int
+tuple_parts(codec_state *state, PyObject *key, KeyParts *parts, int depth)
+{
+    if (depth >= MAX_TUPLE_DEPTH) {
+        PyErr_Format(state->KeyTypeError, "a tuple key may hold tuples %d deep at most",
+                     MAX_TUPLE_DEPTH);
+        return -1;
+    }
+    /* The payload (after the tag) holds MAX_KEY_BYTES - 1 bytes at most. */
+    unsigned char *buffer = PyMem_Malloc(MAX_KEY_BYTES);
+    if (buffer == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t size = 0;   /* the payload's size so far (bytes past the limit only counted) */
+    for (Py_ssize_t index = 0; index < PyTuple_GET_SIZE(key); index++) {
+        /* Owned while its parts may point into it. */
+        PyObject *element = Py_NewRef(PyTuple_GET_ITEM(key, index));
+        KeyParts inner;
+        if (key_parts_at(state, element, &inner, depth + 1) < 0) {
+            Py_DECREF(element);
+            PyMem_Free(buffer);
+            return -1;
+        }
+        const unsigned char *payload = (const unsigned char *)inner.payload;
+        for (Py_ssize_t at = -1; at < inner.payload_size; at++) {
+            unsigned char byte = at < 0 ? inner.tag : payload[at];
+            if (size < MAX_KEY_BYTES) {
+                buffer[size] = byte;
+            }
+            size++;
+            if (byte == 0x00) {
+                if (size < MAX_KEY_BYTES) {
+                    buffer[size] = 0xFF;
+                }
+                size++;
+            }
+        }
+        if (size < MAX_KEY_BYTES) {
+            buffer[size] = 0x00;
+        }
+        size++;
+        key_parts_clear(&inner);
+        Py_DECREF(element);
+    }
+    if (1 + size > MAX_KEY_BYTES) {
+        PyMem_Free(buffer);
+        return key_too_large(state, 1 + size);
+    }
+    PyObject *holder = PyBytes_FromStringAndSize((const char *)buffer, size);
+    PyMem_Free(buffer);
+    if (holder == NULL) {
+        return -1;
+    }
+    parts->tag = TAG_TUPLE;
+    parts->payload = PyBytes_AS_STRING(holder);
+    parts->payload_size = size;
+    parts->holder = holder;
+    return 0;
+}
+
 /* Fill *parts with the canonical encoding of key, exactly as
  * domus.wire.keys.encode_key: 0, or -1 with KeyTypeError, KeyTooLarge (or what
  * bytes() of a bytearray/memoryview raised) set.  On success the caller
  * calls key_parts_clear. */
 static int
 key_parts(codec_state *state, PyObject *key, KeyParts *parts)
+{
+    return key_parts_at(state, key, parts, 0);
+}
+
+/* key_parts of a key that is an element of tuples ``depth`` deep. */
+static int
+key_parts_at(codec_state *state, PyObject *key, KeyParts *parts, int depth)
 {
     parts->holder = NULL;
     if (PyLong_Check(key)) {   /* int, bool, IntEnum, ...: by value */
@@ -406,12 +485,15 @@ key_parts(codec_state *state, PyObject *key, KeyParts *parts)
         }
         return 0;
     }
+    else if (PyTuple_Check(key)) {   /* a tuple or a subclass (a namedtuple): its elements */
+        return tuple_parts(state, key, parts, depth);
+    }
     else {
         PyObject *name = PyType_GetName(Py_TYPE(key));
         if (name != NULL) {
             PyErr_Format(state->KeyTypeError,
-                         "a Domus key must be int, str or bytes, not %U; convert it "
-                         "first (for example str(key))", name);
+                         "a Domus key must be int, str, bytes or a tuple of those, not %U; "
+                         "convert it first (for example str(key))", name);
             Py_DECREF(name);
         }
         return -1;

@@ -155,9 +155,9 @@ def unauthenticated(pair: Pair) -> tuple[int, int]:
 
 def steady_second(data: bytes) -> int:
     """This clock's second, once far enough from its edges that the services
-    judge an input's time alike: the C path reads time(), which lags the
-    Python path's time.time() by up to a kernel tick after each second
-    begins.  Only an input whose time is at the window's edge waits."""
+    judge an input's time alike: the two paths read the clock one after the
+    other, and a second may begin between their reads.  Only an input whose
+    time is at the window's edge waits."""
     while True:
         moment = time.time()
         second, fraction = int(moment), moment % 1

@@ -31,18 +31,21 @@ __all__ = ["Member", "chunks", "encode_pairs", "check_values", "put_requests",
 _NOT_FINAL = frozenset({wire.ST_NOT_OWNER, wire.ST_MOVING, wire.ST_UNKNOWN_DHT})
 
 
-def encode_pairs(pairs: list[Any]) -> tuple[list[bytes], list[bytes]]:
-    """Encoded keys and packed values of (key, value) pairs.  Of several bad
-    pairs, the error raised is the first one a pair-by-pair loop (key, then
-    value) meets."""
+def encode_pairs(pairs: list[Any], values: codec.ValueCodec | None = None
+                 ) -> tuple[list[bytes], list[bytes]]:
+    """Encoded keys and values packed by ``values`` (default msgpack) of
+    (key, value) pairs.  Of several bad pairs, the error raised is the
+    first one a pair-by-pair loop (key, then value) meets."""
+    pack = values.pack if values is not None else pack_value
+    pack_many = values.pack_many if values is not None else codec.pack_values
     try:
         keys = codec.encode_keys([key for key, _value in pairs])
     except Exception:
         for key, value in pairs:  # find the first bad pair, the slow way
             encode_key(key)
-            pack_value(value)
+            pack(value)
         raise
-    return keys, codec.pack_values([value for _key, value in pairs])
+    return keys, pack_many([value for _key, value in pairs])
 
 
 def check_values(values: list[bytes]) -> None:

@@ -5,8 +5,9 @@
         dht = cluster.create_dht("words")
         dht["apple"] = 3
 
-A ``Dht`` is a ``MutableMapping``.  Keys are int, str or bytes; values are
-anything msgpack encodes (tuples come back as lists).  Each operation is one
+A ``Dht`` is a ``MutableMapping``.  Keys are int, str, bytes or tuples of
+those; values are anything the DHT's codec encodes (msgpack by default,
+where tuples come back as lists; ``codec="pickle"`` or ``"raw"``).  Each operation is one
 request to the service that stores the key's bucket, found by the DHT's
 lookup strategy; the supervisor is asked only when a DHT is opened or its
 layout changed.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import threading
 import time
 from collections.abc import (
     Callable,
@@ -40,7 +42,13 @@ from domus.client.lookup import (
     Renumbered,
     reply_error,
 )
-from domus.client.transport import RequestIds, ServiceChannel, SupervisorLink, exchange
+from domus.client.transport import (
+    RequestIds,
+    ServiceChannel,
+    SupervisorLink,
+    exchange,
+    fork_aware,
+)
 from domus.errors import (
     DomusError,
     ServiceUnavailable,
@@ -137,6 +145,11 @@ class Cluster:
     def ping(self) -> dict[str, Any]:
         return self.supervisor.call("ping")
 
+    @property
+    def secure(self) -> bool:
+        """Whether the deployment authenticates this client (has a secret)."""
+        return self.supervisor.secure
+
     def channel(self, name: str, address: str) -> ServiceChannel:
         """The (shared) channel to a service, by name and address."""
         key = (name, address)
@@ -145,8 +158,11 @@ class Cluster:
             # (a deployment run --insecure takes no MACs, whatever secret
             # this process found at the default path)
             keys = self.keys if self.supervisor.secure else None
-            channel = self._channels[key] = ServiceChannel(name, address, deadline=self.timeout,
-                                                           keys=keys)
+            made = ServiceChannel(name, address, deadline=self.timeout, keys=keys)
+            # Two threads may make it at once: both use the first one kept.
+            channel = self._channels.setdefault(key, made)
+            if channel is not made:
+                made.close()
         return channel
 
     # -- DHTs
@@ -157,7 +173,7 @@ class Cluster:
                    durability: str | None = None, replicas: int | None = None,
                    routing_services: Iterable[str] | None = None,
                    storage_services: Iterable[str] | None = None,
-                   exist_ok: bool = False) -> Dht:
+                   codec: str | None = None, exist_ok: bool = False) -> Dht:
         """Create a DHT and open it.  Attributes left out take their
         defaults (README, "DHT attributes"); service sets default to every live
         service.  ``exist_ok``: a DHT of that name with these attributes
@@ -171,7 +187,7 @@ class Cluster:
                                     routing_algorithm=routing_algorithm, lookup=lookup,
                                     durability=durability, replicas=replicas,
                                     routing_services=routing_services,
-                                    storage_services=storage_services)
+                                    storage_services=storage_services, codec=codec)
         extra = {"exist_ok": True} if exist_ok else {}
         descriptor = self.supervisor.call("create_dht", name=name, attributes=attributes,
                                           timeout=max(self.timeout, CREATE_TIMEOUT), **extra)
@@ -299,12 +315,72 @@ class Cluster:
     def status(self) -> dict[str, Any]:
         return self.supervisor.call("status")
 
+    def discard_dht(self, service: str, dht_id: int) -> dict[str, Any]:
+        """Delete, on service ``service``, the DHT with id ``dht_id`` that it
+        holds and the supervisor does not know (``services()[i]
+        ["unknown_dhts"]``: of another deployment, or one a supervisor
+        restarted on another data dir forgot).  A DHT of the deployment is
+        refused: destroy it with ``destroy_dht``.  Returns what was
+        discarded: ``service, id, name, deployment, stamp, records``."""
+        return self.supervisor.call("discard_dht", service=service, id=dht_id,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+
 
 class Dht(DirectLookup[ServiceChannel], MutableMapping):
-    """One DHT, used like a dict."""
+    """One DHT, used like a dict, from any number of threads.
+
+    Requests of different threads go out side by side, each on its
+    thread's own sockets (domus.client.transport); what threads share is
+    the layout, which a refresh replaces while others read it.  Fetches are
+    serialised (``_fetching``): a thousand requests told NOT_OWNER at once
+    cause one fetch, not a thousand.  A request that met a layout half
+    replaced (an index past a table of another bucket count) waits for the
+    fetch to end and starts again.  The lookup counters are not locked:
+    under many threads they may miss a few counts."""
+
+    def __init__(self, cluster: Any, descriptor: dict[str, Any], **options: Any) -> None:
+        self._fetching = threading.Lock()
+        self._begun = 0                 # layout fetches begun (under _fetching)
+        self._loads = 0                 # layouts being or been loaded
+        super().__init__(cluster, descriptor, **options)
+        fork_aware(self)
+
+    def _after_fork(self) -> None:
+        self._fetching = threading.Lock()   # (a parent's thread may have held it)
+
+    def _value_of(self, key: Any, data: bytes, offset: int) -> Any:
+        """The value of ``key`` stored as ``data[offset:]``, by this DHT's
+        codec; a ValueDecodeError names the DHT and the key."""
+        try:
+            return self._values.unpack_at(data, offset)
+        except ValueDecodeError as exc:
+            raise exc.with_key(key).with_dht(self.name) from None
+
+    def _load(self, descriptor: dict[str, Any]) -> None:
+        self._loads += 1
+        super()._load(descriptor)
+
+    def _layout_mark(self) -> int:
+        return self._begun
 
     def refresh(self) -> None:
         """Fetch the DHT's layout from the supervisor again."""
+        self._layout_after(self._begun)
+
+    def _layout_after(self, mark: int) -> None:
+        """A layout whose fetch began after ``mark`` (a past ``_begun``):
+        one another thread fetched meanwhile, or else a new one."""
+        with self._fetching:
+            if self._begun > mark:
+                return
+            self._begun += 1
+            try:
+                self._fetch()
+            except BaseException:
+                self._begun -= 1
+                raise
+
+    def _fetch(self) -> None:
         self._counters["refreshes"] += 1
         try:
             descriptor = self.cluster.supervisor.call("open_dht", name=self.name)
@@ -312,6 +388,14 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             raise UnknownDht(f"DHT {self.name!r} no longer exists (destroyed?); "
                              f"create or open it again") from None
         self._load(descriptor)
+
+    def _reloaded(self, loads: int) -> bool:
+        """Whether a layout was loaded since ``loads`` (a past ``_loads``);
+        if so, once that load has ended."""
+        if self._loads == loads:
+            return False
+        with self._fetching:
+            return True
 
     def _refresh_soon(self) -> None:
         """(A reply told of a newer layout: fetch it now; if the supervisor
@@ -325,6 +409,15 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     # ------------------------------------------------------------ single keys
     def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
+        loads = self._loads
+        try:
+            return self._keyed_request(op, key, value)
+        except IndexError:
+            if not self._reloaded(loads):
+                raise
+            return self._request(op, key, value)   # (another thread's refresh: anew)
+
+    def _keyed_request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
         """One keyed request (``value``: a PUT's packed value); returns its
         reply.  The first method of the lookup strategy answers at once when
         it can (a direct table, a cached entry); anything else (a miss, a
@@ -365,7 +458,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 return self._drive(self._course(encode, bucket, first, skip=skip,
                                              count=count))
             except Renumbered:          # the DHT was resized: hash the key anew
-                return self._request(op, key, value)
+                return self._keyed_request(op, key, value)
             except ServiceUnavailable as exc:
                 # (A replicated bucket's primary died while this request went
                 # its course: to its backup, once promoted, as it was.)
@@ -392,7 +485,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                         time.sleep(instruction[1])
                         result = None
                     else:
-                        self.refresh()
+                        self._layout_after(instruction[1])
                         result = None
                 except DomusError as exc:
                     instruction = course.throw(exc)
@@ -458,7 +551,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     def put(self, key: Any, value: Any) -> bool:
         """Store ``value`` under ``key``; True if the key was new."""
-        packed = _pack_value(value)
+        packed = self._values.pack(value)
         if len(packed) > _MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
                                 f"{_MAX_VALUE_BYTES}-byte limit; split it")
@@ -470,13 +563,13 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         reply = self._request(_GET, key)
         if reply[2] == _NOT_FOUND:
             raise KeyError(key)
-        return _value_of(self.name, key, reply, _HEADER)
+        return self._value_of(key, reply, _HEADER)
 
     def get(self, key: Any, default: Any = None) -> Any:
         reply = self._request(_GET, key)
         if reply[2] == _NOT_FOUND:
             return default
-        return _value_of(self.name, key, reply, _HEADER)
+        return self._value_of(key, reply, _HEADER)
 
     def delete(self, key: Any) -> bool:
         """Remove ``key``; True if it was there."""
@@ -500,12 +593,23 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         found = self._drive_all({bucket: self._locating(bucket) for bucket in missing})
         return self._batch_found(owners, missing, [found[bucket] for bucket in missing])
 
+    def _settled_owners(self, keys: list[bytes]) -> tuple[Any, int]:
+        """``_batch_owners`` and the ``_loads`` they were found with, found
+        again if another thread's refresh replaced the layout meanwhile."""
+        while True:
+            loads = self._loads
+            try:
+                return self._batch_owners(keys), loads
+            except IndexError:
+                if not self._reloaded(loads):
+                    raise
+
     def _before_next_round(self, moved: int, moving: bool, rounds: dict[str, Any]) -> None:
         for step in self._batch_retry(moved, moving, rounds):
             if step[0] == PAUSE:
                 time.sleep(step[1])
             else:
-                self.refresh()
+                self._layout_after(step[1])
 
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
         """Store many records, one message per service where they fit in a
@@ -513,15 +617,21 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         were new.  Either every key and value is valid and all are sent, or
         none is."""
         pairs = list(items.items() if isinstance(items, Mapping) else items)
-        keys, values = batch.encode_pairs(pairs)
+        keys, values = batch.encode_pairs(pairs, self._values)
         batch.check_values(values)
-        owners = self._batch_owners(keys)
+        owners, loads = self._settled_owners(keys)
         created = 0
         rounds = self._batch_rounds()
         replies: list[bytes] | None = []
         while keys:
-            requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
-                                          self.id, self.cluster.ids)
+            try:
+                requests = batch.put_requests(keys, values, self._hasher, self._shift, owners,
+                                              self.id, self.cluster.ids)
+            except IndexError:
+                if not self._reloaded(loads):
+                    raise
+                loads, owners = self._loads, self._owners   # (another thread's refresh)
+                continue
             replies = self._exchange(requests)
             if replies is None:             # a primary died: its backup took over
                 owners = self._owners
@@ -538,18 +648,25 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         """Values of the keys that are present (absent keys are left out)."""
         wanted = list(keys)
         state = batch.GetMany(wanted, codec.encode_keys(wanted))
-        owners = self._batch_owners(state.encoded)
+        owners, loads = self._settled_owners(state.encoded)
         rounds = self._batch_rounds()
         replies: list[bytes] | None = []
         while state.pending:
-            requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
-                                               self.cluster.ids)
+            try:
+                requests, batches = state.requests(self._hasher, self._shift, owners, self.id,
+                                                   self.cluster.ids)
+            except IndexError:
+                if not self._reloaded(loads):
+                    raise
+                loads, owners = self._loads, self._owners   # (another thread's refresh)
+                continue
             replies = self._exchange(requests)
             if replies is None:             # a primary died: its backup took over
                 owners = self._owners
                 continue
             try:
-                moved = state.take(requests, batches, replies, self._batch_error)
+                moved = state.take(requests, batches, replies, self._batch_error,
+                                   self._values.take)
             except ValueDecodeError as exc:
                 raise exc.with_dht(self.name) from None
             if moved or state.moving:
@@ -592,14 +709,6 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             raise
         except DomusError:
             pass
-
-    def _renumbered_at(self, bucket: int, count: int, floor: int) -> tuple[int, int]:
-        """A scan that had read buckets [0, ``bucket``) of ``count`` when
-        the DHT was resized: the bucket of the new count to go on from, and
-        the floor (the top 32 bits of a key's hash) below which records were
-        read already."""
-        floor = max(floor, bucket << (32 - (count.bit_length() - 1)))
-        return floor >> (32 - (self.bucket_count.bit_length() - 1)), floor
 
     def records_by_service(self) -> dict[str, int]:
         """How many records each storage service holds of this DHT."""
@@ -724,7 +833,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         if items:
             for key, value in merged:
                 key = decode_key(key)
-                yield key, _value_of(self.name, key, value, 0)
+                yield key, self._value_of(key, value, 0)
         else:
             for key, _value in merged:
                 yield decode_key(key)
@@ -764,7 +873,7 @@ class _ScanItems(ItemsView):
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         for key, value in self._mapping._scan():
             key = decode_key(key)
-            yield key, _value_of(self._mapping.name, key, value, 0)
+            yield key, self._mapping._value_of(key, value, 0)
 
 
 class _ScanValues(ValuesView):
@@ -772,9 +881,10 @@ class _ScanValues(ValuesView):
 
     def __iter__(self) -> Iterator[Any]:
         name = self._mapping.name
+        unpack = self._mapping._values.unpack_at
         for key, value in self._mapping._scan():
             try:
-                decoded = _unpack_value(value, 0)
+                decoded = unpack(value, 0)
             except ValueDecodeError as exc:
                 raise exc.with_key(decode_key(key)).with_dht(name) from None
             yield decoded

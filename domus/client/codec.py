@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from types import SimpleNamespace
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from domus.errors import ValueDecodeError
 from domus.wire import keys as _keys
@@ -264,7 +264,43 @@ def hasher(name: str) -> Hasher:
     return code if code is not None else _keys.HASH_FUNCTIONS[name]
 
 
+class ValueCodec(NamedTuple):
+    """How a DHT's values are packed and unpacked (its ``codec``
+    attribute): ``pack(value)``, ``pack_many(values)``, ``unpack_at(data,
+    offset)``, and ``take`` for get_many_take (None: msgpack's, in C)."""
+
+    name: str
+    pack: Callable[[Any], bytes]
+    pack_many: Callable[[Sequence[Any]], list[bytes]]
+    unpack_at: Callable[[bytes, int], Any]
+    take: Callable[[bytes], Any] | None
+
+
+def _many(pack: Callable[[Any], bytes]) -> Callable[[Sequence[Any]], list[bytes]]:
+    def pack_many(values: Sequence[Any]) -> list[bytes]:
+        return [pack(value) for value in values]
+
+    return pack_many
+
+
+VALUE_CODECS = {
+    "msgpack": ValueCodec("msgpack", pack_value, pack_values, unpack_value, None),
+    "pickle": ValueCodec("pickle", _values.pack_pickle, _many(_values.pack_pickle),
+                         lambda data, offset: _values.unpack_pickle(data[offset:]),
+                         _values.unpack_pickle),
+    "raw": ValueCodec("raw", _values.pack_raw, _many(_values.pack_raw),
+                      lambda data, offset: data[offset:], _values.unpack_raw),
+}
+
+
+def value_codec(name: str | None) -> ValueCodec:
+    """The ValueCodec of a DHT whose ``codec`` attribute is ``name``
+    (None: a DHT made before codecs, msgpack)."""
+    return VALUE_CODECS[name or "msgpack"]
+
+
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON", "reference", "accelerated", "hasher", "chunks",
            "group", "encode_key", "encode_keys", "bucket_of", "keyed", "put_many_requests",
            "get_many_requests", "decode_get_many_reply", "decode_scan_reply", "get_many_take",
-           "pack_value", "pack_values", "unpack_value", "value_of", "roundtrip"]
+           "pack_value", "pack_values", "unpack_value", "value_of", "roundtrip", "ValueCodec",
+           "value_codec"]

@@ -55,6 +55,7 @@ from typing import Any, Generic, TypeVar
 
 from domus.client import codec
 from domus.errors import (
+    AuthenticationError,
     DataLost,
     DhtInactive,
     DomusError,
@@ -253,6 +254,14 @@ class DirectLookup(Generic[Channel]):
         self._direct: Any = self._owners
         self.layout_version: int = descriptor.get("version", 0)
         self.replicated = (descriptor.get("replicas") or 1) > 1
+        self.codec = descriptor.get("codec") or "msgpack"
+        if self.codec == "pickle" and not self.cluster.secure:
+            raise AuthenticationError(
+                f"DHT {self.name!r} stores pickles, and this client's connection to the "
+                f"deployment is not authenticated (it runs --insecure): unpickling what anyone "
+                f"on the network could have stored would let them run code here. Use it only "
+                f"on a deployment with a secret")
+        self._values = codec.value_codec(self.codec)
         self._layout_tag = wire.layout_tag(self.layout_version)
         self._numbered = wire.numbering(self.bucket_count)
         routers = {entry["name"]: self.cluster.channel(entry["name"], entry["address"])
@@ -325,7 +334,7 @@ class DirectLookup(Generic[Channel]):
         if fast == "C":
             entry = self._cache.get(bucket)
             if entry is not None:
-                self._cache.move_to_end(bucket)
+                _touch(self._cache, bucket)
                 self._method_stats["C"].lookups += 1
                 return entry[1]
         return None
@@ -521,7 +530,7 @@ class DirectLookup(Generic[Channel]):
         if method == "C":
             entry = self._cache.get(bucket)
             if entry is not None:
-                self._cache.move_to_end(bucket)
+                _touch(self._cache, bucket)
                 return entry[1], 0
             stats.misses += 1           # not cached: route from the nearest entry
             start = self._nearest_cached(bucket)
@@ -621,9 +630,12 @@ class DirectLookup(Generic[Channel]):
     def _remember(self, bucket: int, router: Channel, storage: Channel) -> None:
         cache = self._cache
         cache[bucket] = (router, storage)
-        cache.move_to_end(bucket)
-        while len(cache) > self.cache_capacity:
-            cache.popitem(last=False)
+        _touch(cache, bucket)
+        try:
+            while len(cache) > self.cache_capacity:
+                cache.popitem(last=False)
+        except KeyError:        # (emptied by another thread meanwhile)
+            pass
 
     def _nearest_cached(self, target: int) -> tuple[Channel, int] | None:
         """(routing channel, bucket) of the cached entry nearest ``target``
@@ -638,8 +650,11 @@ class DirectLookup(Generic[Channel]):
                 return entry[0], bucket
             if probe >= NEAR_PROBES:
                 break
-        bucket = next(reversed(cache))
-        return cache[bucket][0], bucket
+        try:
+            bucket = next(reversed(cache))
+            return cache[bucket][0], bucket
+        except (StopIteration, KeyError, RuntimeError):   # (another thread changed it)
+            return None
 
     def _random_start(self) -> tuple[Channel, int]:
         """A routing service picked at random, weighted by the buckets it
@@ -736,6 +751,15 @@ class DirectLookup(Generic[Channel]):
         return {"refreshes": 0, "waited": 0.0, "pause": MOVING_FIRST_PAUSE,
                 "mark": self._layout_mark()}
 
+    # ------------------------------------------------------------ scans
+    def _renumbered_at(self, bucket: int, count: int, floor: int) -> tuple[int, int]:
+        """A scan that had read buckets [0, ``bucket``) of ``count`` when
+        the DHT was resized: the bucket of the new count to go on from, and
+        the floor (the top 32 bits of a key's hash) below which records were
+        read already."""
+        floor = max(floor, bucket << (32 - (count.bit_length() - 1)))
+        return floor >> (32 - (self.bucket_count.bit_length() - 1)), floor
+
     # ------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """This client's lookup counters for the DHT, per method of its
@@ -760,6 +784,15 @@ class DirectLookup(Generic[Channel]):
             "retries": sum(channel.retries for channel in self._storage_channels),
             "timeouts": sum(channel.timeouts for channel in self._storage_channels),
         }
+
+
+def _touch(cache: OrderedDict[int, Any], bucket: int) -> None:
+    """Mark ``bucket`` as the most recently used entry of ``cache`` (a
+    client shared by threads: another may have dropped it meanwhile)."""
+    try:
+        cache.move_to_end(bucket)
+    except KeyError:
+        pass
 
 
 def reply_error(dht: str, reply: bytes, channel: Any, bucket: int | None) -> DomusError:

@@ -15,16 +15,28 @@ When the C codec is built, a request's first try is ``domus.client.codec.roundtr
 (send, spin briefly for the reply, then poll and recv; without the GIL); if
 it times out or is refused, the Python loop below carries on from there
 under the same rule.
+
+Threads: a ``ServiceChannel`` may be used by any number of threads at once.
+Each thread has its own connected UDP socket (and TCP connection) to the
+service, opened on its first request and closed with the channel or when
+the thread ends, so a reply only ever reaches the thread that asked, and
+requests of different threads are in flight side by side with no lock
+between them.  ``SupervisorLink`` serialises its (rare) control calls with
+a lock.  After a fork the child opens its own sockets and locks
+(``_after_fork``), so a job may connect once and fork its workers.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 import select
 import socket
 import struct
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +45,7 @@ from domus.errors import (
     SUPERVISOR_ERRORS,
     AuthenticationError,
     ProtocolError,
+    ServiceBusy,
     ServiceUnavailable,
     SupervisorError,
     SupervisorUnreachable,
@@ -42,7 +55,8 @@ from domus.wire import auth
 from domus.wire import protocol as wire
 from domus.wire.secret import Keys
 
-_FRAME = struct.Struct(">I")
+FRAME = struct.Struct(">I")      # a TCP message's length prefix
+_FRAME = FRAME
 FIRST_TIMEOUT = 0.25
 MAX_DEADLINE = wire.MAX_DEADLINE
 REFUSED_LIMIT = 3
@@ -52,6 +66,17 @@ WINDOW = 4              # datagrams in flight per service in a pipelined batch
 RECV_BUFFER = 4 * 1024 * 1024
 _roundtrip = codec.roundtrip   # None without the C codec
 DEFAULT_SPIN_US = 30.0
+
+
+def next_timeout(timeout: float, elapsed: float, deadline: float) -> float | None:
+    """The retry rule: after a try that waited ``timeout`` seconds without
+    a reply, ``elapsed`` seconds after the first send, how long the next try
+    waits (twice as long, never past the deadline); None once the deadline
+    has passed (give up).  The event-driven clients follow it to the
+    letter; ServiceChannel's loop below is the same rule, inline."""
+    if elapsed >= deadline:
+        return None
+    return min(timeout * 2, max(deadline - elapsed, 0.001))
 
 
 def spin_from_environment(environ: Any = os.environ) -> float:
@@ -77,12 +102,37 @@ _TIMED_OUT = "timed out"       # how a first try made in C ended
 _REFUSED = "refused"
 
 
+# Objects holding sockets, locks or ids that a forked child must not share
+# with its parent: each has ``_after_fork()``, run in the child (one hook for
+# all, holding them weakly, so a closed client is not kept alive by it).
+# (by id: a Dht, a mapping, is not hashable)
+_FORK_AWARE: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _after_fork_in_child() -> None:
+    for holder in list(_FORK_AWARE.values()):
+        holder._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def fork_aware(holder: Any) -> None:
+    """Have ``holder._after_fork()`` run in every forked child (while
+    ``holder`` lives)."""
+    _FORK_AWARE[id(holder)] = holder
+
+
 class RequestIds:
-    """Request ids and the client id, fresh in a forked child."""
+    """Request ids and the client id, fresh in a forked child.  ``next()``
+    is safe from any thread (one C-level counter step under the GIL)."""
 
     def __init__(self) -> None:
         self._reset()
-        os.register_at_fork(after_in_child=self._reset)
+        fork_aware(self)
+
+    def _after_fork(self) -> None:
+        self._reset()
 
     def _reset(self) -> None:
         self.client_id = int.from_bytes(os.urandom(8), "big")
@@ -142,6 +192,18 @@ class SupervisorLink:
         self._session: auth.Session | None = None
         self.secure = False             # (the deployment's handshake said so)
         self._pid = os.getpid()
+        # One call at a time on the one connection (control calls are rare
+        # and never on the data path).
+        self._lock = threading.RLock()
+        fork_aware(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a lock of its own (another thread of the parent
+        may have held this one when it forked); the connection is the
+        parent's, left to it (``_connect`` opens another)."""
+        self._lock = threading.RLock()
+        self._sock = None
+        self._session = None
 
     def _connect(self) -> socket.socket:
         if self._sock is not None and self._pid == os.getpid():
@@ -183,6 +245,10 @@ class SupervisorLink:
         """Run control op ``op``; its result, or the matching domus.errors
         exception.  A read-only op is sent again once if the connection
         breaks; a change is not (it may have been applied)."""
+        with self._lock:
+            return self._call(op, timeout, params)
+
+    def _call(self, op: str, timeout: float | None, params: dict[str, Any]) -> Any:
         attempts = (1, 2) if op in READ_ONLY_CONTROL else (2,)
         for attempt in attempts:
             sock = self._connect()
@@ -214,11 +280,18 @@ class SupervisorLink:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
+        with self._lock:
+            if self._sock is not None:
+                try:
+                    self._sock.close()
+                finally:
+                    self._sock = None
+
+
+def control_result(op: str, status: int, frame: bytes) -> Any:
+    """The result of control op ``op`` from the supervisor's reply (status
+    and frame), or its domus.errors exception, raised."""
+    return _control_result(op, status, frame)
 
 
 def _control_result(op: str, status: int, frame: bytes) -> Any:
@@ -230,6 +303,28 @@ def _control_result(op: str, status: int, frame: bytes) -> Any:
         raise SUPERVISOR_ERRORS.get(kind, SupervisorError)(message or f"{op!r} failed")
     raise SupervisorError(f"{op!r} failed with status 0x{status:02x}: "
                           f"{body.decode('utf-8', 'replace')}")
+
+
+def busy_backoff(tries: int, reply: bytes = b"") -> float:
+    """How long to wait before sending a request again after its ``tries``-th
+    BUSY answer ``reply``: BUSY_BACKOFF doubling up to BUSY_BACKOFF_MAX, or
+    the retry-after the reply carries if longer, times a random factor in
+    [0.5, 1.5) so that clients refused together do not come back together."""
+    base = min(wire.BUSY_BACKOFF * 2 ** min(tries - 1, 16), wire.BUSY_BACKOFF_MAX)
+    return max(base, wire.busy_retry_after(reply)) * random.uniform(0.5, 1.5)
+
+
+def service_busy(name: str, address: str, waited: float, tries: int, dht: str = "",
+                 bucket: int | None = None) -> ServiceBusy:
+    if dht and bucket is not None:
+        where = f" for bucket {bucket} of DHT {dht!r}"
+    else:
+        where = f" for DHT {dht!r}" if dht else ""
+    return ServiceBusy(
+        f"service {name} at {address} was too busy to serve a request{where}: it answered "
+        f"BUSY {tries} times in {waited:.1f}s (the client's deadline). It is overloaded; "
+        f"retry later, spread the load over more services, or give the client a longer "
+        f"timeout", service=name, address=address, dht=dht, bucket=bucket)
 
 
 def service_unavailable(name: str, address: str, what: str, dht: str = "",
@@ -246,8 +341,51 @@ def service_unavailable(name: str, address: str, what: str, dht: str = "",
         service=name, address=address, dht=dht, bucket=bucket)
 
 
+class _Closer:
+    """Closes one thread's sockets to a service when the thread ends (its
+    thread-local values are dropped), so they never linger as unclosed."""
+
+    __slots__ = ("sockets",)
+
+    def __init__(self) -> None:
+        self.sockets: list[socket.socket] = []
+
+    def hold(self, sock: socket.socket) -> None:
+        self.sockets = [held for held in self.sockets if held.fileno() != -1]
+        self.sockets.append(sock)
+
+    def __del__(self) -> None:
+        for sock in self.sockets:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+class _ThreadSockets(threading.local):
+    """One thread's sockets to one service (see ServiceChannel)."""
+
+    sock: socket.socket | None = None
+    fd = -1
+    tcp: socket.socket | None = None
+    tcp_session: auth.Session | None = None
+    closer: _Closer | None = None
+
+    def hold(self, sock: socket.socket) -> None:
+        if self.closer is None:
+            self.closer = _Closer()
+        self.closer.hold(sock)
+
+
 class ServiceChannel:
-    """Requests to one service.  Not thread-safe: one per thread/process."""
+    """Requests to one service, from any number of threads.
+
+    Each thread that uses the channel gets its own connected UDP socket
+    (``sock``, opened on first use) and its own TCP connection (``_tcp``,
+    opened when a message does not fit a datagram): a thread only ever
+    reads replies to its own requests, threads never wait for one another,
+    and a thread's sockets close when it ends or the channel is closed.
+    ``retries`` and ``timeouts`` are counted by every thread, unlocked."""
 
     def __init__(self, name: str, address: str, *, deadline: float,
                  first_timeout: float = FIRST_TIMEOUT, keys: Keys | None = None) -> None:
@@ -257,32 +395,88 @@ class ServiceChannel:
         # key, TCP connections opened with the handshake (domus.wire.auth).
         self.keys = keys
         self._key = keys.data if keys is not None else None
-        self._tcp_session: auth.Session | None = None
         self.host, self.port = addresses.parse(address)
         self.deadline = min(deadline, MAX_DEADLINE)
         self.first_timeout = min(first_timeout, self.deadline)
         self.retries = 0
         self.timeouts = 0
-        self._tcp: socket.socket | None = None
-        self._open()
-        os.register_at_fork(after_in_child=self._open)
+        self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
+        self._closed = False
+        self._local = _ThreadSockets()
+        # Every socket any thread opened (weakly: a thread that ends takes
+        # its sockets with it), for close().
+        self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+        self._open()            # (the caller's: an unreachable address fails here)
+        fork_aware(self)
 
-    def _open(self) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    def _open(self) -> socket.socket:
+        """The calling thread's UDP socket, connected to the service."""
+        if self._closed:
+            raise ServiceUnavailable(f"the client's channel to service {self.name} "
+                                     f"({self.address}) is closed; connect again",
+                                     service=self.name, address=self.address)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
         except OSError:
             pass
-        self.sock.connect((self.host, self.port))
-        self.sock.settimeout(self.first_timeout)
-        self._fd = self.sock.fileno()
-        self._tcp = None
+        try:
+            sock.connect((self.host, self.port))
+        except OSError:
+            sock.close()
+            raise
+        sock.settimeout(self.first_timeout)
+        local = self._local
+        local.sock, local.fd = sock, sock.fileno()
+        local.hold(sock)
+        self._sockets.add(sock)
+        return sock
+
+    def _after_fork(self) -> None:
+        """In a forked child: sockets of its own, opened as it needs them
+        (the inherited ones are the parent's: a reply to the child's
+        request could reach the parent, or the other way round)."""
+        for sock in list(self._sockets):
+            sock.close()            # (the child's copy of the descriptor only)
+        self._sockets = weakref.WeakSet()
+        self._local = _ThreadSockets()
+
+    @property
+    def sock(self) -> socket.socket:
+        """The calling thread's connected UDP socket to the service."""
+        sock = self._local.sock
+        return sock if sock is not None else self._open()
+
+    @property
+    def _fd(self) -> int:
+        local = self._local
+        return local.fd if local.sock is not None else self._open().fileno()
+
+    @property
+    def _tcp(self) -> socket.socket | None:
+        return self._local.tcp
+
+    @_tcp.setter
+    def _tcp(self, sock: socket.socket | None) -> None:
+        self._local.tcp = sock
+        if sock is not None:
+            self._local.hold(sock)
+            self._sockets.add(sock)
+
+    @property
+    def _tcp_session(self) -> auth.Session | None:
+        return self._local.tcp_session
+
+    @_tcp_session.setter
+    def _tcp_session(self, session: auth.Session | None) -> None:
+        self._local.tcp_session = session
 
     def close(self) -> None:
-        self.sock.close()
-        if self._tcp is not None:
-            self._tcp.close()
-            self._tcp = None
+        """Close every thread's sockets; requests made after fail."""
+        self._closed = True
+        for sock in list(self._sockets):
+            sock.close()
+        self._local = _ThreadSockets()
 
     def unavailable(self, what: str, dht: str = "",
                     bucket: int | None = None) -> ServiceUnavailable:
@@ -290,32 +484,61 @@ class ServiceChannel:
 
     def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
         """Send one request, return its reply (retrying over UDP, or over TCP
-        when it is too big for a datagram)."""
+        when it is too big for a datagram).  A BUSY answer is not a reply:
+        the same request is sent again after a backoff (busy_backoff), until
+        the deadline since the first send, then ServiceBusy."""
+        started = time.monotonic()
+        reply = self._request(message, dht, bucket, self.deadline)
+        if reply[2] != wire.ST_BUSY:
+            return reply
+        return self._while_busy(message, dht, bucket, started, self._request, reply)
+
+    def _while_busy(self, message: bytes, dht: str, bucket: int | None, started: float,
+                    send: Any, first: bytes) -> bytes:
+        """Send ``message`` again (with ``send``) while the service answers
+        BUSY, backing off, within the deadline since ``started``."""
+        tries = 1
+        reply = first
+        while True:
+            self.busy += 1
+            pause = busy_backoff(tries, reply)
+            elapsed = time.monotonic() - started
+            if elapsed + pause >= self.deadline:
+                raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
+            time.sleep(pause)
+            reply = send(message, dht, bucket, self.deadline - elapsed - pause)
+            if reply[2] != wire.ST_BUSY:
+                return reply
+            tries += 1
+
+    def _request(self, message: bytes, dht: str, bucket: int | None,
+                 deadline: float) -> bytes:
         if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
-            return self.request_tcp(message, dht, bucket)
+            return self._request_tcp(message, dht, bucket)
         if _roundtrip is None:
             return self._request_udp(message, dht, bucket, None)
         key = self._key
         sealed = message if key is None else auth.seal_request(key, message)
         # The first try in C: send, poll, recv, without the GIL.
         try:
-            reply = _roundtrip(self._fd, sealed, self.first_timeout, SPIN)
+            reply = _roundtrip(self._fd, sealed, min(self.first_timeout, deadline), SPIN)
         except ConnectionRefusedError:
-            return self._request_udp(message, dht, bucket, _REFUSED)
+            return self._request_udp(message, dht, bucket, _REFUSED, deadline=deadline)
         if reply is None:
-            return self._request_udp(message, dht, bucket, _TIMED_OUT)
+            return self._request_udp(message, dht, bucket, _TIMED_OUT, deadline=deadline)
         if key is not None:
             opened = auth.open_reply(key, reply, message[8:16], sealed[-12:-8])
             if opened is None:          # not the service's: wait on for its own
                 return self._request_udp(message, dht, bucket, _TIMED_OUT,
-                                         [sealed[-12:-8]])
+                                         [sealed[-12:-8]], deadline=deadline)
             reply = opened
         if reply[2] == wire.ST_REPLY_TOO_LARGE:
-            return self.request_tcp(message, dht, bucket)
+            return self._request_tcp(message, dht, bucket)
         return reply
 
     def _request_udp(self, message: bytes, dht: str, bucket: int | None,
-                     first_try: str | None, stamps: list[bytes] | None = None) -> bytes:
+                     first_try: str | None, stamps: list[bytes] | None = None,
+                     deadline: float | None = None) -> bytes:
         """The UDP round trip and its retries, in Python.  ``first_try`` is
         how a try already made (by the C round trip) ended: _TIMED_OUT,
         _REFUSED, or None if none was made; ``stamps``: the times it was
@@ -323,7 +546,8 @@ class ServiceChannel:
         reply is taken if its MAC checks for one of them)."""
         sock = self.sock
         request_id = message[4:8]
-        timeout = self.first_timeout
+        deadline = self.deadline if deadline is None else deadline
+        timeout = min(self.first_timeout, deadline)
         started = time.monotonic() - (timeout if first_try is _TIMED_OUT else 0.0)
         refused = 0
         outcome = first_try
@@ -345,7 +569,7 @@ class ServiceChannel:
                                 data = self._opened(data, message, stamps)
                             if data[4:8] == request_id and len(data) >= wire.REPLY_HEADER_SIZE:
                                 if data[2] == wire.ST_REPLY_TOO_LARGE:
-                                    return self.request_tcp(message, dht, bucket)
+                                    return self._request_tcp(message, dht, bucket)
                                 return data
                             # else: the late reply of an earlier request, or
                             # one that is not the service's; skip it
@@ -365,11 +589,11 @@ class ServiceChannel:
                     time.sleep(0.02 * refused)
                 outcome = None
                 elapsed = time.monotonic() - started
-                if elapsed >= self.deadline:
+                if elapsed >= deadline:
                     raise self.unavailable(f"did not answer within {self.deadline:.1f}s "
                                            f"({self.retries} retries so far)", dht, bucket)
                 self.retries += 1
-                timeout = min(timeout * 2, max(self.deadline - elapsed, 0.001))
+                timeout = min(timeout * 2, max(deadline - elapsed, 0.001))
                 sock.settimeout(timeout)
         finally:
             if timeout != self.first_timeout:
@@ -378,13 +602,20 @@ class ServiceChannel:
     def _opened(self, data: bytes, message: bytes, stamps: list[bytes]) -> bytes:
         """A datagram as this request's reply if its MAC checks for one of
         the request's tries, else b"" (skipped)."""
-        for stamp in reversed(stamps):
-            opened = auth.open_reply(self._key, data, message[8:16], stamp)  # type: ignore
-            if opened is not None:
-                return opened
-        return b""
+        return auth.open_reply_to(self._key, data, message, stamps) or b""  # type: ignore
 
     def request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
+        """``request`` over TCP (BUSY answers backed off and retried alike)."""
+        started = time.monotonic()
+        reply = self._request_tcp(message, dht, bucket)
+        if reply[2] != wire.ST_BUSY:
+            return reply
+        return self._while_busy(message, dht, bucket, started,
+                                lambda message, dht, bucket, _left:
+                                self._request_tcp(message, dht, bucket), reply)
+
+    def _request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None,
+                     _deadline: float | None = None) -> bytes:
         request_id = message[4:8]
         for attempt in (1, 2):
             try:
@@ -441,6 +672,10 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
     # per channel: request id -> (index, time sent, timeout, time first sent)
     in_flight: dict[ServiceChannel, dict[bytes, tuple[int, float, float, float]]] = {
         channel: {} for channel in queues}
+    # request id -> BUSY answers so far; those waiting out a backoff (in
+    # flight, their timer the backoff's end)
+    busy: dict[bytes, int] = {}
+    backing_off: set[bytes] = set()
     stamps: dict[bytes, list[bytes]] = {}       # (secure) request id -> its tries' times
     refused: dict[ServiceChannel, int] = {channel: 0 for channel in queues}
     remaining = len(requests) - sum(reply is not None for reply in replies)
@@ -482,6 +717,19 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
                 if entry is None:
                     continue
                 index = entry[0]
+                if data[2] == wire.ST_BUSY:
+                    # Not a reply: wait a backoff (still holding its window
+                    # slot, so the whole window slows down), then again.
+                    tries = busy[data[4:8]] = busy.get(data[4:8], 0) + 1
+                    channel.busy += 1
+                    pause = busy_backoff(tries, data)
+                    first = entry[3]
+                    if time.monotonic() + pause - first >= channel.deadline:
+                        raise service_busy(channel.name, channel.address, channel.deadline,
+                                           tries, dht)
+                    in_flight[channel][data[4:8]] = (index, time.monotonic(), pause, first)
+                    backing_off.add(data[4:8])
+                    continue
                 if data[2] == wire.ST_REPLY_TOO_LARGE:
                     data = channel.request_tcp(requests[index][1], dht)
                 replies[index] = data
@@ -492,8 +740,16 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
             for request_id, (index, sent, timeout, first) in list(flying.items()):
                 if now < sent + timeout:
                     continue
+                if request_id in backing_off:   # (a backoff ended: no timeout)
+                    backing_off.discard(request_id)
+                    flying[request_id] = (index, now, channel.first_timeout, first)
+                    _send(channel, requests[index][1], refused, stamps)
+                    continue
                 channel.timeouts += 1
                 if now - first >= channel.deadline:
+                    if request_id in busy:
+                        raise service_busy(channel.name, channel.address, channel.deadline,
+                                           busy[request_id], dht)
                     raise channel.unavailable(f"did not answer within {channel.deadline:.1f}s",
                                               dht)
                 channel.retries += 1

@@ -41,21 +41,22 @@ from twisted.internet.abstract import isIPAddress
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.python.failure import Failure
 
-from domus.client import batch, codec
 from domus.client.blocking import (
     CREATE_TIMEOUT,
     DEFAULT_TIMEOUT,
     STATE_CHANGE_TIMEOUT,
     move_target,
-    reply_error,
 )
-from domus.client.lookup import PAUSE, SEND, DirectLookup, Renumbered
+from domus.client.evented import WINDOW, EventedDht
 from domus.client.transport import (
     FIRST_TIMEOUT,
     MAX_DEADLINE,
     READ_ONLY_CONTROL,
     RECV_BUFFER,
     RequestIds,
+    busy_backoff,
+    next_timeout,
+    service_busy,
     service_unavailable,
 )
 from domus.errors import (
@@ -66,8 +67,6 @@ from domus.errors import (
     SupervisorError,
     SupervisorUnreachable,
     UnknownDht,
-    ValueDecodeError,
-    ValueTooLarge,
 )
 from domus.wire import address as addresses
 from domus.wire import auth, secret
@@ -76,7 +75,6 @@ from domus.wire.attributes import check_strategy, create_request
 from domus.wire.control import MessageProtocol, RemoteControlError
 from domus.wire.secret import Keys
 
-WINDOW = 32            # datagrams in flight per service; more wait on the client
 MAX_PACKET = 65536     # what the UDP socket reads at once (Twisted's default is 8192)
 _UNSET = object()
 
@@ -155,7 +153,7 @@ class _Pending:
     or the client's close."""
 
     __slots__ = ("deferred", "message", "request_id", "channel", "dht", "bucket",
-                 "started", "timeout", "tries", "timer", "stamps")
+                 "started", "timeout", "tries", "timer", "stamps", "busy")
 
     def __init__(self, channel: TxChannel, message: bytes, dht: str,
                  bucket: int | None) -> None:
@@ -169,6 +167,7 @@ class _Pending:
         self.tries = 0
         self.timer: Any = None
         self.stamps: list[bytes] = []   # (secure) the times its tries were sealed with
+        self.busy = 0                   # BUSY answers so far
         self.deferred: defer.Deferred = defer.Deferred(canceller=self._cancelled)
 
     def _cancelled(self, _deferred: defer.Deferred) -> None:
@@ -274,7 +273,8 @@ class DatagramRequests(protocol.DatagramProtocol):
         channel = entry.channel
         channel.timeouts += 1
         elapsed = self.reactor.seconds() - entry.started
-        if elapsed >= channel.deadline:
+        timeout = next_timeout(entry.timeout, elapsed, channel.deadline)
+        if timeout is None:
             # The service has not answered for a whole deadline: the requests
             # still waiting for its window fail with this one, rather than
             # wait out a deadline each, one window after another.
@@ -284,11 +284,33 @@ class DatagramRequests(protocol.DatagramProtocol):
             what = (f"did not answer within {channel.deadline:.1f}s ({channel.retries} retries "
                     f"so far)")
             for request in doomed:
-                request.deferred.errback(channel.unavailable(what, request.dht, request.bucket))
+                request.deferred.errback(
+                    service_busy(channel.name, channel.address, channel.deadline, request.busy,
+                                 request.dht, request.bucket) if request.busy
+                    else channel.unavailable(what, request.dht, request.bucket))
             return
         channel.retries += 1
-        entry.timeout = min(entry.timeout * 2, max(channel.deadline - elapsed, 0.001))
+        entry.timeout = timeout
         self._send(entry)
+
+    def _busy(self, entry: _Pending, reply: bytes) -> None:
+        """The service answered BUSY: send the same request again after a
+        backoff (keeping its window slot, so the channel slows down), or
+        fail with ServiceBusy if that would pass the deadline."""
+        entry.busy += 1
+        channel = entry.channel
+        channel.busy += 1
+        pause = busy_backoff(entry.busy, reply)
+        elapsed = self.reactor.seconds() - entry.started
+        if entry.timer is not None and entry.timer.active():
+            entry.timer.cancel()
+        if elapsed + pause >= channel.deadline:
+            self.forget(entry)
+            entry.deferred.errback(service_busy(channel.name, channel.address, channel.deadline,
+                                                entry.busy, entry.dht, entry.bucket))
+            return
+        entry.timeout = channel.first_timeout
+        entry.timer = self.reactor.callLater(pause, self._send, entry)
 
     def forget(self, entry: _Pending) -> None:
         """Take ``entry`` out of the table (or the queue) and free its slot."""
@@ -311,15 +333,14 @@ class DatagramRequests(protocol.DatagramProtocol):
             return
         key = entry.channel.key
         if key is not None:
-            client_id = entry.message[8:16]
-            for stamp in reversed(entry.stamps):
-                opened = auth.open_reply(key, data, client_id, stamp)
-                if opened is not None:
-                    data = opened
-                    break
-            else:
+            opened = auth.open_reply_to(key, data, entry.message, entry.stamps)
+            if opened is None:
                 self.unauthenticated += 1   # not the service's: wait on for its own
                 return
+            data = opened
+        if data[2] == wire.ST_BUSY:
+            self._busy(entry, data)
+            return
         self.forget(entry)
         if data[2] == wire.ST_REPLY_TOO_LARGE:
             entry.channel.request_tcp(entry.message, entry.dht, entry.bucket).chainDeferred(
@@ -389,6 +410,7 @@ class TxChannel:
         self.requests = requests
         self.retries = 0
         self.timeouts = 0
+        self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
         self.in_flight = 0
         self.waiting: deque[_Pending] = deque()
         self.ip: str | None = self.host if isIPAddress(self.host) else None
@@ -415,6 +437,21 @@ class TxChannel:
         return defer.Deferred.fromCoroutine(self._request_tcp(message, dht, bucket))
 
     async def _request_tcp(self, message: bytes, dht: str, bucket: int | None) -> bytes:
+        reactor = self.requests.reactor
+        started = reactor.seconds()
+        tries = 0
+        while True:
+            frame = await self._request_tcp_once(message, dht, bucket)
+            if frame[2] != wire.ST_BUSY:
+                return frame
+            tries += 1
+            self.busy += 1
+            pause = busy_backoff(tries, frame)
+            if reactor.seconds() - started + pause >= self.deadline:
+                raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
+            await task.deferLater(reactor, pause, lambda: None)
+
+    async def _request_tcp_once(self, message: bytes, dht: str, bucket: int | None) -> bytes:
         request_id = wire.U32.unpack_from(message, 4)[0]
         for attempt in (1, 2):
             link: MessageProtocol | None = None
@@ -644,6 +681,7 @@ class TxCluster:
                    durability: str | None = None, replicas: int | None = None,
                    routing_services: Iterable[str] | None = None,
                    storage_services: Iterable[str] | None = None,
+                   codec: str | None = None,
                    exist_ok: bool = False) -> defer.Deferred:
         """Create a DHT and open it: fires with a TxDht.  Attributes left out
         take their defaults; service sets default to every live service.
@@ -656,7 +694,7 @@ class TxCluster:
                                         routing_algorithm=routing_algorithm, lookup=lookup,
                                         durability=durability, replicas=replicas,
                                         routing_services=routing_services,
-                                        storage_services=storage_services)
+                                        storage_services=storage_services, codec=codec)
         except Exception:
             return defer.fail()
         extra = {"exist_ok": True} if exist_ok else {}
@@ -748,8 +786,9 @@ class TxCluster:
         return self.call("balancer_status")
 
 
-class TxDht(DirectLookup[TxChannel]):
-    """One DHT; every data operation returns a Deferred."""
+class TxDht(EventedDht[TxChannel]):
+    """One DHT; every data operation returns a Deferred (its requests are
+    domus.client.evented's, on the reactor)."""
 
     def __init__(self, cluster: TxCluster, descriptor: dict[str, Any],
                  **options: Any) -> None:
@@ -781,130 +820,27 @@ class TxDht(DirectLookup[TxChannel]):
             self._refreshing = None
         once.settle(result)
 
-    def _layout_mark(self) -> int:
-        return self._fetches
-
     def _refresh_soon(self) -> None:
         """(A reply told of a newer layout: fetch it in the background.)"""
         self.refresh().addErrback(lambda _failure: None)
 
-    def _layout_after(self, mark: int) -> defer.Deferred:
-        """Wait for a layout fetched after ``mark`` (a past value of
-        ``_fetches``): one started since, or else a new one.  A thousand
-        requests told NOT_OWNER at once cause one fetch, not a thousand, and
-        none of them retries with a layout older than its own NOT_OWNER."""
-        if self._fetches > mark:
-            return self._refreshing.wait() if self._refreshing else defer.succeed(None)
-        if self._refreshing is not None:  # started before the request was sent
-            return self._refreshing.wait().addCallback(lambda _: self._layout_after(mark))
-        return self.refresh()
+    # -- the reactor's primitives (domus.client.evented)
+    def _join_refresh(self) -> defer.Deferred:
+        return self._refreshing.wait()
+
+    def _sleep(self, seconds: float) -> defer.Deferred:
+        return task.deferLater(self.cluster.reactor, seconds, lambda: None)
+
+    def _now(self) -> float:
+        return self.cluster.reactor.seconds()
+
+    def _gather(self, awaitables: list[Any]) -> defer.Deferred:
+        return _gather([defer.ensureDeferred(awaitable) for awaitable in awaitables])
 
     # ------------------------------------------------------------ single keys
-    async def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
-        """One keyed request (``value``: a PUT's packed value); returns its
-        reply.  As the synchronous client: the first method of the strategy
-        answers at once when it can, anything else takes the course that
-        domus.client.lookup lays out."""
-        ids = self.cluster.ids
-        count = self.bucket_count
-        message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
-                                      self._shift, key, value)
-        first = None
-        skip = 0
-        unsent = None
-        mark = self._fetches
-        channel = self._first_channel(bucket)
-        if channel is None:
-            walk = self._first_walk(bucket)
-            if walk is not None:
-                channel = self._first_walked(await self._drive(walk))
-                skip = channel is None
-        if channel is None:
-            unsent = message
-        else:
-            self._counters["messages"] += 1
-            try:
-                reply = await channel.request(message, self.name, bucket)
-            except ServiceUnavailable:
-                if not await self._owner_moved(mark, bucket, channel, count):
-                    raise
-                unsent = message        # (as the synchronous client: sent again as it was)
-            else:
-                if self._first_answer(channel, reply, bucket):
-                    return reply
-                first = (channel, reply)
-        encode = self._encoder(op, key, value, unsent, message)
-        while True:
-            try:
-                return await self._drive(self._course(encode, bucket, first, mark, skip,
-                                                   count))
-            except Renumbered:          # the DHT was resized: hash the key anew
-                return await self._request(op, key, value)
-            except ServiceUnavailable as exc:
-                # (As the synchronous client: to a promoted backup, as it was.)
-                dead = self.cluster.channel(exc.service, exc.address) if exc.service else None
-                if (dead is None or not self.replicated
-                        or not await self._owner_moved(self._fetches, bucket, dead, count)):
-                    raise
-                encode = self._encoder(op, key, value, encode.last)
-                first, skip, mark = None, 0, self._fetches
-
-    async def _drive(self, course: Any) -> Any:
-        """Run a course (domus.client.lookup) to its end, without blocking."""
-        result: Any = None
-        try:
-            instruction = next(course)
-            while True:
-                kind = instruction[0]
-                try:
-                    if kind == SEND:
-                        self._counters["messages"] += 1
-                        result = await instruction[1].request(instruction[2], self.name,
-                                                              instruction[3])
-                    elif kind == PAUSE:
-                        result = await task.deferLater(self.cluster.reactor, instruction[1],
-                                                       lambda: None)
-                    else:
-                        result = await self._layout_after(instruction[1])
-                except DomusError as exc:
-                    instruction = course.throw(exc)
-                    continue
-                instruction = course.send(result)
-        except StopIteration as stop:
-            return stop.value
-
-    async def _owner_moved(self, mark: int, bucket: int, channel: TxChannel,
-                           count: int) -> bool:
-        """After ``channel``'s service failed to answer: ask the supervisor
-        whether the bucket (numbered out of ``count``) is stored elsewhere
-        now (e.g. the service re-registered at a new address, a backup took
-        over from it, or the DHT was resized).  False if not, or if the
-        supervisor cannot say."""
-        patience = min(self.cluster.timeout, MAX_DEADLINE) if self.replicated else 0.0
-        started = self.cluster.reactor.seconds()
-        while True:
-            try:
-                await self._layout_after(mark)
-            except DomusError:
-                return False
-            if self.bucket_count != count or self._owners[bucket] is not channel:
-                return True
-            if self.cluster.reactor.seconds() - started >= patience:
-                return False
-            mark = self._fetches
-            await task.deferLater(self.cluster.reactor, 0.1, lambda: None)
-
     def put(self, key: Any, value: Any) -> defer.Deferred:
         """Store ``value`` under ``key``; fires with True if the key was new."""
         return defer.Deferred.fromCoroutine(self._put(key, value))
-
-    async def _put(self, key: Any, value: Any) -> bool:
-        packed = codec.pack_value(value)
-        if len(packed) > wire.MAX_VALUE_BYTES:
-            raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
-                                f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
-        reply = await self._request(wire.OP_PUT, key, packed)
-        return reply[-1:] == b"\x01"
 
     def get(self, key: Any, default: Any = None) -> defer.Deferred:
         """Fires with the value of ``key``, or ``default`` if it is absent."""
@@ -914,14 +850,6 @@ class TxDht(DirectLookup[TxChannel]):
         """Fires with the value of ``key``; fails with KeyError if absent."""
         return defer.Deferred.fromCoroutine(self._get(key, None, raise_missing=True))
 
-    async def _get(self, key: Any, default: Any, *, raise_missing: bool) -> Any:
-        reply = await self._request(wire.OP_GET, key)
-        if reply[2] == wire.ST_NOT_FOUND:
-            if raise_missing:
-                raise KeyError(key)
-            return default
-        return codec.value_of(self.name, key, reply, wire.REPLY_HEADER_SIZE)
-
     def delete(self, key: Any) -> defer.Deferred:
         """Remove ``key``; fires with True if it was there."""
         return defer.Deferred.fromCoroutine(self._answer(wire.OP_DELETE, key))
@@ -930,34 +858,7 @@ class TxDht(DirectLookup[TxChannel]):
         """Fires with True if ``key`` is stored."""
         return defer.Deferred.fromCoroutine(self._answer(wire.OP_CONTAINS, key))
 
-    async def _answer(self, op: int, key: Any) -> bool:
-        reply = await self._request(op, key)
-        return reply[2] == wire.ST_OK
-
     # ------------------------------------------------------------ batches
-    def _exchange(self, requests: list[tuple[TxChannel, bytes]]) -> defer.Deferred:
-        """Every request at once; fires with the replies in request order."""
-        return _gather([channel.request(message, self.name) for channel, message in requests])
-
-    async def _round(self, requests: list[tuple[TxChannel, bytes]]) -> list[bytes] | None:
-        """A batch's round trip; None when a replicated bucket's primary
-        was dead and its backup has taken over (as the synchronous client's
-        _exchange: the batch goes again, its changes applying the same
-        values again)."""
-        mark = self._fetches
-        try:
-            return await self._exchange(requests)
-        except ServiceUnavailable as exc:
-            if not (self.replicated and exc.service):
-                raise
-            dead = self.cluster.channel(exc.service, exc.address)
-            buckets = [bucket for bucket in range(self.bucket_count)
-                       if self._owners[bucket] is dead] if self.bucket_count <= 1 << 16 else []
-            if not buckets or not await self._owner_moved(mark, buckets[0], dead,
-                                                          self.bucket_count):
-                raise
-            return None
-
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> defer.Deferred:
         """Store many records, one message per service where they fit in a
         datagram (more where they do not), all sent at once.  Fires with how
@@ -965,84 +866,10 @@ class TxDht(DirectLookup[TxChannel]):
         sent, or none is."""
         return defer.Deferred.fromCoroutine(self._put_many(items))
 
-    async def _batch_owners(self, keys: list[bytes]) -> Any:
-        """As the synchronous client's: the owners of a batch's buckets by
-        the lookup strategy, distributed lookups all under way at once.
-        They are numbered as the layout is when this returns: if one of
-        another bucket count came meanwhile, its table."""
-        count = self.bucket_count
-        owners, missing = self._batch_plan(keys)
-        if not missing:
-            return owners
-        found = await _gather([defer.Deferred.fromCoroutine(self._drive(self._locating(bucket)))
-                               for bucket in missing])
-        if self.bucket_count != count:
-            return self._owners
-        return self._batch_found(owners, missing, found)
-
-    async def _before_next_round(self, moved: int, moving: bool,
-                                 rounds: dict[str, Any]) -> None:
-        for step in self._batch_retry(moved, moving, rounds):
-            if step[0] == PAUSE:
-                await task.deferLater(self.cluster.reactor, step[1], lambda: None)
-            else:
-                await self._layout_after(step[1])
-
-    async def _put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
-        pairs = list(items.items() if isinstance(items, Mapping) else items)
-        keys, values = batch.encode_pairs(pairs)
-        batch.check_values(values)
-        owners = await self._batch_owners(keys)
-        shift = self._shift         # (the numbering of ``owners``: the layout may change)
-        created = 0
-        rounds = self._batch_rounds()
-        replies: list[bytes] | None = []
-        while keys:
-            requests = batch.put_requests(keys, values, self._hasher, shift, owners,
-                                          self.id, self.cluster.ids)
-            replies = await self._round(requests)
-            if replies is None:             # (a backup took over: the round again)
-                owners, shift = self._owners, self._shift
-                continue
-            new, keys, values, moved, moving = self._put_round(requests, replies)
-            created += new
-            if keys:
-                await self._before_next_round(moved, moving, rounds)
-                owners, shift = self._owners, self._shift
-        self._batch_seen(replies or [])
-        return created
-
     def get_many(self, keys: Iterable[Any]) -> defer.Deferred:
         """Fires with the values of the keys that are present, as a dict
         (absent keys are left out)."""
         return defer.Deferred.fromCoroutine(self._get_many(keys))
-
-    async def _get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
-        wanted = list(keys)
-        state = batch.GetMany(wanted, codec.encode_keys(wanted))
-        owners = await self._batch_owners(state.encoded)
-        shift = self._shift         # (the numbering of ``owners``: the layout may change)
-        rounds = self._batch_rounds()
-        replies: list[bytes] | None = []
-        while state.pending:
-            requests, batches = state.requests(self._hasher, shift, owners, self.id,
-                                               self.cluster.ids)
-            replies = await self._round(requests)
-            if replies is None:             # (a backup took over: the round again)
-                owners, shift = self._owners, self._shift
-                continue
-            try:
-                moved = state.take(requests, batches, replies, self._batch_error)
-            except ValueDecodeError as exc:
-                raise exc.with_dht(self.name) from None
-            if moved or state.moving:
-                await self._before_next_round(moved, state.moving, rounds)
-                owners, shift = self._owners, self._shift
-        self._batch_seen(replies or [])
-        return state.found
-
-    def _batch_error(self, reply: bytes, channel: TxChannel) -> Exception:
-        return reply_error(self.name, reply, channel, None)
 
     # ------------------------------------------------------------ whole DHT
     def length(self) -> defer.Deferred:
@@ -1053,23 +880,5 @@ class TxDht(DirectLookup[TxChannel]):
         """Fires with how many records each storage service holds of this DHT."""
         return defer.Deferred.fromCoroutine(self._records_by_service())
 
-    async def _records_by_service(self) -> dict[str, int]:
-        # The layout as the supervisor knows it now (a service buckets moved
-        # to since is counted); the one this handle has if it cannot say.
-        try:
-            await self.refresh()
-        except UnknownDht:
-            raise
-        except DomusError:
-            pass
-        ids = self.cluster.ids
-        requests = [(channel, wire.encode_length(ids.next(), ids.client_id, self.id))
-                    for channel in self._storage_channels]
-        counts = {}
-        for (channel, _message), reply in zip(requests, await self._exchange(requests)):
-            if reply[2] != wire.ST_OK:
-                raise reply_error(self.name, reply, channel, None)
-            counts[channel.name] = wire.U64.unpack_from(reply, wire.REPLY_HEADER_SIZE)[0]
-        return counts
 
 __all__ = ["connect", "TxCluster", "TxDht", "TxChannel", "DatagramRequests"]

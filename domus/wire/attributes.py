@@ -50,10 +50,17 @@ DEFAULTS: dict[str, Any] = {
     "routing_algorithm": "fewest-hops",
     "lookup": "D",
     "replicas": 1,
+    "codec": "msgpack",
 }
 KNOWN = {"name", "buckets", "hash", "storage", "platform", "routing", "routing_degree",
          "routing_algorithm", "lookup", "durability", "routing_services", "storage_services",
-         "replicas"}
+         "replicas", "codec"}
+# How clients encode values (services store bytes and never decode them):
+# "msgpack" (the default; what every language reads), "pickle" (any
+# picklable object; only on a deployment with a secret, since unpickling
+# runs code: every holder of the secret is trusted with that), "raw" (bytes
+# in, bytes out).
+CODECS = ("msgpack", "pickle", "raw")
 # Disk DHTs: "async" (the default) acknowledges a write once it is in the
 # cache and flushes every second and on a clean stop; "sync" acknowledges it
 # once the Berkeley DB log holding it is on stable storage.  RAM DHTs have
@@ -163,6 +170,9 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
         raise InvalidAttribute(f"routing algorithm {merged['routing_algorithm']!r} is unknown; "
                                f"choose one of {list(ROUTING_ALGORITHMS)}")
     merged["lookup"] = check_strategy(merged["lookup"])
+    if merged["codec"] not in CODECS:
+        raise InvalidAttribute(f"value codec {merged['codec']!r} is unknown; choose one of "
+                               f"{list(CODECS)}")
     replicas = merged["replicas"]
     if isinstance(replicas, bool) or not isinstance(replicas, int) \
             or not 1 <= replicas <= MAX_REPLICAS:
@@ -196,7 +206,7 @@ def check_request(name: Any, attributes: dict[str, Any]) -> dict[str, Any]:
 # Attributes every request names (given, or by their defaults) and that a
 # DHT keeps for life: an existing DHT must have these to be "the same".
 _FIXED = ("hash", "storage", "platform", "routing", "routing_degree", "routing_algorithm",
-          "lookup", "durability", "replicas")
+          "lookup", "durability", "replicas", "codec")
 
 
 def attribute_differences(descriptor: dict[str, Any], wanted: dict[str, Any]) -> list[str]:

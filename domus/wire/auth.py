@@ -166,6 +166,20 @@ def open_reply(key: bytes, datagram: bytes, client_id: bytes, stamp: bytes) -> b
     return reply
 
 
+def open_reply_to(key: bytes, datagram: bytes, request: bytes,
+                  stamps: list[bytes]) -> bytes | None:
+    """The reply to ``request`` (unsealed, as the client built it) if its
+    MAC checks for one of the request's tries, sealed at ``stamps`` (the
+    newest tried first), else None: what every client does with a datagram
+    that comes back."""
+    client_id = request[8:16]
+    for stamp in reversed(stamps):
+        opened = open_reply(key, datagram, client_id, stamp)
+        if opened is not None:
+            return opened
+    return None
+
+
 # ------------------------------------------------------------------ connections
 
 def _frame(kind: bytes, payload: bytes = b"") -> bytes:

@@ -1,9 +1,16 @@
 """Keys: their canonical bytes, the hash functions, and key -> bucket.
 
-A key is an int (of any size), a str or bytes.  Its canonical encoding is a
-one-byte type tag followed by the payload, so ``1``, ``"1"`` and ``b"1"`` are
-three different keys, while ``True`` and ``1`` are the same key, exactly as in
-a Python dict.  Services only ever see the encoded bytes.
+A key is an int (of any size), a str, bytes, or a tuple of keys.  Its
+canonical encoding is a one-byte type tag followed by the payload, so ``1``,
+``"1"`` and ``b"1"`` are three different keys, while ``True`` and ``1`` are
+the same key (and ``(True, "a")`` and ``(1, "a")``), exactly as in a Python
+dict.  Services only ever see the encoded bytes.
+
+A tuple (tag 0x05) is each element's own encoding with every 0x00 byte
+followed by 0xFF, and a 0x00 after each element; so an element ends at the
+first 0x00 not followed by 0xFF, and tuples compare as Python compares them
+(element by element, a prefix first).  Tuples nest up to MAX_TUPLE_DEPTH
+deep.  (A namedtuple is the tuple of its fields, as in a dict.)
 
 The encoding preserves order: for two ints, two strs or two bytes keys,
 ``a < b`` exactly when ``encode_key(a) < encode_key(b)`` compared as bytes,
@@ -40,6 +47,8 @@ TAG_INT64 = 0x01    # int in [-2**63, 2**63): key + 2**63, 8 bytes big-endian un
 TAG_POSBIG = 0x02   # int >= 2**63: u16 L, then the L-byte magnitude
 TAG_STR = 0x03      # UTF-8 (lone surrogates kept with surrogatepass)
 TAG_BYTES = 0x04    # raw bytes
+TAG_TUPLE = 0x05    # each element's encoding, 0x00 escaped as 0x00 0xFF, then 0x00
+MAX_TUPLE_DEPTH = 32
 # A big int's magnitude is minimal big-endian unsigned: no leading zero byte.
 
 _INT64 = struct.Struct(">BQ")
@@ -54,6 +63,11 @@ _INVERT = bytes(0xFF - byte for byte in range(256))   # bytes.translate table: b
 def encode_key(key: object) -> bytes:
     """Return the canonical bytes of ``key``; raise KeyTypeError or
     KeyTooLarge for keys Domus cannot store."""
+    return _encode_key(key, 0)
+
+
+def _encode_key(key: object, depth: int) -> bytes:
+    """encode_key of ``key``, an element of tuples ``depth`` deep."""
     kind = type(key)
     if kind is int or kind is bool:
         if _INT64_MIN <= key <= _INT64_MAX:  # type: ignore[operator]
@@ -70,10 +84,26 @@ def encode_key(key: object) -> bytes:
         return encode_key(str.__str__(key))
     elif isinstance(key, (bytearray, memoryview)):
         return encode_key(bytes(key))
+    elif isinstance(key, tuple):
+        return _encode_tuple(key, depth)
     else:
         raise KeyTypeError(
-            f"a Domus key must be int, str or bytes, not {type(key).__name__}; "
-            f"convert it first (for example str(key))")
+            f"a Domus key must be int, str, bytes or a tuple of those, not "
+            f"{type(key).__name__}; convert it first (for example str(key))")
+    if len(encoded) > MAX_KEY_BYTES:
+        _raise_too_large(len(encoded))
+    return encoded
+
+
+def _encode_tuple(key: tuple, depth: int) -> bytes:
+    """Tag 0x05: each element escaped and ended (see the module)."""
+    if depth >= MAX_TUPLE_DEPTH:
+        raise KeyTypeError(f"a tuple key may hold tuples {MAX_TUPLE_DEPTH} deep at most")
+    parts = [b"\x05"]
+    for element in key:
+        parts.append(_encode_key(element, depth + 1).replace(b"\x00", b"\x00\xff"))
+        parts.append(b"\x00")
+    encoded = b"".join(parts)
     if len(encoded) > MAX_KEY_BYTES:
         _raise_too_large(len(encoded))
     return encoded
@@ -124,7 +154,27 @@ def _decode_key(encoded: bytes) -> int | str | bytes:
         return encoded[1:].decode("utf-8", "surrogatepass")
     if tag == TAG_BYTES:
         return encoded[1:]
+    if tag == TAG_TUPLE:
+        return _decode_tuple(encoded)
     raise ValueError(f"unknown key tag 0x{tag:02x}")
+
+
+def _decode_tuple(encoded: bytes) -> tuple:
+    elements = []
+    start, at, end = 1, 1, len(encoded)
+    while at < end:
+        zero = encoded.find(b"\x00", at)
+        if zero < 0:
+            raise ValueError("a tuple element is not ended by 0x00")
+        if zero + 1 < end and encoded[zero + 1] == 0xFF:
+            at = zero + 2                       # an escaped 0x00 inside the element
+            continue
+        elements.append(_decode_key(encoded[start:zero].replace(b"\x00\xff", b"\x00")))
+        start = at = zero + 1
+    decoded = tuple(elements)
+    if _encode_tuple(decoded, 0) != encoded:   # one encoding per key, no other
+        raise ValueError("not the canonical encoding of a tuple key")
+    return decoded
 
 
 def _decode_bigint(encoded: bytes) -> int:

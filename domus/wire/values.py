@@ -1,13 +1,22 @@
-"""Values: what clients store, encoded with msgpack.
+"""Values: what clients store, encoded by the DHT's codec.
 
 Services keep values as opaque bytes and never decode them; only clients
-do, with these two functions.  Anything msgpack encodes is a value: bytes,
-str, int (64-bit), float, bool, None, and lists and dicts of those.  Tuples
-come back as lists.
+do, with these functions.  A DHT's ``codec`` attribute
+(domus.wire.attributes.CODECS) chooses how:
+
+- ``msgpack`` (the default, what every language reads): bytes, str, int
+  (64-bit), float, bool, None, and lists and dicts of those.  Tuples come
+  back as lists.
+- ``pickle``: any object pickle can encode, protocol 5.  Unpickling runs
+  code, so clients use it only on a deployment with a secret, and every
+  holder of the secret is trusted with code execution in every client that
+  reads the DHT.
+- ``raw``: bytes (or a bytes-like object) in, the same bytes out.
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import msgpack
@@ -38,3 +47,36 @@ def unpack_value(data: bytes) -> Any:
             f"the stored value ({size}) could not be decoded: it is not the msgpack a "
             f"Domus client writes ({detail}); another program wrote it or it is corrupt, "
             f"so overwrite or delete the key") from None
+
+
+def pack_pickle(value: Any) -> bytes:
+    """The bytes stored for ``value`` on a ``pickle`` DHT; ValueTypeError
+    if pickle cannot encode it."""
+    try:
+        return pickle.dumps(value, protocol=5)
+    except (pickle.PicklingError, TypeError, AttributeError, ValueError,
+            RecursionError) as exc:
+        raise ValueTypeError(f"cannot pickle a value of type {type(value).__name__}: "
+                             f"{exc}") from None
+
+
+def unpack_pickle(data: bytes) -> Any:
+    """The value stored as ``data`` on a ``pickle`` DHT (pickle's own errors
+    for a class this process cannot import)."""
+    return pickle.loads(data)
+
+
+def pack_raw(value: Any) -> bytes:
+    """``value`` itself on a ``raw`` DHT: bytes, or a bytes-like object's
+    bytes; ValueTypeError for anything else."""
+    if type(value) is bytes:
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise ValueTypeError(f"a DHT with codec 'raw' stores bytes, not {type(value).__name__}; "
+                         f"encode the value first, or create the DHT with codec 'msgpack' "
+                         f"or 'pickle'")
+
+
+def unpack_raw(data: bytes) -> bytes:
+    return bytes(data)

@@ -20,6 +20,7 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,7 @@ from domus.errors import DomusError
 from domus.ops.deploy import LocalDeployment, free_port_block
 from domus.wire import secret
 
+from .clients import LoopThread, SyncAioCluster
 from .support import (
     CLIENT_TIMEOUT,
     DOWN_AFTER,
@@ -98,6 +100,7 @@ class TrackedDeployment(LocalDeployment):
 
 def start_deployment(data_dir: Path, services: int = SERVICES,
                      supervisor_args: tuple[str, ...] = ("--balance", "manual"),
+                     service_args: tuple[str, ...] = (), insecure: bool = False,
                      metrics: bool = False) -> TrackedDeployment:
     """Start a deployment on a free block of ports, trying another block if
     something grabbed this one before our processes bound it.  Its balancer
@@ -113,6 +116,7 @@ def start_deployment(data_dir: Path, services: int = SERVICES,
             services, port=port, heartbeat=HEARTBEAT, data_dir=str(data_dir / f"run{attempt}"),
             supervisor_args=["--down-after", str(DOWN_AFTER), "--push-timeout", str(PUSH_TIMEOUT),
                              *supervisor_args],
+            service_args=list(service_args), insecure=insecure,
             metrics_port=port + services + 1 if metrics else None)
         try:
             deployment.start(timeout=START_TIMEOUT)
@@ -210,6 +214,31 @@ def shared_cluster(request: pytest.FixtureRequest, shared_deployment: TrackedDep
         for service, address in service_addresses(shared_client).items():
             wait_until(lambda address=address: not created & set(service_stats(address)["dhts"]),
                        timeout=15, what=f"{service} to drop {sorted(created)}")
+
+
+CLIENTS = ["blocking", "asyncio"]
+
+
+@pytest.fixture(params=CLIENTS)
+def any_cluster(request: pytest.FixtureRequest, shared_deployment: TrackedDeployment,
+                shared_cluster: domus.Cluster) -> Iterator[Any]:
+    """``shared_cluster``, then the asyncio client (domus.aio) on the same
+    deployment behind the blocking client's interface (tests/integration/
+    clients.py): a test written for the blocking client runs against both.
+    DHTs it creates are destroyed after it, as ``shared_cluster``'s."""
+    if request.param == "blocking":
+        yield shared_cluster
+        return
+    bridge = LoopThread()
+    try:
+        cluster = SyncAioCluster.connect(bridge, shared_deployment.supervisor_address,
+                                         timeout=CLIENT_TIMEOUT)
+        try:
+            yield cluster
+        finally:
+            cluster.close()
+    finally:
+        bridge.close()
 
 
 @pytest.fixture

@@ -31,7 +31,14 @@ from domus.wire import protocol as wire
 from domus.wire.keys import encode_key
 
 from .conftest import _stop_all, start_deployment
-from .support import CLIENT_TIMEOUT, LOOPBACK, bucket_of_key, owner_of, service_addresses
+from .support import (
+    CLIENT_TIMEOUT,
+    LOOPBACK,
+    bucket_of_key,
+    owner_of,
+    service_addresses,
+    wait_until,
+)
 
 PUTS = 40
 GETS = 25
@@ -290,7 +297,10 @@ def test_the_metrics_of_a_deployment_match_what_was_done(tmp_path, request):
         assert value(supervising, "domus_supervisor_dhts", state="active") == 1
         assert value(supervising, "domus_supervisor_dht_buckets", dht="m") == 8
         assert value(supervising, "domus_supervisor_registrations_total") == 3
-        assert value(supervising, "domus_supervisor_heartbeats_total") > 0
+        # (a heartbeat may not have come yet on a quick machine: wait for one)
+        wait_until(lambda: value(scrape(where["supervisor"]),
+                                 "domus_supervisor_heartbeats_total") > 0,
+                   timeout=15, what="the supervisor to count a heartbeat")
         assert delta(supervising, was, "domus_supervisor_refused_connections_total") == 1
         assert value(supervising, "domus_supervisor_info", version=domus.__version__,
                      balance="manual", secure="true") == 1

@@ -17,8 +17,20 @@ def test_defaults_are_filled_in():
     assert check_request("words", {}) == {
         "hash": "xxh3", "storage": "ram", "platform": "python-dict",
         "routing": "chord", "routing_degree": None, "routing_algorithm": "fewest-hops",
-        "lookup": "D", "durability": "none", "replicas": 1,
+        "lookup": "D", "durability": "none", "replicas": 1, "codec": "msgpack",
     }
+
+
+@pytest.mark.parametrize("codec", ["msgpack", "pickle", "raw"])
+def test_codecs_are_msgpack_pickle_or_raw(codec):
+    assert check_request("words", {"codec": codec})["codec"] == codec
+
+
+@pytest.mark.parametrize("codec", ["json", "Pickle", "", 1, ["raw"]])
+def test_an_unknown_codec_is_refused_naming_the_known_ones(codec):
+    with pytest.raises(InvalidAttribute, match=r"codec .* is unknown; choose one of "
+                                               r"\['msgpack', 'pickle', 'raw'\]"):
+        check_request("words", {"codec": codec})
 
 
 @pytest.mark.parametrize("replicas", [0, 4, "2", 2.0, True, None.__class__])

@@ -207,3 +207,17 @@ def test_the_quick_start_names_every_package_make_installs():
                      " ".join(README.read_text().split()))
     assert said, "the README's quick start no longer lists the packages make installs"
     assert set(re.findall(r"`([^`]+)`", said.group(1))) == packages
+
+
+def test_every_benchmark_flag_is_in_the_benchmarks_readme():
+    """benchmarks/README.md's table names each benchmark's every option."""
+    folder = README.parent / "benchmarks"
+    rows = {match.group(1): match.group(2) for match in re.finditer(
+        r"^\| `python -m benchmarks\.(\w+)([^`]*)`", (folder / "README.md").read_text(), re.M)}
+    for module in sorted(folder.glob("*.py")):
+        flags = set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', module.read_text()))
+        if not flags:
+            continue
+        assert module.stem in rows, f"benchmarks/README.md has no row for {module.stem}"
+        missing = sorted(flag for flag in flags if flag not in rows[module.stem])
+        assert not missing, f"benchmarks/README.md's {module.stem} row omits {missing}"

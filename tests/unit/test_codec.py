@@ -8,6 +8,7 @@ the same message.  ``make check-c`` runs this file under AddressSanitizer.
 
 from __future__ import annotations
 
+import collections
 import enum
 import gc
 import itertools
@@ -117,9 +118,14 @@ valid_keys = st.one_of(
     texts.map(Text), st.integers().map(Number), st.binary(max_size=20).map(bytearray),
     st.binary(max_size=20).map(Buffer), st.binary(max_size=20).map(memoryview),
 )
-wrong_keys = st.one_of(st.floats(), st.none(), st.tuples(st.integers()), st.lists(st.integers()),
+wrong_keys = st.one_of(st.floats(), st.none(), st.tuples(st.floats()), st.lists(st.integers()),
                        st.binary(max_size=8).map(Raw), st.just(object()), st.just({1: 2}))
-any_keys = st.one_of(valid_keys, wrong_keys)
+# Tuples of keys (nested, with a wrong key somewhere now and then).
+zero_led = st.binary(max_size=4).map(lambda raw: b"\x00" + raw)
+tuple_keys = st.recursive(st.one_of(valid_keys, zero_led),
+                          lambda inner: st.lists(inner, max_size=5).map(tuple), max_leaves=12)
+any_keys = st.one_of(valid_keys, wrong_keys, tuple_keys,
+                     st.tuples(tuple_keys, wrong_keys), st.tuples(wrong_keys, tuple_keys))
 
 
 # ------------------------------------------------------------ keys
@@ -128,6 +134,9 @@ any_keys = st.one_of(valid_keys, wrong_keys)
 @given(any_keys)
 def test_encode_key_is_byte_identical(key):
     same("encode_key", key)
+
+
+Point = collections.namedtuple("Point", "x y")
 
 
 class Huge(int):
@@ -150,9 +159,31 @@ class Huge(int):
     "", "a", "é", "\ud800", "\udfff\ud800", "😀", Text("t"), b"", b"\x00", bytearray(b"x"),
     Buffer(b"y"), memoryview(b"z"), memoryview(bytes(range(16)))[::3],
     memoryview(b"abcd").cast("B", (2, 2)), Raw(b"r"), 1.0, None, [1], (1,), object(), {},
+    (), ((),), (1, "a"), (True, Color.RED, Text("a")), ("a\x00", b"\x00\xff"), (1.0,),
+    ((1, 2), [3]), Point(1, "a"), (1 << 100, -(1 << 100)), (memoryview(b"\x00"),),
 ])
 def test_encode_key_edge_cases(key):
     same("encode_key", key)
+
+
+def nested(depth):
+    key = ()
+    for _ in range(depth):
+        key = (key,)
+    return key
+
+
+@pytest.mark.parametrize("key", [
+    ("x" * 8188,), ("x" * 8189,), (b"\x00" * 4094,), (b"\x00" * 4095,), ("x" * 8192,),
+    (1,) * 400, (0,) * 1000, tuple(["y" * 100] * 100), nested(31), nested(32), nested(33),
+    nested(1000),
+], ids=short_id)
+def test_tuple_keys_at_and_over_the_limits(key):
+    result = same("encode_key", key)
+    if result[0] == "ok":
+        assert len(result[1]) <= wire.MAX_KEY_BYTES
+    else:
+        assert result[1] in (KeyTooLarge, KeyTypeError)
 
 
 @pytest.mark.parametrize("key", [

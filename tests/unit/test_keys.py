@@ -239,6 +239,43 @@ def test_every_int_sorts_before_every_str_before_every_bytes(first, second):
                 == (encode_key(first) < encode_key(second)))
 
 
+# Tuples of comparable keys: ints and strs never meet at one position.
+tuple_keys = st.recursive(
+    st.one_of(st.tuples(st.integers()), st.tuples(st.text(max_size=6)),
+              st.tuples(st.binary(max_size=6)), st.tuples(st.integers(), st.text(max_size=3))),
+    lambda inner: st.tuples(inner, inner), max_leaves=6)
+
+
+def comparable(first, second):
+    try:
+        return isinstance(first < second, bool)
+    except TypeError:
+        return False
+
+
+@given(tuple_keys, tuple_keys)
+def test_tuple_order_is_the_byte_order_of_their_encodings(first, second):
+    if comparable(first, second):
+        assert (first < second) == (encode_key(first) < encode_key(second))
+        assert (first == second) == (encode_key(first) == encode_key(second))
+
+
+@given(st.recursive(st.one_of(st.integers(), st.text(max_size=5), st.binary(max_size=5)),
+                    lambda inner: st.lists(inner, max_size=4).map(tuple), max_leaves=10))
+def test_tuple_keys_round_trip_and_hash_as_their_encoding(key):
+    encoded = encode_key(key)
+    assert decode_key(encoded) == key
+    assert type(decode_key(encoded)) is type(key if not isinstance(key, tuple) else ())
+
+
+def test_tuple_keys_are_as_equal_as_in_a_dict():
+    assert encode_key((True, "a")) == encode_key((1, "a"))
+    assert encode_key((1, "a")) != encode_key(("a", 1)) != encode_key((1, b"a"))
+    assert encode_key(((1,), 2)) != encode_key((1, 2)) != encode_key(((1, 2),))
+    assert sorted([("b",), ("a", "z"), ("a",), ()], key=encode_key) == \
+        [(), ("a",), ("a", "z"), ("b",)]
+
+
 def test_the_int_boundaries_sort_in_numeric_order():
     values = [-LARGEST_INT_KEY, -(1 << 1000), -(1 << 64) - 1, -(1 << 64), -(1 << 64) + 1,
               INT64_MIN - 1, INT64_MIN, INT64_MIN + 1, -1, 0, 1, INT64_MAX - 1, INT64_MAX,
@@ -275,7 +312,10 @@ def test_the_int_boundaries_sort_in_numeric_order():
     (b"\x00\xff\xf7\x7f" + b"\xff" * 7, "must use tag 0x01"),       # -2**63
     (b"\x00\xff\xf7\x80" + bytes(7), "must use tag 0x01"),           # -(2**63 - 1)
     (b"\x03\xff\xfe", "utf-8"),
-    (b"\x05", "unknown key tag 0x05"),
+    (b"\x06", "unknown key tag 0x06"),
+    (b"\x05\x03a", "tuple element is not ended"),
+    (b"\x05\x01\x00", "64-bit int key is 9 bytes"),
+    (b"\x05\x04\x00\xfe\x00", "unknown key tag 0xfe"),
     (b"\x7fabc", "unknown key tag 0x7f"),
     (b"\xff", "unknown key tag 0xff"),
 ], ids=repr)
@@ -327,7 +367,7 @@ def test_decode_key_rejects_an_unknown_tag():
 # ------------------------------------------------------------ refused keys
 
 @pytest.mark.parametrize("key, type_name", [
-    (1.0, "float"), (None, "NoneType"), ((1, 2), "tuple"), ([1], "list"),
+    (1.0, "float"), (None, "NoneType"), ((1, 2.0), "float"), ((("a", [1]),), "list"), ([1], "list"),
     ({"a": 1}, "dict"), (1j, "complex"), ({1}, "set"), (object(), "object"),
 ])
 def test_keys_of_other_types_raise_key_type_error_naming_the_type(key, type_name):

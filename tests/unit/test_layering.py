@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import domus
+import domus.aio
 from domus import txclient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +60,7 @@ LAYERS = {
     # the public names: thin re-exports and the command's entry point
     "domus": "public",
     "domus.txclient": "public",
+    "domus.aio": "public",
     "domus.__main__": "public",
 }
 MAY_IMPORT = {
@@ -126,7 +128,7 @@ def test_every_module_has_a_layer_and_top_level_stays_small():
     for module in MODULES:
         layer_of(module)
     top_level = sorted(path.name for path in (ROOT / "domus").glob("*.py"))
-    assert top_level == ["__init__.py", "__main__.py", "_version.py", "errors.py",
+    assert top_level == ["__init__.py", "__main__.py", "_version.py", "aio.py", "errors.py",
                          "txclient.py"]
 
 
@@ -203,6 +205,8 @@ def test_the_public_names_keep_working():
     assert domus.__version__.count(".") == 2
     assert txclient.connect.__module__ == "domus.client.tx"
     assert {"connect", "TxCluster", "TxDht"} <= set(txclient.__all__)
+    assert domus.aio.connect.__module__ == "domus.client.aio"
+    assert {"connect", "AioCluster", "AioDht"} <= set(domus.aio.__all__)
 
 
 def loaded_after(statements: str) -> set[str]:
@@ -221,7 +225,9 @@ def test_a_service_process_loads_no_client_code_and_a_job_no_service_code():
                            "domus.storage.bsddb")
     assert "domus.service.handler" in service
     assert not {m for m in service if m.startswith("domus.client")}
-    job = loaded_after("import domus; domus.connect; from domus import txclient")
+    job = loaded_after("import domus; domus.connect; from domus import txclient; "
+                       "import domus.aio")
     assert "domus.client.blocking" in job and "domus.client.tx" in job
+    assert "domus.client.aio" in job
     assert not {m for m in job if m.startswith(("domus.service", "domus.storage",
                                                 "domus.supervisor", "domus.ops"))}

@@ -1,0 +1,817 @@
+"""The asyncio client: the synchronous client's operations, as coroutines.
+
+For asyncio jobs (aiohttp crawlers, async services), which keep many
+requests outstanding on one event loop::
+
+    import asyncio
+    import domus.aio
+
+    async def job():
+        async with domus.aio.connect("127.0.0.1:7700") as cluster:
+            dht = await cluster.create_dht("words")
+            await asyncio.gather(*(dht.put(n, n * n) for n in range(1000)))
+            print(await dht.get(12), await dht.length())
+            async for key in dht.keys():
+                ...
+
+    asyncio.run(job())
+
+It behaves as the other clients: the same wire messages, the same lookups,
+redirects and failover (domus.client.evented, the coroutines the Twisted
+client runs too), the same retry rule (domus.client.transport.next_timeout)
+and per-service window (domus.client.evented.WINDOW), the same errors from
+domus.errors.  It runs on whatever loop runs it: asyncio's default loop or
+uvloop's.  A client belongs to the loop it was connected on.
+
+One UDP socket carries every request to every service; a message that does
+not fit a datagram, or whose reply does not, goes over TCP (one connection
+per service, opened when first needed).  At most WINDOW datagrams are in
+flight to any one service; the rest wait, in order, on the client.  A
+request's retry clock starts when it is first sent; when a request reaches
+its deadline, those still queued for the same service fail with it.  A
+request whose task is cancelled leaves the table at once (a late reply is
+dropped); a change it had sent may or may not have been applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Generator, Iterable, Mapping
+from typing import Any
+
+from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target
+from domus.client.evented import WINDOW, EventedDht
+from domus.client.transport import (
+    FIRST_TIMEOUT,
+    FRAME,
+    MAX_DEADLINE,
+    READ_ONLY_CONTROL,
+    RECV_BUFFER,
+    RequestIds,
+    control_result,
+    next_timeout,
+    service_unavailable,
+)
+from domus.errors import (
+    AuthenticationError,
+    DomusError,
+    ProtocolError,
+    ServiceUnavailable,
+    SupervisorUnreachable,
+    UnknownDht,
+)
+from domus.wire import address as addresses
+from domus.wire import auth, secret
+from domus.wire import protocol as wire
+from domus.wire.attributes import check_strategy, create_request
+from domus.wire.keys import decode_key
+from domus.wire.secret import Keys
+
+MAX_PACKET = 65536
+
+__all__ = ["connect", "AioCluster", "AioDht", "AioChannel", "DatagramRequests", "WINDOW"]
+
+
+# ------------------------------------------------------------ framed TCP
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int = wire.MAX_FRAME_BYTES,
+                      session: auth.Session | None = None) -> bytes:
+    (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+    if size > limit + auth.TAG_BYTES:
+        raise ProtocolError(f"peer sent a {size}-byte frame, over the {limit}-byte limit")
+    frame = await reader.readexactly(size)
+    return session.open(frame) if session is not None else frame
+
+
+def _write_frame(writer: asyncio.StreamWriter, message: bytes,
+                 session: auth.Session | None = None) -> None:
+    if session is not None:
+        message = session.seal(message)
+    writer.write(FRAME.pack(len(message)) + message)
+
+
+class _Link:
+    """One TCP connection that has passed domus.wire.auth's handshake; one
+    exchange at a time (``lock``)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 session: auth.Session | None) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.session = session
+        self.lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, host: str, port: int, keys: Keys | None, peer: str,
+                   timeout: float) -> _Link:
+        """Connect and shake hands within ``timeout`` seconds: OSError or
+        TimeoutError when the peer cannot be reached or stays silent,
+        AuthenticationError when either side refuses the other."""
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        try:
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connecting = auth.Connecting(keys, peer)
+            _write_frame(writer, connecting.hello(
+                await asyncio.wait_for(_read_frame(reader, 4096), timeout)))
+            session = connecting.verdict(await asyncio.wait_for(_read_frame(reader, 4096),
+                                                                timeout))
+        except BaseException:
+            writer.close()
+            raise
+        return cls(reader, writer, session)
+
+    async def exchange(self, message: bytes, timeout: float) -> bytes:
+        """Send ``message``, return the frame answering it (same request id);
+        a connection cut or timed out mid-way is closed, so the next
+        exchange never reads this one's reply."""
+        async with self.lock:
+            try:
+                _write_frame(self.writer, message, self.session)
+                await self.writer.drain()
+                while True:
+                    frame = await asyncio.wait_for(
+                        _read_frame(self.reader, session=self.session), timeout)
+                    if frame[4:8] == message[4:8]:
+                        return frame
+            except BaseException:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        self.writer.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.writer.is_closing()
+
+
+# ------------------------------------------------------------ datagrams
+
+class _Pending:
+    """One UDP request, from when it is queued until its reply, its deadline,
+    its cancellation or the client's close."""
+
+    __slots__ = ("future", "message", "request_id", "channel", "dht", "bucket", "started",
+                 "timeout", "timer", "stamps")
+
+    def __init__(self, channel: AioChannel, message: bytes, dht: str, bucket: int | None,
+                 future: asyncio.Future) -> None:
+        self.channel = channel
+        self.message = message
+        self.request_id = message[4:8]
+        self.dht = dht
+        self.bucket = bucket
+        self.future = future
+        self.started = 0.0
+        self.timeout = channel.first_timeout
+        self.timer: asyncio.TimerHandle | None = None
+        self.stamps: list[bytes] = []   # (secure) the times its tries were sealed with
+
+
+class DatagramRequests(asyncio.DatagramProtocol):
+    """The client's one UDP socket: requests out, replies matched back by id.
+
+    The same invariants as the Twisted client's (domus.client.tx): an id is
+    in ``pending`` from its first send until its reply, its deadline, its
+    cancellation or the close, then never again (a late reply is dropped);
+    a retry resends the same request id, so a service's reply cache answers
+    a change it applied already; every pending entry has one live timer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, window: int = WINDOW) -> None:
+        self.loop = loop
+        self.window = window
+        self.pending: dict[bytes, _Pending] = {}
+        self.channels: set[AioChannel] = set()
+        self.transport: asyncio.DatagramTransport | None = None
+        self.late_replies = 0
+        self.stray = 0
+        self.unauthenticated = 0
+        self.send_errors = 0
+        self.closed = False
+
+    async def open(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
+        except OSError:
+            pass
+        sock.bind(("0.0.0.0", 0))
+        sock.setblocking(False)
+        await self.loop.create_datagram_endpoint(lambda: self, sock=sock)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    # -- requests
+    def request(self, channel: AioChannel, message: bytes, dht: str,
+                bucket: int | None) -> asyncio.Future:
+        future = self.loop.create_future()
+        if self.closed or self.transport is None:
+            future.set_exception(DomusError("this asyncio Domus client is closed; "
+                                            "connect again"))
+            return future
+        entry = _Pending(channel, message, dht, bucket, future)
+        future.add_done_callback(lambda done: self._done(entry, done))
+        self.channels.add(channel)
+        channel.waiting.append(entry)
+        self._pump(channel)
+        return future
+
+    def _done(self, entry: _Pending, future: asyncio.Future) -> None:
+        if future.cancelled():          # (its caller gave up: free its slot)
+            self.forget(entry)
+
+    def _pump(self, channel: AioChannel) -> None:
+        """Send what waits for ``channel`` while its window has room."""
+        if channel.ip is None:
+            channel.resolve()
+            return
+        while channel.waiting and channel.in_flight < self.window:
+            entry = channel.waiting.popleft()
+            if entry.future.done():
+                continue
+            channel.in_flight += 1
+            entry.started = self.loop.time()
+            self.pending[entry.request_id] = entry
+            self._send(entry)
+
+    def _send(self, entry: _Pending) -> None:
+        entry.timer = self.loop.call_later(entry.timeout, self._expired, entry)
+        message, key = entry.message, entry.channel.key
+        if key is not None:
+            message = auth.seal_request(key, message)   # (each try sealed afresh)
+            entry.stamps.append(message[-12:-8])
+        try:
+            self.transport.sendto(message, (entry.channel.ip, entry.channel.port))  # type: ignore[union-attr]
+        except OSError:
+            self.send_errors += 1       # the retry timer sends it again
+
+    def _expired(self, entry: _Pending) -> None:
+        """domus.client.transport's retry rule (next_timeout)."""
+        if self.pending.get(entry.request_id) is not entry:
+            return
+        channel = entry.channel
+        channel.timeouts += 1
+        elapsed = self.loop.time() - entry.started
+        timeout = next_timeout(entry.timeout, elapsed, channel.deadline)
+        if timeout is None:
+            # The service has not answered for a whole deadline: those still
+            # waiting for its window fail with this one.
+            doomed = [entry, *channel.waiting]
+            channel.waiting.clear()
+            self.forget(entry)
+            what = (f"did not answer within {channel.deadline:.1f}s ({channel.retries} retries "
+                    f"so far)")
+            for request in doomed:
+                if not request.future.done():
+                    request.future.set_exception(
+                        channel.unavailable(what, request.dht, request.bucket))
+            return
+        channel.retries += 1
+        entry.timeout = timeout
+        self._send(entry)
+
+    def forget(self, entry: _Pending) -> None:
+        """Take ``entry`` out of the table (or the queue) and free its slot."""
+        channel = entry.channel
+        if self.pending.get(entry.request_id) is entry:
+            del self.pending[entry.request_id]
+            if entry.timer is not None:
+                entry.timer.cancel()
+            channel.in_flight -= 1
+            self._pump(channel)
+        elif entry in channel.waiting:
+            channel.waiting.remove(entry)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        if len(data) < wire.REPLY_HEADER_SIZE or data[0] != wire.REPLY_MAGIC:
+            self.stray += 1
+            return
+        entry = self.pending.get(data[4:8])
+        if entry is None:
+            self.late_replies += 1
+            return
+        key = entry.channel.key
+        if key is not None:
+            opened = auth.open_reply_to(key, data, entry.message, entry.stamps)
+            if opened is None:
+                self.unauthenticated += 1   # not the service's: wait on for its own
+                return
+            data = opened
+        self.forget(entry)
+        if entry.future.done():
+            return
+        if data[2] == wire.ST_REPLY_TOO_LARGE:
+            self.loop.create_task(self._over_tcp(entry))
+        else:
+            entry.future.set_result(data)
+
+    async def _over_tcp(self, entry: _Pending) -> None:
+        try:
+            reply = await entry.channel.request_tcp(entry.message, entry.dht, entry.bucket)
+        except BaseException as exc:     # (handed to the request's caller)
+            if not entry.future.done():
+                entry.future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            if not entry.future.done():
+                entry.future.set_result(reply)
+
+    def error_received(self, exc: Exception) -> None:
+        self.send_errors += 1           # (ICMP errors: the retry rule covers them)
+
+    def close(self) -> None:
+        """Fail what is outstanding and close the socket."""
+        self.closed = True
+        entries = list(self.pending.values())
+        self.pending.clear()
+        for channel in self.channels:
+            entries.extend(channel.waiting)
+            channel.waiting.clear()
+            channel.in_flight = 0
+        for entry in entries:
+            if entry.timer is not None:
+                entry.timer.cancel()
+            if not entry.future.done():
+                entry.future.set_exception(DomusError(
+                    f"the asyncio Domus client was closed before service {entry.channel.name} "
+                    f"answered"))
+        if self.transport is not None:
+            self.transport.close()
+
+
+class AioChannel:
+    """Requests to one service: over the client's UDP socket, or over this
+    channel's own TCP connection when a message does not fit a datagram."""
+
+    def __init__(self, name: str, address: str, *, requests: DatagramRequests,
+                 deadline: float, first_timeout: float = FIRST_TIMEOUT,
+                 keys: Keys | None = None) -> None:
+        self.name = name
+        self.address = address
+        self.keys = keys
+        self.key = keys.data if keys is not None else None
+        self.host, self.port = addresses.parse(address)
+        self.deadline = min(deadline, MAX_DEADLINE)
+        self.first_timeout = min(first_timeout, self.deadline)
+        self.requests = requests
+        self.retries = 0
+        self.timeouts = 0
+        self.in_flight = 0
+        self.waiting: deque[_Pending] = deque()
+        try:
+            self.ip: str | None = str(ipaddress.IPv4Address(self.host))
+        except ValueError:
+            self.ip = None
+        self._resolving = False
+        self._tcp: _Link | None = None
+        self._tcp_opening: asyncio.Lock | None = None
+
+    def __repr__(self) -> str:
+        return f"<AioChannel {self.name} {self.address}>"
+
+    def unavailable(self, what: str, dht: str = "",
+                    bucket: int | None = None) -> ServiceUnavailable:
+        return service_unavailable(self.name, self.address, what, dht, bucket)
+
+    def request(self, message: bytes, dht: str = "", bucket: int | None = None
+                ) -> Awaitable[bytes]:
+        """Send one request; an awaitable of its reply (retried over UDP, or
+        over TCP when it is too big for a datagram)."""
+        if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
+            return self.request_tcp(message, dht, bucket)
+        return self.requests.request(self, message, dht, bucket)
+
+    def resolve(self) -> None:
+        """Find the service host's IPv4 address, then send what waits."""
+        if not self._resolving:
+            self._resolving = True
+            self.requests.loop.create_task(self._resolve())
+
+    async def _resolve(self) -> None:
+        try:
+            found = await self.requests.loop.getaddrinfo(self.host, self.port,
+                                                         family=socket.AF_INET,
+                                                         type=socket.SOCK_DGRAM)
+            self.ip = found[0][4][0]
+        except OSError as exc:
+            waiting, self.waiting = self.waiting, deque()
+            for entry in waiting:
+                if not entry.future.done():
+                    entry.future.set_exception(self.unavailable(
+                        f"cannot be reached: host {self.host!r} does not resolve ({exc})",
+                        entry.dht, entry.bucket))
+        finally:
+            self._resolving = False
+        if self.ip is not None:
+            self.requests._pump(self)
+
+    async def request_tcp(self, message: bytes, dht: str = "",
+                          bucket: int | None = None) -> bytes:
+        for attempt in (1, 2):
+            link = None
+            try:
+                link = await self._connect()
+                return await link.exchange(message, self.deadline)
+            except AuthenticationError:
+                raise
+            except TimeoutError as exc:
+                raise self.unavailable(f"failed over TCP (no answer within "
+                                       f"{self.deadline:.1f}s{': ' if str(exc) else ''}{exc})",
+                                       dht, bucket) from None
+            except (OSError, ConnectionError, asyncio.IncompleteReadError, ProtocolError) as exc:
+                # One reconnect (the service may have restarted); a retry of
+                # a change is answered from the service's reply cache.
+                if link is not None and link is self._tcp:
+                    self._tcp = None
+                if attempt == 2:
+                    raise self.unavailable(f"failed over TCP ({exc})", dht, bucket) from None
+        raise AssertionError("unreachable")
+
+    async def _connect(self) -> _Link:
+        if self._tcp is not None and not self._tcp.closed:
+            return self._tcp
+        if self._tcp_opening is None:
+            self._tcp_opening = asyncio.Lock()
+        async with self._tcp_opening:
+            if self._tcp is None or self._tcp.closed:
+                self._tcp = await _Link.open(self.host, self.port, self.keys,
+                                             f"service {self.name} ({self.address})",
+                                             self.deadline)
+            return self._tcp
+
+    def close(self) -> None:
+        if self._tcp is not None:
+            self._tcp.close()
+            self._tcp = None
+
+
+# ------------------------------------------------------------ the cluster
+
+class _Connecting:
+    """What ``connect()`` returns: await it for the cluster, or use it as
+    ``async with`` (the cluster closed on the way out)."""
+
+    def __init__(self, opening: Any) -> None:
+        self._opening = opening
+        self._cluster: AioCluster | None = None
+
+    def __await__(self) -> Generator[Any, None, AioCluster]:
+        return self._opening().__await__()
+
+    async def __aenter__(self) -> AioCluster:
+        self._cluster = await self._opening()
+        return self._cluster
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._cluster is not None:
+            await self._cluster.close()
+
+
+def connect(address: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+            window: int = WINDOW, secret_file: str | None = None) -> _Connecting:
+    """Connect to a deployment's supervisor: ``address`` (HOST:PORT), else
+    $DOMUS_SUPERVISOR, else 127.0.0.1:7700.  ``await connect(...)`` gives an
+    AioCluster (close it with ``await cluster.close()``); ``async with
+    connect(...) as cluster`` closes it on the way out.  ``timeout`` bounds
+    every call (SupervisorUnreachable, ServiceUnavailable); ``secret_file``
+    as domus.connect's (AuthenticationError when it is wrong or missing);
+    ``window``: datagrams in flight per service."""
+
+    async def opening() -> AioCluster:
+        cluster = AioCluster(addresses.supervisor_address(address), timeout, window=window,
+                             secret_file=secret_file)
+        try:
+            await cluster.requests.open()
+            await cluster.ping()
+        except BaseException:
+            await cluster.close()
+            raise
+        return cluster
+
+    return _Connecting(opening)
+
+
+class AioCluster:
+    """A connection to one Domus deployment, for one asyncio event loop."""
+
+    def __init__(self, address: str, timeout: float = DEFAULT_TIMEOUT, *,
+                 window: int = WINDOW, secret_file: str | None = None) -> None:
+        self.address = address
+        self.host, self.port = addresses.parse(address)
+        self.timeout = timeout
+        self.loop = asyncio.get_running_loop()
+        self.keys = secret.keys(secret_file)
+        self.secure = False             # (the supervisor's handshake said so)
+        self.ids = RequestIds()
+        self.requests = DatagramRequests(self.loop, window)
+        self._channels: dict[tuple[str, str], AioChannel] = {}
+        self._link: _Link | None = None
+        self._link_lock = asyncio.Lock()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<domus.aio.AioCluster supervisor={self.address}>"
+
+    async def __aenter__(self) -> AioCluster:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def channel(self, name: str, address: str) -> AioChannel:
+        """The (shared) channel to a service, by name and address."""
+        key = (name, address)
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = self._channels[key] = AioChannel(
+                name, address, requests=self.requests, deadline=self.timeout,
+                keys=self.keys if self.secure else None)
+        return channel
+
+    # -- the supervisor link
+    async def _supervisor(self) -> _Link:
+        if self._closed:
+            raise SupervisorUnreachable("this asyncio Domus client is closed; connect again")
+        if self._link is None or self._link.closed:
+            try:
+                self._link = await _Link.open(self.host, self.port, self.keys,
+                                              f"the supervisor at {self.address}", self.timeout)
+            except AuthenticationError:
+                raise
+            except TimeoutError:
+                raise SupervisorUnreachable(
+                    f"the Domus supervisor at {self.address} did not answer within "
+                    f"{self.timeout:.1f}s; is it running (`domus up` or `domus supervisor`) "
+                    f"and not overloaded?") from None
+            except (OSError, ConnectionError, asyncio.IncompleteReadError,
+                    ProtocolError) as exc:
+                raise SupervisorUnreachable(
+                    f"cannot reach the Domus supervisor at {self.address}: "
+                    f"{getattr(exc, 'strerror', None) or exc}; is it running (`domus up` or "
+                    f"`domus supervisor`)? Pass its HOST:PORT or set DOMUS_SUPERVISOR") from None
+            self.secure = self._link.session is not None
+        return self._link
+
+    async def call(self, op: str, timeout: float | None = None, **params: Any) -> Any:
+        """Run control op ``op`` on the supervisor: its result, or the
+        matching domus.errors exception.  As the other clients: a read-only
+        op is sent again once if the connection breaks; a change is not (it
+        may have been applied)."""
+        wait = timeout or self.timeout
+        async with self._link_lock:
+            for attempt in (1, 2) if op in READ_ONLY_CONTROL else (2,):
+                link = await self._supervisor()
+                request_id = self.ids.next()
+                message = wire.encode_control(request_id, self.ids.client_id,
+                                              {"op": op, **params})
+                try:
+                    frame = await link.exchange(message, wait)
+                except TimeoutError:
+                    raise SupervisorUnreachable(
+                        f"the Domus supervisor at {self.address} did not answer {op!r} within "
+                        f"{wait:.1f}s; check that it is running and not overloaded") from None
+                except (OSError, ConnectionError, asyncio.IncompleteReadError, ProtocolError):
+                    if attempt == 2:
+                        raise SupervisorUnreachable(
+                            f"lost the connection to the Domus supervisor at {self.address} "
+                            f"during {op!r} (if it changed something, it may or may not have "
+                            f"been applied: check before retrying); is it running?") from None
+                    continue        # one reconnect: the supervisor may have restarted
+                status, _reply_id = wire.decode_reply_header(frame)
+                return control_result(op, status, frame)
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        """Close every connection and socket; outstanding requests fail."""
+        self._closed = True
+        self.requests.close()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    # -- the deployment
+    async def ping(self) -> dict[str, Any]:
+        return await self.call("ping")
+
+    async def status(self) -> dict[str, Any]:
+        return await self.call("status")
+
+    async def services(self) -> list[dict[str, Any]]:
+        """As Cluster.services."""
+        return await self.call("services")
+
+    async def balancer_status(self) -> dict[str, Any]:
+        return await self.call("balancer_status")
+
+    # -- DHTs
+    async def create_dht(self, name: str, *, exist_ok: bool = False,
+                         **attributes: Any) -> AioDht:
+        """Create a DHT and open it; the attributes of Cluster.create_dht
+        (buckets, hash, storage, platform, routing, lookup, replicas,
+        codec, ...), and ``exist_ok`` as there (the existing DHT if its
+        attributes are these; one being created is waited for)."""
+        request = create_request(name, **attributes)
+        extra = {"exist_ok": True} if exist_ok else {}
+        descriptor = await self.call("create_dht", name=name, attributes=request,
+                                     timeout=max(self.timeout, 15.0), **extra)
+        return AioDht(self, descriptor)
+
+    async def open_dht(self, name: str, *, lookup: str | None = None,
+                       cache: float | None = None, direct_cutoff: int | None = None) -> AioDht:
+        """Open an existing DHT; ``lookup``, ``cache`` and ``direct_cutoff``
+        as for Cluster.open_dht."""
+        if lookup is not None:
+            check_strategy(lookup)
+        descriptor = await self.call("open_dht", name=name)
+        return AioDht(self, descriptor, lookup=lookup, cache=cache, direct_cutoff=direct_cutoff)
+
+    async def list_dhts(self) -> list[dict[str, Any]]:
+        return await self.call("list_dhts")
+
+    async def dht_info(self, name: str) -> dict[str, Any]:
+        return await self.call("dht_info", name=name)
+
+    async def destroy_dht(self, name: str) -> None:
+        await self.call("destroy_dht", name=name)
+
+    async def deactivate_dht(self, name: str) -> dict[str, int]:
+        """As Cluster.deactivate_dht."""
+        answer = await self.call("deactivate_dht", name=name,
+                                 timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+        return answer["records"]
+
+    async def activate_dht(self, name: str) -> dict[str, int]:
+        """As Cluster.activate_dht."""
+        answer = await self.call("activate_dht", name=name,
+                                 timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+        return answer["records"]
+
+    async def move_bucket(self, name: str, bucket: int, *, routing: str | None = None,
+                          storage: str | None = None) -> dict[str, Any]:
+        """As Cluster.move_bucket."""
+        role, service = move_target(routing, storage)
+        return await self.call("move_bucket", name=name, bucket=bucket, role=role,
+                               service=service, timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+
+    async def rebalance(self, name: str, dry_run: bool = False) -> list[dict[str, Any]]:
+        """As Cluster.rebalance."""
+        answer = await self.call("rebalance", name=name, dry_run=dry_run,
+                                 timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+        return answer["moves"]
+
+    async def resize_dht(self, name: str, buckets: int) -> dict[str, Any]:
+        """As Cluster.resize_dht."""
+        return await self.call("resize_dht", name=name, buckets=buckets,
+                               timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+
+    async def accept_loss(self, name: str) -> list[int]:
+        """As Cluster.accept_loss."""
+        return (await self.call("accept_loss", name=name))["accepted"]
+
+    async def dht_services(self, name: str, *, add: Iterable[str] = (),
+                           remove: Iterable[str] = (),
+                           roles: Iterable[str] = ("routing", "storage")) -> list[dict[str, Any]]:
+        """As Cluster.dht_services."""
+        answer = await self.call("dht_services", name=name, add=list(add), remove=list(remove),
+                                 roles=list(roles),
+                                 timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+        return answer["moves"]
+
+    async def drain_service(self, name: str) -> dict[str, Any]:
+        """As Cluster.drain_service."""
+        return await self.call("drain_service", name=name,
+                               timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+
+    async def remove_service(self, name: str, force: bool = False) -> dict[str, Any]:
+        """As Cluster.remove_service."""
+        return await self.call("remove_service", name=name, force=force,
+                               timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+
+
+class AioDht(EventedDht[AioChannel]):
+    """One DHT; every data operation is a coroutine (domus.client.evented's
+    requests, on the running asyncio loop)."""
+
+    def __init__(self, cluster: AioCluster, descriptor: dict[str, Any],
+                 **options: Any) -> None:
+        self._fetches = 0
+        self._refreshing: asyncio.Task | None = None
+        super().__init__(cluster, descriptor, **options)
+
+    # -- the loop's primitives (domus.client.evented)
+    def _sleep(self, seconds: float) -> Awaitable[None]:
+        return asyncio.sleep(seconds)
+
+    def _now(self) -> float:
+        return self.cluster.loop.time()
+
+    def _gather(self, awaitables: list[Any]) -> Awaitable[list[Any]]:
+        return asyncio.gather(*awaitables)
+
+    # -- layout
+    def _start_fetch(self) -> asyncio.Task:
+        if self._refreshing is None:
+            self._fetches += 1
+            self._counters["refreshes"] += 1
+            task = self._refreshing = self.cluster.loop.create_task(self._fetch())
+            task.add_done_callback(self._fetched)
+        return self._refreshing
+
+    async def _fetch(self) -> None:
+        try:
+            descriptor = await self.cluster.call("open_dht", name=self.name)
+        except UnknownDht:
+            raise UnknownDht(f"DHT {self.name!r} no longer exists (destroyed?); "
+                             f"create or open it again") from None
+        self._load(descriptor)
+
+    def _fetched(self, task: asyncio.Task) -> None:
+        if self._refreshing is task:
+            self._refreshing = None
+        if not task.cancelled():
+            task.exception()            # (retrieved: its awaiters, if any, get it)
+
+    def refresh(self) -> Awaitable[None]:
+        """Fetch the DHT's layout from the supervisor again (a fetch under
+        way is shared by every caller)."""
+        return asyncio.shield(self._start_fetch())
+
+    def _join_refresh(self) -> Awaitable[None]:
+        return asyncio.shield(self._refreshing)   # type: ignore[arg-type]
+
+    def _refresh_soon(self) -> None:
+        self._start_fetch()             # (in the background; a failure is dropped)
+
+    # -- single keys
+    async def put(self, key: Any, value: Any) -> bool:
+        """Store ``value`` under ``key``; True if the key was new."""
+        return await self._put(key, value)
+
+    async def get(self, key: Any, default: Any = None) -> Any:
+        """The value of ``key``, or ``default`` if it is absent."""
+        return await self._get(key, default, raise_missing=False)
+
+    async def getitem(self, key: Any) -> Any:
+        """The value of ``key``; KeyError if it is absent."""
+        return await self._get(key, None, raise_missing=True)
+
+    async def delete(self, key: Any) -> bool:
+        """Remove ``key``; True if it was there."""
+        return await self._answer(wire.OP_DELETE, key)
+
+    async def contains(self, key: Any) -> bool:
+        """Whether ``key`` is stored."""
+        return await self._answer(wire.OP_CONTAINS, key)
+
+    # -- batches
+    async def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
+        """Store many records, one message per service where they fit in a
+        datagram (more where they do not), all sent at once.  Returns how
+        many keys were new.  Either every key and value is valid and all
+        are sent, or none is."""
+        return await self._put_many(items)
+
+    async def get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
+        """The values of the keys that are present (absent keys are left out)."""
+        return await self._get_many(keys)
+
+    # -- whole DHT
+    async def length(self) -> int:
+        """The number of records in the DHT."""
+        return sum((await self._records_by_service()).values())
+
+    async def records_by_service(self) -> dict[str, int]:
+        """How many records each storage service holds of this DHT."""
+        return await self._records_by_service()
+
+    async def keys(self) -> AsyncIterator[Any]:
+        """Every key, bucket by bucket (as the blocking client's iteration:
+        a key present throughout is seen once)."""
+        async for key, _value in self._scan():
+            yield decode_key(key)
+
+    async def items(self) -> AsyncIterator[tuple[Any, Any]]:
+        """Every (key, value), bucket by bucket."""
+        async for key, value in self._scan():
+            yield decode_key(key), self._unpack_stored(value)
+
+    async def values(self) -> AsyncIterator[Any]:
+        async for _key, value in self._scan():
+            yield self._unpack_stored(value)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self.keys()
+
+    def _unpack_stored(self, value: bytes) -> Any:
+        return self._values.unpack_at(value, 0)
+

@@ -1,0 +1,367 @@
+"""The requests of the event-driven clients, written once.
+
+The Twisted client (domus.client.tx) and the asyncio client
+(domus.client.aio) keep many requests outstanding on one thread; what a
+request does (its fast path, its course through domus.client.lookup's
+strategies, redirects and MOVING pauses, a dead primary's backup taking
+over, a batch's rounds) is the coroutines below, driven by either event
+loop.  A subclass supplies the loop's primitives:
+
+- ``channel.request(message, dht, bucket)``: an awaitable of the reply
+  (each client's own datagram layer, under domus.client.transport's retry
+  rule and per-service window);
+- ``_sleep(seconds)``, ``_now()``: the loop's timer and clock;
+- ``_gather(awaitables)``: all results in order, or the first failure as
+  it is;
+- ``refresh()``: an awaitable of a fresh layout, a fetch under way shared
+  by every caller, counted in ``_fetches`` (``_refreshing`` is not None
+  while one is under way, and ``_join_refresh()`` waits for it).
+
+Each client's public methods wrap these coroutines in its own kind of
+result (Deferreds; coroutines).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from typing import Any, TypeVar
+
+from domus.client import batch, codec
+from domus.client.lookup import PAUSE, SEND, DirectLookup, Renumbered, reply_error
+from domus.client.transport import MAX_DEADLINE
+from domus.errors import (
+    DomusError,
+    ServiceUnavailable,
+    UnknownDht,
+    ValueDecodeError,
+    ValueTooLarge,
+)
+from domus.wire import protocol as wire
+
+Channel = TypeVar("Channel")
+WINDOW = 32         # datagrams in flight per service; more wait on the client
+
+
+class EventedDht(DirectLookup[Channel]):
+    """A DHT's requests as coroutines, for an event loop (see the module)."""
+
+    _fetches: int                   # layout fetches started so far
+    _refreshing: Any                # the fetch under way, or None
+
+    # -- the loop's primitives (a subclass's)
+    def _sleep(self, seconds: float) -> Awaitable[Any]:
+        raise NotImplementedError
+
+    def _now(self) -> float:
+        raise NotImplementedError
+
+    def _gather(self, awaitables: list[Any]) -> Awaitable[list[Any]]:
+        raise NotImplementedError
+
+    def refresh(self) -> Awaitable[Any]:
+        raise NotImplementedError
+
+    def _join_refresh(self) -> Awaitable[Any]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ layout
+    def _layout_mark(self) -> int:
+        return self._fetches
+
+    async def _layout_after(self, mark: int) -> None:
+        """Wait for a layout fetched after ``mark`` (a past value of
+        ``_fetches``): one started since, or else a new one.  A thousand
+        requests told NOT_OWNER at once cause one fetch, not a thousand, and
+        none of them retries with a layout older than its own NOT_OWNER."""
+        if self._fetches > mark:
+            if self._refreshing is not None:
+                await self._join_refresh()
+            return
+        if self._refreshing is not None:  # started before the request was sent
+            await self._join_refresh()
+            await self._layout_after(mark)
+            return
+        await self.refresh()
+
+    # ------------------------------------------------------------ single keys
+    async def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
+        """One keyed request (``value``: a PUT's packed value); returns its
+        reply.  As the synchronous client: the first method of the strategy
+        answers at once when it can, anything else takes the course that
+        domus.client.lookup lays out."""
+        ids = self.cluster.ids
+        count = self.bucket_count
+        message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
+                                      self._shift, key, value)
+        first = None
+        skip = 0
+        unsent = None
+        mark = self._fetches
+        channel = self._first_channel(bucket)
+        if channel is None:
+            walk = self._first_walk(bucket)
+            if walk is not None:
+                channel = self._first_walked(await self._drive(walk))
+                skip = channel is None
+        if channel is None:
+            unsent = message
+        else:
+            self._counters["messages"] += 1
+            try:
+                reply = await channel.request(message, self.name, bucket)
+            except ServiceUnavailable:
+                if not await self._owner_moved(mark, bucket, channel, count):
+                    raise
+                unsent = message        # (as the synchronous client: sent again as it was)
+            else:
+                if self._first_answer(channel, reply, bucket):
+                    return reply
+                first = (channel, reply)
+        encode = self._encoder(op, key, value, unsent, message)
+        while True:
+            try:
+                return await self._drive(self._course(encode, bucket, first, mark, skip,
+                                                   count))
+            except Renumbered:          # the DHT was resized: hash the key anew
+                return await self._request(op, key, value)
+            except ServiceUnavailable as exc:
+                # (As the synchronous client: to a promoted backup, as it was.)
+                dead = self.cluster.channel(exc.service, exc.address) if exc.service else None
+                if (dead is None or not self.replicated
+                        or not await self._owner_moved(self._fetches, bucket, dead, count)):
+                    raise
+                encode = self._encoder(op, key, value, encode.last)
+                first, skip, mark = None, 0, self._fetches
+
+    async def _drive(self, course: Any) -> Any:
+        """Run a course (domus.client.lookup) to its end, without blocking."""
+        result: Any = None
+        try:
+            instruction = next(course)
+            while True:
+                kind = instruction[0]
+                try:
+                    if kind == SEND:
+                        self._counters["messages"] += 1
+                        result = await instruction[1].request(instruction[2], self.name,
+                                                              instruction[3])
+                    elif kind == PAUSE:
+                        result = await self._sleep(instruction[1])
+                    else:
+                        result = await self._layout_after(instruction[1])
+                except DomusError as exc:
+                    instruction = course.throw(exc)
+                    continue
+                instruction = course.send(result)
+        except StopIteration as stop:
+            return stop.value
+
+    async def _owner_moved(self, mark: int, bucket: int, channel: Channel,
+                           count: int) -> bool:
+        """After ``channel``'s service failed to answer: ask the supervisor
+        whether the bucket (numbered out of ``count``) is stored elsewhere
+        now (e.g. the service re-registered at a new address, a backup took
+        over from it, or the DHT was resized).  False if not, or if the
+        supervisor cannot say."""
+        patience = min(self.cluster.timeout, MAX_DEADLINE) if self.replicated else 0.0
+        started = self._now()
+        while True:
+            try:
+                await self._layout_after(mark)
+            except DomusError:
+                return False
+            if self.bucket_count != count or self._owners[bucket] is not channel:
+                return True
+            if self._now() - started >= patience:
+                return False
+            mark = self._fetches
+            await self._sleep(0.1)
+
+    async def _put(self, key: Any, value: Any) -> bool:
+        packed = self._values.pack(value)
+        if len(packed) > wire.MAX_VALUE_BYTES:
+            raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
+                                f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
+        reply = await self._request(wire.OP_PUT, key, packed)
+        return reply[-1:] == b"\x01"
+
+    async def _get(self, key: Any, default: Any, *, raise_missing: bool) -> Any:
+        reply = await self._request(wire.OP_GET, key)
+        if reply[2] == wire.ST_NOT_FOUND:
+            if raise_missing:
+                raise KeyError(key)
+            return default
+        try:
+            return self._values.unpack_at(reply, wire.REPLY_HEADER_SIZE)
+        except ValueDecodeError as exc:
+            raise exc.with_key(key).with_dht(self.name) from None
+
+    async def _answer(self, op: int, key: Any) -> bool:
+        reply = await self._request(op, key)
+        return reply[2] == wire.ST_OK
+
+    # ------------------------------------------------------------ batches
+    def _exchange(self, requests: list[tuple[Channel, bytes]]) -> Awaitable[list[bytes]]:
+        """Every request at once; the replies in request order."""
+        return self._gather([channel.request(message, self.name) for channel, message in requests])
+
+    async def _round(self, requests: list[tuple[Channel, bytes]]) -> list[bytes] | None:
+        """A batch's round trip; None when a replicated bucket's primary
+        was dead and its backup has taken over (as the synchronous client's
+        _exchange: the batch goes again, its changes applying the same
+        values again)."""
+        mark = self._fetches
+        try:
+            return await self._exchange(requests)
+        except ServiceUnavailable as exc:
+            if not (self.replicated and exc.service):
+                raise
+            dead = self.cluster.channel(exc.service, exc.address)
+            buckets = [bucket for bucket in range(self.bucket_count)
+                       if self._owners[bucket] is dead] if self.bucket_count <= 1 << 16 else []
+            if not buckets or not await self._owner_moved(mark, buckets[0], dead,
+                                                          self.bucket_count):
+                raise
+            return None
+
+    async def _batch_owners(self, keys: list[bytes]) -> Any:
+        """As the synchronous client's: the owners of a batch's buckets by
+        the lookup strategy, distributed lookups all under way at once.
+        They are numbered as the layout is when this returns: if one of
+        another bucket count came meanwhile, its table."""
+        count = self.bucket_count
+        owners, missing = self._batch_plan(keys)
+        if not missing:
+            return owners
+        found = await self._gather([self._drive(self._locating(bucket)) for bucket in missing])
+        if self.bucket_count != count:
+            return self._owners
+        return self._batch_found(owners, missing, found)
+
+    async def _before_next_round(self, moved: int, moving: bool,
+                                 rounds: dict[str, Any]) -> None:
+        for step in self._batch_retry(moved, moving, rounds):
+            if step[0] == PAUSE:
+                await self._sleep(step[1])
+            else:
+                await self._layout_after(step[1])
+
+    async def _put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        keys, values = batch.encode_pairs(pairs, self._values)
+        batch.check_values(values)
+        owners = await self._batch_owners(keys)
+        shift = self._shift         # (the numbering of ``owners``: the layout may change)
+        created = 0
+        rounds = self._batch_rounds()
+        replies: list[bytes] | None = []
+        while keys:
+            requests = batch.put_requests(keys, values, self._hasher, shift, owners,
+                                          self.id, self.cluster.ids)
+            replies = await self._round(requests)
+            if replies is None:             # (a backup took over: the round again)
+                owners, shift = self._owners, self._shift
+                continue
+            new, keys, values, moved, moving = self._put_round(requests, replies)
+            created += new
+            if keys:
+                await self._before_next_round(moved, moving, rounds)
+                owners, shift = self._owners, self._shift
+        self._batch_seen(replies or [])
+        return created
+
+    async def _get_many(self, keys: Iterable[Any]) -> dict[Any, Any]:
+        wanted = list(keys)
+        state = batch.GetMany(wanted, codec.encode_keys(wanted))
+        owners = await self._batch_owners(state.encoded)
+        shift = self._shift         # (the numbering of ``owners``: the layout may change)
+        rounds = self._batch_rounds()
+        replies: list[bytes] | None = []
+        while state.pending:
+            requests, batches = state.requests(self._hasher, shift, owners, self.id,
+                                               self.cluster.ids)
+            replies = await self._round(requests)
+            if replies is None:             # (a backup took over: the round again)
+                owners, shift = self._owners, self._shift
+                continue
+            try:
+                moved = state.take(requests, batches, replies, self._batch_error,
+                                   self._values.take)
+            except ValueDecodeError as exc:
+                raise exc.with_dht(self.name) from None
+            if moved or state.moving:
+                await self._before_next_round(moved, state.moving, rounds)
+                owners, shift = self._owners, self._shift
+        self._batch_seen(replies or [])
+        return state.found
+
+    def _batch_error(self, reply: bytes, channel: Channel) -> Exception:
+        return reply_error(self.name, reply, channel, None)
+
+    # ------------------------------------------------------------ whole DHT
+    async def _records_by_service(self) -> dict[str, int]:
+        # The layout as the supervisor knows it now (a service buckets moved
+        # to since is counted); the one this handle has if it cannot say.
+        try:
+            await self.refresh()
+        except UnknownDht:
+            raise
+        except DomusError:
+            pass
+        ids = self.cluster.ids
+        requests = [(channel, wire.encode_length(ids.next(), ids.client_id, self.id))
+                    for channel in self._storage_channels]
+        counts = {}
+        for (channel, _message), reply in zip(requests, await self._exchange(requests)):
+            if reply[2] != wire.ST_OK:
+                raise reply_error(self.name, reply, channel, None)
+            counts[channel.name] = wire.U64.unpack_from(reply, wire.REPLY_HEADER_SIZE)[0]
+        return counts
+
+    async def _scan(self) -> AsyncIterator[tuple[bytes, bytes]]:
+        """Every record, bucket by bucket, as raw (key, value) bytes, as the
+        blocking client's scan: a bucket being moved is waited for; one that
+        has moved is scanned at its new owner; after a resize the scan goes
+        on from the same point of the hash range."""
+        try:
+            await self.refresh()        # (the layout as the supervisor knows it now)
+        except UnknownDht:
+            raise
+        except DomusError:
+            pass
+        ids = self.cluster.ids
+        bucket, floor, count = 0, 0, self.bucket_count
+        while True:
+            if self.bucket_count != count:
+                bucket, floor = self._renumbered_at(bucket, count, floor)
+                count = self.bucket_count
+            if bucket >= count:
+                return
+            for attempt in (1, 2):
+                channel = self._owners[bucket]
+                first_page = functools.partial(wire.encode_scan, ids.next(), ids.client_id,
+                                               self.id, bucket, 0, 0, self._numbered)
+                reply = await self._drive(self._send(channel, first_page, bucket))
+                if reply[2] != wire.ST_NOT_OWNER or attempt == 2:
+                    break
+                await self._layout_after(self._fetches)
+                if self.bucket_count != count:
+                    break
+            if self.bucket_count != count:
+                continue
+            while True:
+                if reply[2] != wire.ST_OK:
+                    raise self._error(reply, channel, bucket)
+                scan_id, offset, entries = codec.decode_scan_reply(reply)
+                if floor:
+                    entries = [entry for entry in entries
+                               if codec.bucket_of(self._hasher, 32, entry[0]) >= floor]
+                for entry in entries:
+                    yield entry
+                if offset == wire.SCAN_END:
+                    break
+                reply = await channel.request(wire.encode_scan(ids.next(), ids.client_id,
+                                                               self.id, bucket, scan_id, offset),
+                                              self.name, bucket)
+            bucket += 1

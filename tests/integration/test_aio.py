@@ -1,0 +1,158 @@
+"""What only the asyncio client has: its event loops (asyncio's default and
+uvloop), thousands of requests outstanding under the per-service window,
+cancelled requests, its errors.  Its behaviour as a dict is the blocking
+client's suite (``any_cluster`` in test_workload.py and test_codecs.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+import domus.aio
+from domus.client.evented import WINDOW
+from domus.errors import (
+    KeyTypeError,
+    ServiceUnavailable,
+    SupervisorUnreachable,
+    UnknownDht,
+    ValueTooLarge,
+)
+from domus.wire import protocol as wire
+
+from .support import CLIENT_TIMEOUT
+
+try:
+    import uvloop
+except ImportError:         # (the test extra installs it; a bare install may not)
+    uvloop = None
+
+LOOPS = ["asyncio", pytest.param("uvloop", marks=pytest.mark.skipif(
+    uvloop is None, reason="uvloop is not installed"))]
+
+
+def run(loop: str, coroutine):
+    if loop == "uvloop":
+        return uvloop.run(coroutine)
+    return asyncio.run(coroutine)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_thousands_outstanding_on_either_loop(shared_cluster, shared_deployment, loop):
+    shared_cluster.create_dht(f"aio-{loop}", buckets=32)
+
+    async def job() -> dict:
+        async with domus.aio.connect(shared_deployment.supervisor_address,
+                                     timeout=CLIENT_TIMEOUT) as cluster:
+            dht = await cluster.open_dht(f"aio-{loop}")
+            created = await asyncio.gather(*(dht.put(("n", n), [n, str(n)])
+                                             for n in range(5000)))
+            assert created == [True] * 5000
+            # the window held: never more than WINDOW datagrams in flight per service
+            assert all(channel.in_flight == 0 for channel in cluster.requests.channels)
+            values = await asyncio.gather(*(dht.get(("n", n)) for n in range(5000)))
+            assert values == [[n, str(n)] for n in range(5000)]
+            found = await dht.get_many([("n", n) for n in range(0, 5000, 7)] + ["absent"])
+            assert found == {("n", n): [n, str(n)] for n in range(0, 5000, 7)}
+            keys = {key async for key in dht}
+            assert keys == {("n", n) for n in range(5000)}
+            assert await dht.length() == 5000
+            assert sum((await dht.records_by_service()).values()) == 5000
+            deleted = await asyncio.gather(*(dht.delete(("n", n)) for n in range(0, 5000, 2)))
+            assert deleted == [True] * 2500
+            assert await dht.contains(("n", 1)) and not await dht.contains(("n", 0))
+            return dht.stats()
+
+    stats = run(loop, job())
+    assert stats["retries"] == 0 or stats["timeouts"] >= stats["retries"]
+    assert len(shared_cluster.open_dht(f"aio-{loop}")) == 2500
+
+
+def test_the_window_bounds_what_is_in_flight(shared_cluster, shared_deployment):
+    shared_cluster.create_dht("aio-window", buckets=4, storage_services=["s1"])
+
+    async def job() -> int:
+        async with domus.aio.connect(shared_deployment.supervisor_address) as cluster:
+            dht = await cluster.open_dht("aio-window")
+            puts = [asyncio.ensure_future(dht.put(n, n)) for n in range(2000)]
+            await asyncio.sleep(0)
+            most = 0
+            while not all(put.done() for put in puts):
+                most = max([most, *(channel.in_flight for channel in cluster.requests.channels)])
+                await asyncio.sleep(0)
+            await asyncio.gather(*puts)
+            return most
+
+    most = asyncio.run(job())
+    assert 1 <= most <= WINDOW
+    assert len(shared_cluster.open_dht("aio-window")) == 2000
+
+
+def test_cancelled_requests_free_their_slots(shared_cluster, shared_deployment):
+    shared_cluster.create_dht("aio-cancel")
+
+    async def job() -> None:
+        async with domus.aio.connect(shared_deployment.supervisor_address) as cluster:
+            dht = await cluster.open_dht("aio-cancel")
+            puts = [asyncio.ensure_future(dht.put(n, n)) for n in range(500)]
+            await asyncio.sleep(0)
+            for put in puts[100:]:
+                put.cancel()
+            await asyncio.gather(*puts, return_exceptions=True)
+            assert not cluster.requests.pending
+            assert all(channel.in_flight == 0 and not channel.waiting
+                       for channel in cluster.requests.channels)
+            assert await dht.put("after", 1) is True   # the client still works
+            assert await dht.get_many(range(100)) == {n: n for n in range(100)}
+
+    asyncio.run(job())
+
+
+def test_errors_are_domus_errors(shared_cluster, shared_deployment):
+    shared_cluster.create_dht("aio-errors")
+
+    async def job() -> None:
+        async with domus.aio.connect(shared_deployment.supervisor_address) as cluster:
+            with pytest.raises(UnknownDht):
+                await cluster.open_dht("no-such-dht")
+            dht = await cluster.open_dht("aio-errors")
+            with pytest.raises(KeyTypeError):
+                await dht.put(1.5, 1)
+            with pytest.raises(ValueTooLarge):
+                await dht.put("big", b"x" * wire.MAX_VALUE_BYTES)
+            with pytest.raises(KeyError):
+                await dht.getitem("absent")
+            assert await dht.get("absent", "default") == "default"
+            # a value that needs TCP both ways
+            assert await dht.put("large", b"y" * 200_000) is True
+            assert await dht.get("large") == b"y" * 200_000
+        with pytest.raises(Exception, match="closed"):
+            await dht.put("after close", 1)
+
+    asyncio.run(job())
+
+
+def test_a_silent_service_and_an_absent_supervisor_are_clear_errors(shared_deployment):
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{silent.getsockname()[1]}"
+
+    async def job() -> None:
+        async with domus.aio.connect(shared_deployment.supervisor_address,
+                                     timeout=1.0) as cluster:
+            channel = cluster.channel("ghost", address)
+            message = wire.encode_length(cluster.ids.next(), cluster.ids.client_id, 1)
+            with pytest.raises(ServiceUnavailable, match="ghost .* did not answer within 1.0s"):
+                await channel.request(message, "d")
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        listener.close()
+        with pytest.raises(SupervisorUnreachable, match=f"127.0.0.1:{port}"):
+            await domus.aio.connect(f"127.0.0.1:{port}", timeout=1.0)
+
+    try:
+        asyncio.run(job())
+    finally:
+        silent.close()
