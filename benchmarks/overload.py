@@ -1,7 +1,8 @@
 """Overload: what one service serves when offered more than it can.
 
     python -m benchmarks.overload [--seconds 5] [--batch 32] [--loads 0.5,1,1.5,2]
-                                  [--generators 2] [--insecure]
+                                  [--generators 2] [--insecure] [--modes LIST]
+                                  [--output FILE]
 
 One service (a local deployment: supervisor + 1 service process, pinned to
 CPU 0) and load generator processes pinned to CPU 1.  The workload is
@@ -14,18 +15,25 @@ loop) for the given seconds; the service's served requests/s is the peak.
 Then, for each load L, the generators send **open-loop** at L x peak
 requests/s (each request at its scheduled time, whatever came back), and
 follow the clients' rules: a request not answered in 0.25 s is sent again
-(the same bytes), the wait doubling; a BUSY answer is backed off (10 ms
-doubling to 0.5 s, jittered) and sent again; at the deadline (5 s since
-its scheduled time) a request fails, as ServiceBusy if it ever got BUSY,
-else as a timeout-only failure (ServiceUnavailable).  Latency is from the
-scheduled time to the OK reply (so a queue in the generator counts).
-Each load runs twice: with load shedding (the service's default,
-``--shed-after 0.1``) and without (``--shed-after 0``).
+(the same bytes), the wait doubling; a BUSY answer is backed off
+(domus.client.transport.busy_backoff: 50 ms doubling to 1 s, or the
+service's retry-after if longer, jittered) and sent again; once a service
+answers BUSY, each generator also holds requests back itself in proportion
+to the share it refuses (domus.client.throttle, as every client does), a
+request held back counting as a BUSY answer; at the deadline (5 s since its
+scheduled time) a request fails, as ServiceBusy if it ever got BUSY (or was
+held back), else as a timeout-only failure (ServiceUnavailable).  Latency
+is from the scheduled time to the OK reply (so a queue in the generator
+counts).  Each load runs in three modes (``--modes``): ``shedding`` (the
+service's default, ``--shed-after 0.1``, and the clients' throttle),
+``no-throttle`` (shedding, clients that only back off) and
+``no-shedding`` (``--shed-after 0``).
 
 Prints, per load and mode: offered/s, served/s (OK replies during the
-window) and its share of the peak, p50 and p99 latency, failures (busy,
-timeout-only).  The machine is shared with other work: the output says so,
-with the load average.  Raw JSON: benchmarks/results/overload.json.
+window) and its share of the peak, p50 and p99 latency, BUSY answers,
+requests held back by the throttle, failures (busy, timeout-only).  The
+machine is shared with other work: the output says so, with the load
+average.  Raw JSON: benchmarks/results/overload.json.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ import tempfile
 import time
 from typing import Any
 
+from domus.client.throttle import Throttle
+from domus.client.transport import held_back
 from domus.ops.deploy import LocalDeployment, free_port_block
 from domus.wire import auth, secret
 from domus.wire import protocol as wire
@@ -56,6 +66,8 @@ FIRST_TIMEOUT = 0.25
 DEADLINE = 5.0
 WINDOW = 64            # requests in flight per generator when measuring the peak
 SERVICE_CPU, GENERATOR_CPU = 0, 1
+# (name, the service's --shed-after, whether the clients throttle themselves)
+MODES = (("shedding", 0.1, True), ("no-throttle", 0.1, False), ("no-shedding", 0.0, False))
 
 
 def busy_backoff(tries: int, reply: bytes) -> float:
@@ -75,7 +87,8 @@ class Generator:
     """One load generator's socket, requests and bookkeeping."""
 
     def __init__(self, address: tuple[str, int], key: bytes | None, bodies: list[bytes],
-                 seed: int) -> None:
+                 seed: int, throttling: bool = True) -> None:
+        self.throttling = throttling
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         self.sock.connect(address)
@@ -89,6 +102,24 @@ class Generator:
         self.latencies: list[float] = []
         self.served = self.busy = self.failed_busy = self.failed_timeout = 0
         self.sends = 0
+        self.held = 0
+        self.throttle = Throttle()      # (the clients' throttle: domus.client.throttle)
+
+    def hold(self, request_id: int, entry: list[Any], now: float) -> bool:
+        """The throttle holds the request back, as if BUSY: back off (or
+        fail at the deadline).  True if it was held."""
+        if self.throttle.allow():
+            return False
+        self.held += 1
+        entry[2] += 1
+        pause = busy_backoff(entry[2], held_back(b"\0" * 8))
+        if now + pause - entry[0] >= DEADLINE:
+            del self.pending[request_id]
+            self.failed_busy += 1
+            return True
+        entry[3] += 1
+        heapq.heappush(self.timers, (now + pause, request_id, -entry[3]))
+        return True
 
     def send(self, request_id: int) -> None:
         body = self.bodies[request_id % len(self.bodies)]
@@ -104,7 +135,9 @@ class Generator:
     def start(self, scheduled: float, now: float) -> None:
         self.ids = (self.ids + 1) & 0xFFFFFFFF
         request_id = self.ids
-        self.pending[request_id] = [scheduled, FIRST_TIMEOUT, 0, 0]
+        entry = self.pending[request_id] = [scheduled, FIRST_TIMEOUT, 0, 0]
+        if self.throttling and self.hold(request_id, entry, now):
+            return
         heapq.heappush(self.timers, (now + FIRST_TIMEOUT, request_id, 0))
         self.send(request_id)
 
@@ -120,6 +153,8 @@ class Generator:
             entry = self.pending.get(request_id)
             if entry is None:
                 continue                    # (a late reply to a retried request)
+            if self.throttling:
+                self.throttle.answered(data[2] == wire.ST_BUSY)
             if data[2] == wire.ST_BUSY:
                 self.busy += 1
                 entry[2] += 1
@@ -156,6 +191,8 @@ class Generator:
                     self.failed_timeout += 1
                 failed += 1
                 continue
+            if generation < 0 and self.throttling and self.hold(request_id, entry, now):
+                continue                    # (a backoff ended, and it is held again)
             if generation >= 0:
                 entry[1] = min(entry[1] * 2, DEADLINE)
             entry[3] += 1
@@ -171,11 +208,12 @@ class Generator:
 
 
 def _generate(address: tuple[str, int], key: bytes | None, bodies: list[bytes], rate: float,
-              seconds: float, start_at: float, seed: int, results: Any) -> None:
+              seconds: float, start_at: float, seed: int, results: Any,
+              throttling: bool = True) -> None:
     """Open loop at ``rate`` requests/s (0: closed loop, WINDOW in flight)."""
     _pin(GENERATOR_CPU)
     random.seed(seed)
-    generator = Generator(address, key, bodies, seed)
+    generator = Generator(address, key, bodies, seed, throttling)
     while time.perf_counter() < start_at:
         time.sleep(0.001)
     end = start_at + seconds
@@ -197,7 +235,7 @@ def _generate(address: tuple[str, int], key: bytes | None, bodies: list[bytes], 
         generator.expire(now)
         generator.wait(min(next_at, end) if rate and now < end else now + 0.002)
     generator.latencies.sort()
-    results.put({"served": generator.served, "busy": generator.busy,
+    results.put({"served": generator.served, "busy": generator.busy, "held": generator.held,
                  "failed_busy": generator.failed_busy,
                  "failed_timeout": generator.failed_timeout, "sends": generator.sends,
                  "latencies": generator.latencies[::max(1, len(generator.latencies) // 20000)]})
@@ -210,13 +248,13 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 def run_load(address: tuple[str, int], key: bytes | None, bodies: list[bytes], rate: float,
-             seconds: float, generators: int) -> dict[str, Any]:
+             seconds: float, generators: int, throttling: bool = True) -> dict[str, Any]:
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     start_at = time.perf_counter() + 0.5
     processes = [context.Process(target=_generate, args=(
         address, key, bodies, rate / generators if rate else 0.0, seconds, start_at,
-        index + 1, results)) for index in range(generators)]
+        index + 1, results, throttling)) for index in range(generators)]
     for process in processes:
         process.start()
     parts = [results.get(timeout=seconds + DEADLINE + 60) for _ in processes]
@@ -228,6 +266,7 @@ def run_load(address: tuple[str, int], key: bytes | None, bodies: list[bytes], r
             "p50_ms": round(percentile(latencies, 0.50) * 1000, 2),
             "p99_ms": round(percentile(latencies, 0.99) * 1000, 2),
             "busy_answers": sum(part["busy"] for part in parts),
+            "held_back": sum(part["held"] for part in parts),
             "failed_busy": sum(part["failed_busy"] for part in parts),
             "failed_timeout_only": sum(part["failed_timeout"] for part in parts),
             "datagrams_sent": sum(part["sends"] for part in parts)}
@@ -266,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", default="0.5,1,1.5,2")
     parser.add_argument("--generators", type=int, default=2)
     parser.add_argument("--insecure", action="store_true")
+    parser.add_argument("--modes", default=",".join(mode for mode, _s, _t in MODES),
+                        help="which of the modes to run, comma-separated")
     parser.add_argument("--output", default=os.path.join(os.path.dirname(__file__), "results",
                                                          "overload.json"))
     args = parser.parse_args(argv)
@@ -279,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, Any] = {"about": about, "batch": args.batch, "seconds": args.seconds,
                             "insecure": args.insecure, "modes": {}}
     peak = None
-    for mode, shed_after in (("shedding", 0.1), ("no shedding", 0.0)):
+    for mode, shed_after, throttling in MODES:
+        if mode not in args.modes.split(","):
+            continue
         data_dir = tempfile.mkdtemp(prefix="domus-overload-")
         deployment = start(data_dir, args.insecure, shed_after)
         try:
@@ -294,18 +337,19 @@ def main(argv: list[str] | None = None) -> int:
                       f"p50 {measured['p50_ms']} ms, p99 {measured['p99_ms']} ms")
                 print(f"{'mode':<12} {'load':>5} {'offered/s':>10} {'served/s':>10} "
                       f"{'of peak':>8} {'p50 ms':>8} {'p99 ms':>8} {'BUSY':>8} "
-                      f"{'fail busy':>9} {'fail t/o':>8}")
+                      f"{'held':>8} {'fail busy':>9} {'fail t/o':>8}")
             rows = runs["modes"][mode] = []
             for load in loads:
                 result = run_load(address, key, bodies, load * peak, args.seconds,
-                                  args.generators)
+                                  args.generators, throttling)
                 result["load"] = load
                 result["of_peak"] = round(result["served_per_s"] / peak, 3)
                 rows.append(result)
                 print(f"{mode:<12} {load:>5} {result['offered_per_s']:>10,} "
                       f"{result['served_per_s']:>10,} {result['of_peak']:>8.0%} "
                       f"{result['p50_ms']:>8} {result['p99_ms']:>8} "
-                      f"{result['busy_answers']:>8,} {result['failed_busy']:>9,} "
+                      f"{result['busy_answers']:>8,} {result['held_back']:>8,} "
+                      f"{result['failed_busy']:>9,} "
                       f"{result['failed_timeout_only']:>8,}")
         finally:
             deployment.stop()

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from domus.client import codec
+from domus.client.throttle import HOLD_PAUSE_MS, Throttle
 from domus.errors import (
     SUPERVISOR_ERRORS,
     AuthenticationError,
@@ -314,6 +315,13 @@ def busy_backoff(tries: int, reply: bytes = b"") -> float:
     return max(base, wire.busy_retry_after(reply)) * random.uniform(0.5, 1.5)
 
 
+def held_back(message: bytes) -> bytes:
+    """What a request the client's throttle held back counts as: a BUSY
+    answer whose retry-after is HOLD_PAUSE_MS (domus.client.throttle)."""
+    return (bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_BUSY, 0)) + message[4:8]
+            + HOLD_PAUSE_MS.to_bytes(2, "big"))
+
+
 def service_busy(name: str, address: str, waited: float, tries: int, dht: str = "",
                  bucket: int | None = None) -> ServiceBusy:
     if dht and bucket is not None:
@@ -401,6 +409,9 @@ class ServiceChannel:
         self.retries = 0
         self.timeouts = 0
         self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
+        # Requests held back here while the service sheds load
+        # (domus.client.throttle); ``throttle.held`` counts them.
+        self.throttle = Throttle()
         self._closed = False
         self._local = _ThreadSockets()
         # Every socket any thread opened (weakly: a thread that ends takes
@@ -488,17 +499,25 @@ class ServiceChannel:
         the same request is sent again after a backoff (busy_backoff), until
         the deadline since the first send, then ServiceBusy."""
         started = time.monotonic()
-        reply = self._request(message, dht, bucket, self.deadline)
-        if reply[2] != wire.ST_BUSY:
-            return reply
+        throttle = self.throttle
+        if throttle.allow():
+            reply = self._request(message, dht, bucket, self.deadline)
+            if reply[2] != wire.ST_BUSY:
+                throttle.taken += 1.0
+                return reply
+            throttle.answered(True)
+        else:
+            reply = held_back(message)
         return self._while_busy(message, dht, bucket, started, self._request, reply)
 
     def _while_busy(self, message: bytes, dht: str, bucket: int | None, started: float,
                     send: Any, first: bytes) -> bytes:
         """Send ``message`` again (with ``send``) while the service answers
-        BUSY, backing off, within the deadline since ``started``."""
+        BUSY (or this client's throttle holds it back), backing off, within
+        the deadline since ``started``."""
         tries = 1
         reply = first
+        throttle = self.throttle
         while True:
             self.busy += 1
             pause = busy_backoff(tries, reply)
@@ -506,9 +525,13 @@ class ServiceChannel:
             if elapsed + pause >= self.deadline:
                 raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
             time.sleep(pause)
-            reply = send(message, dht, bucket, self.deadline - elapsed - pause)
-            if reply[2] != wire.ST_BUSY:
-                return reply
+            if throttle.allow():
+                reply = send(message, dht, bucket, self.deadline - elapsed - pause)
+                throttle.answered(reply[2] == wire.ST_BUSY)
+                if reply[2] != wire.ST_BUSY:
+                    return reply
+            else:
+                reply = held_back(message)
             tries += 1
 
     def _request(self, message: bytes, dht: str, bucket: int | None,
@@ -608,6 +631,7 @@ class ServiceChannel:
         """``request`` over TCP (BUSY answers backed off and retried alike)."""
         started = time.monotonic()
         reply = self._request_tcp(message, dht, bucket)
+        self.throttle.answered(reply[2] == wire.ST_BUSY)
         if reply[2] != wire.ST_BUSY:
             return reply
         return self._while_busy(message, dht, bucket, started,
@@ -717,6 +741,7 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
                 if entry is None:
                     continue
                 index = entry[0]
+                channel.throttle.answered(data[2] == wire.ST_BUSY)
                 if data[2] == wire.ST_BUSY:
                     # Not a reply: wait a backoff (still holding its window
                     # slot, so the whole window slows down), then again.
@@ -741,6 +766,15 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
                 if now < sent + timeout:
                     continue
                 if request_id in backing_off:   # (a backoff ended: no timeout)
+                    if not channel.throttle.allow():
+                        # (held back here: another backoff, as if BUSY)
+                        tries = busy[request_id] = busy.get(request_id, 0) + 1
+                        pause = busy_backoff(tries)
+                        if now + pause - first >= channel.deadline:
+                            raise service_busy(channel.name, channel.address,
+                                               channel.deadline, tries, dht)
+                        flying[request_id] = (index, now, pause, first)
+                        continue
                     backing_off.discard(request_id)
                     flying[request_id] = (index, now, channel.first_timeout, first)
                     _send(channel, requests[index][1], refused, stamps)

@@ -48,6 +48,7 @@ from domus.client.blocking import (
     move_target,
 )
 from domus.client.evented import WINDOW, EventedDht
+from domus.client.throttle import Throttle
 from domus.client.transport import (
     FIRST_TIMEOUT,
     MAX_DEADLINE,
@@ -55,6 +56,7 @@ from domus.client.transport import (
     RECV_BUFFER,
     RequestIds,
     busy_backoff,
+    held_back,
     next_timeout,
     service_busy,
     service_unavailable,
@@ -245,6 +247,12 @@ class DatagramRequests(protocol.DatagramProtocol):
             self._send(entry)
 
     def _send(self, entry: _Pending) -> None:
+        if not entry.channel.throttle.allow():
+            # Held back here while the service sheds load: as if BUSY
+            # (domus.client.throttle).
+            entry.timer = None
+            self._busy(entry, held_back(entry.message))
+            return
         entry.tries += 1
         entry.timer = self.reactor.callLater(entry.timeout, self._expired, entry)
         message, key = entry.message, entry.channel.key
@@ -339,8 +347,10 @@ class DatagramRequests(protocol.DatagramProtocol):
                 return
             data = opened
         if data[2] == wire.ST_BUSY:
+            entry.channel.throttle.answered(True)
             self._busy(entry, data)
             return
+        entry.channel.throttle.taken += 1.0
         self.forget(entry)
         if data[2] == wire.ST_REPLY_TOO_LARGE:
             entry.channel.request_tcp(entry.message, entry.dht, entry.bucket).chainDeferred(
@@ -411,6 +421,7 @@ class TxChannel:
         self.retries = 0
         self.timeouts = 0
         self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
+        self.throttle = Throttle()  # (domus.client.throttle)
         self.in_flight = 0
         self.waiting: deque[_Pending] = deque()
         self.ip: str | None = self.host if isIPAddress(self.host) else None
