@@ -36,10 +36,16 @@ system:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-$(STAMP): setup.py pyproject.toml $(wildcard cext/*.c cext/*.h)
+$(STAMP): setup.py pyproject.toml $(wildcard cext/*.c cext/*.h cext/programs/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	DOMUS_REQUIRE_C=1 $(BIN)/pip install -q -e '.[test]'
+	@# the benchmarks' C programs, domus-bench and domus-udp-echo: setup.py
+	@# builds them into build/bin (again if a source changed); the venv links them
+	DOMUS_REQUIRE_C=1 $(BIN)/python setup.py -q build_ext --inplace
+	@for program in domus-bench domus-udp-echo; do \
+	  ln -sf ../../build/bin/$$program $(BIN)/$$program; \
+	done
 	touch $@
 
 venv: system

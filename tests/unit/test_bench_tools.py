@@ -1,0 +1,130 @@
+"""The benchmarks' C programs on their own: domus-bench's key derivation
+(SHA-256 and HMAC written in C) against Python's, its refusals of bad
+arguments and secret files, and its open and closed loops against
+domus-udp-echo, the bare UDP loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.programs import ProgramMissing, program
+from domus.wire import secret
+
+
+def binary(name: str) -> str:
+    try:
+        return program(name)
+    except ProgramMissing as missing:
+        pytest.fail(str(missing))
+
+
+def bench(*arguments: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([binary("domus-bench"), *arguments], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("secret_bytes", [
+    bytes(range(32)),               # what a supervisor makes
+    b"\xff" * 16,                   # the shortest allowed
+    bytes(range(100)),              # longer than HMAC's block: hashed first
+])
+def test_the_data_key_is_pythons(tmp_path: Path, secret_bytes: bytes) -> None:
+    path = tmp_path / "secret"
+    path.write_text(secret_bytes.hex() + "\n")
+    path.chmod(0o600)
+    done = bench("--derive-key", str(path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == secret.Keys.from_secret(secret_bytes, str(path)).data.hex()
+
+
+@pytest.mark.parametrize("content, mode, says", [
+    ("00" * 32, 0o644, "may be read by others"),
+    ("not hex at all", 0o600, "is not a Domus deployment secret"),
+    ("abc", 0o600, "is not a Domus deployment secret"),
+    ("00" * 8, 0o600, "it needs 16 at least"),
+])
+def test_a_bad_secret_file_is_refused(tmp_path: Path, content: str, mode: int,
+                                      says: str) -> None:
+    path = tmp_path / "secret"
+    path.write_text(content)
+    path.chmod(mode)
+    done = bench("--service", "127.0.0.1:9", "--dht-id", "1", "--secret-file", str(path))
+    assert done.returncode == 2
+    assert says in done.stderr and str(path) in done.stderr
+
+
+def test_a_missing_secret_says_what_to_give(tmp_path: Path) -> None:
+    environment = {key: value for key, value in os.environ.items()
+                   if key != secret.ENVIRONMENT}
+    done = subprocess.run([binary("domus-bench"), "--service", "127.0.0.1:9", "--dht-id", "1"],
+                          capture_output=True, text=True, cwd=tmp_path, env=environment,
+                          timeout=30)
+    assert done.returncode == 2
+    assert "--secret-file" in done.stderr and "--insecure" in done.stderr
+
+
+@pytest.mark.parametrize("arguments, says", [
+    ([], "--service HOST:PORT is required"),
+    (["--service", "127.0.0.1:9"], "--dht-id is required"),
+    (["--service", "127.0.0.1:9", "--dht-id", "1", "--buckets", "12"], "power of two"),
+    (["--service", "127.0.0.1:9", "--dht-id", "1", "--buckets", "8",
+      "--bucket-range", "4:9"], "has 8 buckets"),
+    (["--service", "127.0.0.1:9", "--dht-id", "1", "--inflight", "5000"], "1 to 4096"),
+    (["--service", "127.0.0.1:9", "--dht-id", "1", "--value-size", "70000"], "over TCP"),
+    (["--service", "127.0.0.1:9", "--dht-id", "1", "--hash", "sha256"], "xxh3 and xxh64"),
+    (["--service", "127.0.0.1:9", "--dht-id", "1", "--rate", "-3"], "more than 0"),
+    (["--service", "127.0.0.1:9", "--dht-id", "x"], "not a number"),
+    (["--service", "127.0.0.1:9", "--dht-id", "1", "--zipf-theta", "1"], "both excluded"),
+    (["--bogus"], "unknown argument --bogus"),
+])
+def test_bad_arguments_are_refused(arguments: list[str], says: str) -> None:
+    done = bench(*arguments, "--insecure")
+    assert done.returncode == 2
+    assert says in done.stderr
+
+
+@pytest.fixture
+def echo() -> Iterator[str]:
+    process = subprocess.Popen([binary("domus-udp-echo"), "127.0.0.1:0"],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()       # printed once bound
+        assert line.startswith("listening on "), line
+        yield line.split()[-1]
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_open_loop_sends_at_the_rate_asked(echo: str) -> None:
+    """In open loop the requests measured are those *intended* in the
+    measured time, rate x seconds of them, however the machine keeps up."""
+    done = bench("--service", echo, "--echo", "--rate", "2000", "--seconds", "0.5",
+                 "--warmup", "0.1", "--timeout", "5", "--json", "--threads", "2",
+                 "--distribution", "zipf")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert abs(report["requests"] - 1000) <= 2
+    assert report["timeouts"] == 0 and report["bad_replies"] == 0
+    latency = report["latency_us"]
+    assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"] <= latency["max"]
+
+
+def test_closed_loop_keeps_requests_in_flight(echo: str) -> None:
+    done = bench("--service", echo, "--echo", "--seconds", "0.3", "--warmup", "0",
+                 "--inflight", "64", "--value-size", "1000")
+    assert done.returncode == 0, done.stderr
+    assert "requests/s" in done.stdout and "lost (timed out) 0" in done.stdout
+
+
+def test_nothing_answering_is_exit_status_1() -> None:
+    done = bench("--service", "127.0.0.1:9", "--dht-id", "1", "--insecure", "--seconds",
+                 "0.2", "--warmup", "0", "--timeout", "0.1", "--json")
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["replies"] == 0
