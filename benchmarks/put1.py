@@ -187,6 +187,21 @@ def measure_domus(clients: list[int], seconds: float, insecure: bool = False,
         shutil.rmtree(data_dir, ignore_errors=True)
 
 
+def wait_for_redis(port: int, timeout: float = 10.0) -> None:
+    """Returns once the redis-server on ``port`` answers PING."""
+    import redis
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            redis.Redis(port=port).ping()
+            return
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def measure_redis(clients: list[int], seconds: float) -> dict[int, float] | None:
     server_binary = shutil.which("redis-server")
     if server_binary is None:
@@ -203,17 +218,7 @@ def measure_redis(clients: list[int], seconds: float) -> dict[int, float] | None
                                "--save", "", "--appendonly", "no"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=port).ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        wait_for_redis(port)
         return {k: _run_clients(_redis_worker, port, k, seconds) for k in clients}
     finally:
         server.terminate()

@@ -37,6 +37,7 @@
 #include <math.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -101,6 +102,7 @@ typedef struct {
     int preload;
     int json;
     int echo;
+    int redis;
     uint64_t seed;
     int secure;
     unsigned char data_key[16];
@@ -499,6 +501,10 @@ typedef struct {
     unsigned char stamp[4];
     size_t length;
     unsigned char *datagram;
+    /* --redis: the slot is a TCP connection, one request at a time */
+    int fd;
+    size_t received;
+    unsigned char *reply;
 } Slot;
 
 typedef struct {
@@ -852,11 +858,251 @@ run_phase(Worker *w, uint64_t until, double rate)
     }
 }
 
+
+/* ------------------------------------------------------------- --redis */
+
+/* With --redis the same key choice, values and clock drive a Redis server
+ * (RESP over TCP, as redis-benchmark -P 1 does): each slot is a connection
+ * with one request at a time, so --inflight is the connection count, and
+ * an open-loop request waits for a free connection with its clock already
+ * running, as a Domus request waits for a free slot. */
+#define REDIS_REPLY_SIZE (MAX_DATAGRAM + 64)
+
+static int
+connect_redis(void)
+{
+    char host[256], *colon;
+    struct addrinfo hints, *found;
+    snprintf(host, sizeof(host), "%s", opt.service);
+    colon = strrchr(host, ':');
+    if (colon == NULL) {
+        die(2, "--service %s: give HOST:PORT", opt.service);
+    }
+    *colon = '\0';
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    int status = getaddrinfo(host, colon + 1, &hints, &found);
+    if (status != 0) {
+        die(2, "--service %s: %s", opt.service, gai_strerror(status));
+    }
+    int fd = socket(found->ai_family, SOCK_STREAM, 0);
+    if (fd < 0 || connect(fd, found->ai_addr, found->ai_addrlen) != 0) {
+        die(1, "cannot connect to Redis at %s: %s", opt.service, strerror(errno));
+    }
+    freeaddrinfo(found);
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    return fd;
+}
+
+/* Fills slot `index` with a RESP SET or GET (the same keys and values as
+ * the Domus requests, without the key's type tag). */
+static int
+prepare_redis(Worker *w, int index, uint64_t intended)
+{
+    Slot *slot = &w->slots[index];
+    char text[MAX_KEY_TEXT];
+    uint64_t number;
+    int op;
+    if (phase_preload) {
+        if (w->preload_next >= w->preload_end) {
+            return -1;
+        }
+        number = key_number(w->preload_next++);
+        op = OP_PUT;
+    }
+    else {
+        uint64_t in_space = opt.zipf ? zipf_next(&w->random, opt.keys)
+                                     : random_next(&w->random) % opt.keys;
+        number = key_number(in_space);
+        op = opt.ops == OPS_PUT ? OP_PUT : opt.ops == OPS_GET ? OP_GET
+             : random_unit(&w->random) < opt.get_ratio ? OP_GET : OP_PUT;
+    }
+    size_t text_length = key_text(number, text);
+    char *p = (char *)slot->datagram;
+    int n;
+    if (op == OP_PUT) {
+        n = sprintf(p, "*3\r\n$3\r\nSET\r\n$%zu\r\n", text_length);
+        memcpy(p + n, text, text_length);
+        n += (int)text_length;
+        n += sprintf(p + n, "\r\n$%zu\r\n", opt.value_size);
+        for (size_t done = 0; done < opt.value_size;) {
+            size_t take = opt.value_size - done < text_length ? opt.value_size - done
+                                                              : text_length;
+            memcpy(p + n + done, text, take);
+            done += take;
+        }
+        n += (int)opt.value_size;
+    }
+    else {
+        n = sprintf(p, "*2\r\n$3\r\nGET\r\n$%zu\r\n", text_length);
+        memcpy(p + n, text, text_length);
+        n += (int)text_length;
+    }
+    memcpy(p + n, "\r\n", 2);
+    slot->length = (size_t)n + 2;
+    slot->op = op;
+    slot->key_index = number;
+    slot->intended = intended;
+    slot->sent_at = mono_ns();
+    slot->received = 0;
+    slot->busy = 1;
+    return 0;
+}
+
+/* The length of the whole RESP reply at the start of `data`, 0 if it has
+ * not all come yet, -1 if it is not one redis-benchmark's commands give. */
+static long
+redis_reply_length(const unsigned char *data, size_t size)
+{
+    const unsigned char *end = memchr(data, '\n', size);
+    if (end == NULL) {
+        return 0;
+    }
+    size_t line = (size_t)(end - data) + 1;
+    if (data[0] == '+' || data[0] == '-' || data[0] == ':') {
+        return (long)line;
+    }
+    if (data[0] == '$') {
+        long count = strtol((const char *)data + 1, NULL, 10);
+        if (count < 0) {
+            return (long)line;
+        }
+        return size >= line + (size_t)count + 2 ? (long)(line + (size_t)count + 2) : 0;
+    }
+    return -1;
+}
+
+static void
+run_redis_phase(Worker *w, uint64_t until, double rate)
+{
+    struct pollfd *ready = calloc((size_t)opt.inflight, sizeof(*ready));
+    int *which = calloc((size_t)opt.inflight, sizeof(*which));  /* ready[i]'s slot */
+    uint64_t interval = rate > 0 ? (uint64_t)(1e9 / rate) : 0;
+    uint64_t next_intended = mono_ns() + (interval * (uint64_t)w->index) / (uint64_t)opt.threads;
+    uint64_t timeout_ns = (uint64_t)(opt.timeout * 1e9);
+    int sending = 1;
+    if (ready == NULL || which == NULL) {
+        die(2, "no memory");
+    }
+    for (;;) {
+        uint64_t now = mono_ns();
+        if (sending && (now >= until
+                        || (phase_preload && w->preload_next >= w->preload_end))) {
+            sending = 0;
+        }
+        if (!sending && (w->free_count == opt.inflight || now >= until + timeout_ns)) {
+            break;
+        }
+        int sent = 0;
+        while (sending && w->free_count > 0 && (interval == 0 || next_intended <= now)) {
+            int index = w->free_slots[w->free_count - 1];
+            if (prepare_redis(w, index, interval == 0 ? now : next_intended) != 0) {
+                break;
+            }
+            w->free_count--;
+            next_intended += interval;
+            Slot *slot = &w->slots[index];
+            for (size_t done = 0; done < slot->length;) {
+                ssize_t n = send(slot->fd, slot->datagram + done, slot->length - done,
+                                 MSG_NOSIGNAL);
+                if (n < 0) {
+                    if (errno == EINTR || errno == EAGAIN) {
+                        struct pollfd out = {slot->fd, POLLOUT, 0};
+                        poll(&out, 1, 100);
+                        continue;
+                    }
+                    die(1, "sending to Redis at %s: %s", opt.service, strerror(errno));
+                }
+                done += (size_t)n;
+            }
+            sent++;
+        }
+        w->sent += (uint64_t)sent;
+        int wait_ms = 10;
+        if (sending && interval > 0 && w->free_count > 0) {
+            uint64_t due = next_intended > now ? next_intended - now : 0;
+            wait_ms = (int)(due / 1000000ull);
+            if (wait_ms > 10) {
+                wait_ms = 10;
+            }
+        }
+        int watched = 0;
+        for (int i = 0; i < opt.inflight; i++) {
+            if (w->slots[i].busy) {
+                ready[watched].fd = w->slots[i].fd;
+                ready[watched].events = POLLIN;
+                ready[watched].revents = 0;
+                which[watched] = i;
+                watched++;
+            }
+        }
+        if (watched == 0) {
+            if (wait_ms > 0) {
+                struct timespec pause = {0, (long)wait_ms * 1000000L};
+                nanosleep(&pause, NULL);
+            }
+            continue;
+        }
+        int events = poll(ready, (nfds_t)watched, interval > 0 && wait_ms == 0 ? 0 : wait_ms);
+        if (events <= 0) {
+            continue;
+        }
+        now = mono_ns();
+        for (int i = 0; i < watched; i++) {
+            if (!(ready[i].revents & (POLLIN | POLLERR | POLLHUP))) {
+                continue;
+            }
+            Slot *slot = &w->slots[which[i]];
+            ssize_t n = recv(slot->fd, slot->reply + slot->received,
+                             REDIS_REPLY_SIZE - slot->received, MSG_DONTWAIT);
+            if (n <= 0) {
+                if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+                    continue;
+                }
+                die(1, "Redis at %s closed a connection", opt.service);
+            }
+            slot->received += (size_t)n;
+            long whole = redis_reply_length(slot->reply, slot->received);
+            if (whole == 0) {
+                continue;
+            }
+            if (whole < 0 || slot->reply[0] == '-') {
+                w->bad_reply++;
+            }
+            else if (slot->op == OP_GET && slot->reply[0] == '$' && slot->reply[1] == '-') {
+                w->statuses[ST_NOT_FOUND]++;
+            }
+            else {
+                w->statuses[ST_OK]++;
+            }
+            w->replies++;
+            if (phase_preload) {
+                w->preload_done++;
+            }
+            else if (slot->intended >= measure_start && slot->intended < measure_end) {
+                w->measured++;
+                hist_record(&w->hist, now > slot->intended ? now - slot->intended : 0);
+            }
+            slot->busy = 0;
+            w->free_slots[w->free_count++] = which[i];
+        }
+    }
+    free(ready);
+    free(which);
+}
+
 static void *
 preload_thread(void *argument)
 {
     Worker *w = argument;
-    run_phase(w, UINT64_MAX, 0);
+    if (opt.redis) {
+        run_redis_phase(w, UINT64_MAX, 0);
+    }
+    else {
+        run_phase(w, UINT64_MAX, 0);
+    }
     return NULL;
 }
 
@@ -864,7 +1110,12 @@ static void *
 measure_thread(void *argument)
 {
     Worker *w = argument;
-    run_phase(w, measure_end, opt.rate / opt.threads);
+    if (opt.redis) {
+        run_redis_phase(w, measure_end, opt.rate / opt.threads);
+    }
+    else {
+        run_phase(w, measure_end, opt.rate / opt.threads);
+    }
     return NULL;
 }
 
@@ -923,6 +1174,8 @@ usage(FILE *out)
         "                        else ./domus-data/supervisor/secret if it exists)\n"
         "  --insecure            no secret: a deployment run --insecure\n"
         "  --echo                the service echoes datagrams (domus-udp-echo)\n"
+        "  --redis               the service is a Redis server: SET/GET over TCP, one\n"
+        "                        connection per --inflight, one request at a time each\n"
         "  --seed N              of the key choice (default 1)\n"
         "  --json                print one JSON object instead of text\n"
         "  --derive-key F        print the data key of secret file F (hex) and exit\n",
@@ -1155,6 +1408,9 @@ parse(int argc, char **argv)
         else if (!strcmp(name, "--echo")) {
             opt.echo = 1;
         }
+        else if (!strcmp(name, "--redis")) {
+            opt.redis = 1;
+        }
         else {
             usage(stderr);
             die(2, "unknown argument %s", name);
@@ -1164,6 +1420,15 @@ parse(int argc, char **argv)
     if (opt.service[0] == '\0') {
         usage(stderr);
         die(2, "--service HOST:PORT is required");
+    }
+    if (opt.redis && opt.echo) {
+        die(2, "--redis and --echo: give one");
+    }
+    if (opt.redis) {
+        opt.echo = 0;
+        insecure = 1;               /* Redis has no Domus secret */
+        secret_file = NULL;
+        opt.have_dht = 1;
     }
     if (!opt.have_dht && !opt.echo) {
         die(2, "--dht-id is required (`domus dht info NAME` shows a DHT's id)");
@@ -1244,7 +1509,7 @@ main(int argc, char **argv)
     for (int t = 0; t < opt.threads; t++) {
         Worker *w = &workers[t];
         w->index = t;
-        w->fd = connect_service();
+        w->fd = opt.redis ? -1 : connect_service();
         w->random.state = opt.seed * 0x9E3779B97F4A7C15ull + (uint64_t)t;
         uint64_t id = random_next(&w->random) ^ mono_ns();
         Random id_random = {id ^ (uint64_t)getpid() << 32 ^ (uint64_t)t};
@@ -1257,9 +1522,16 @@ main(int argc, char **argv)
             die(2, "no memory");
         }
         for (int i = 0; i < opt.inflight; i++) {
-            w->slots[i].datagram = malloc(datagram_size);
+            w->slots[i].datagram = malloc(datagram_size + 128);
             if (w->slots[i].datagram == NULL) {
                 die(2, "no memory");
+            }
+            if (opt.redis) {
+                w->slots[i].fd = connect_redis();
+                w->slots[i].reply = malloc(REDIS_REPLY_SIZE);
+                if (w->slots[i].reply == NULL) {
+                    die(2, "no memory");
+                }
             }
             w->free_slots[w->free_count++] = opt.inflight - 1 - i;
         }
@@ -1325,11 +1597,13 @@ main(int argc, char **argv)
         json_string(opt.service);
         printf(", \"dht_id\": %u, \"buckets\": %llu, \"op\": \"%s\", \"get_ratio\": %g, "
                "\"keys\": %llu, \"value_size\": %zu, \"distribution\": \"%s\", "
-               "\"secure\": %s, \"echo\": %s, \"threads\": %d, \"inflight\": %d, "
+               "\"secure\": %s, \"echo\": %s, \"redis\": %s, \"threads\": %d, "
+               "\"inflight\": %d, "
                "\"seconds\": %g, \"warmup\": %g, ",
                opt.dht_id, (unsigned long long)opt.buckets, op_name, opt.get_ratio,
                (unsigned long long)opt.keys, opt.value_size, opt.zipf ? "zipf" : "uniform",
-               opt.secure ? "true" : "false", opt.echo ? "true" : "false", opt.threads,
+               opt.secure ? "true" : "false", opt.echo ? "true" : "false",
+               opt.redis ? "true" : "false", opt.threads,
                opt.inflight, opt.seconds, opt.warmup);
         if (opt.rate > 0) {
             printf("\"target_rate\": %.1f, ", opt.rate);
@@ -1365,7 +1639,8 @@ main(int argc, char **argv)
     else {
         printf("domus-bench: %s on %s, DHT %u (%llu buckets), %s%s\n", op_name, opt.service,
                opt.dht_id, (unsigned long long)opt.buckets,
-               opt.echo ? "echo" : opt.secure ? "sealed with the secret of " : "insecure",
+               opt.redis ? "Redis (RESP over TCP)" : opt.echo ? "echo"
+               : opt.secure ? "sealed with the secret of " : "insecure",
                opt.secure && !opt.echo ? opt.secret_source : "");
         printf("  keys %llu (%s), values %zu bytes, %d thread(s) x %d in flight, ",
                (unsigned long long)opt.keys, opt.zipf ? "zipf" : "uniform", opt.value_size,
