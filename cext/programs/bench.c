@@ -45,6 +45,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -977,14 +978,20 @@ redis_reply_length(const unsigned char *data, size_t size)
 static void
 run_redis_phase(Worker *w, uint64_t until, double rate)
 {
-    struct pollfd *ready = calloc((size_t)opt.inflight, sizeof(*ready));
-    int *which = calloc((size_t)opt.inflight, sizeof(*which));  /* ready[i]'s slot */
+    struct epoll_event events[BATCH];
     uint64_t interval = rate > 0 ? (uint64_t)(1e9 / rate) : 0;
     uint64_t next_intended = mono_ns() + (interval * (uint64_t)w->index) / (uint64_t)opt.threads;
     uint64_t timeout_ns = (uint64_t)(opt.timeout * 1e9);
     int sending = 1;
-    if (ready == NULL || which == NULL) {
-        die(2, "no memory");
+    int watch = epoll_create1(0);
+    if (watch < 0) {
+        die(1, "epoll_create1: %s", strerror(errno));
+    }
+    for (int i = 0; i < opt.inflight; i++) {
+        struct epoll_event event = {.events = EPOLLIN, .data.u32 = (uint32_t)i};
+        if (epoll_ctl(watch, EPOLL_CTL_ADD, w->slots[i].fd, &event) != 0) {
+            die(1, "epoll_ctl: %s", strerror(errno));
+        }
     }
     for (;;) {
         uint64_t now = mono_ns();
@@ -992,7 +999,8 @@ run_redis_phase(Worker *w, uint64_t until, double rate)
                         || (phase_preload && w->preload_next >= w->preload_end))) {
             sending = 0;
         }
-        if (!sending && (w->free_count == opt.inflight || now >= until + timeout_ns)) {
+        if (!sending && (w->free_count == opt.inflight
+                         || (!phase_preload && now >= until + timeout_ns))) {
             break;
         }
         int sent = 0;
@@ -1028,33 +1036,17 @@ run_redis_phase(Worker *w, uint64_t until, double rate)
                 wait_ms = 10;
             }
         }
-        int watched = 0;
-        for (int i = 0; i < opt.inflight; i++) {
-            if (w->slots[i].busy) {
-                ready[watched].fd = w->slots[i].fd;
-                ready[watched].events = POLLIN;
-                ready[watched].revents = 0;
-                which[watched] = i;
-                watched++;
-            }
-        }
-        if (watched == 0) {
-            if (wait_ms > 0) {
-                struct timespec pause = {0, (long)wait_ms * 1000000L};
-                nanosleep(&pause, NULL);
-            }
-            continue;
-        }
-        int events = poll(ready, (nfds_t)watched, interval > 0 && wait_ms == 0 ? 0 : wait_ms);
-        if (events <= 0) {
+        int ready = epoll_wait(watch, events, BATCH, wait_ms);
+        if (ready <= 0) {
             continue;
         }
         now = mono_ns();
-        for (int i = 0; i < watched; i++) {
-            if (!(ready[i].revents & (POLLIN | POLLERR | POLLHUP))) {
-                continue;
+        for (int i = 0; i < ready; i++) {
+            int index = (int)events[i].data.u32;
+            Slot *slot = &w->slots[index];
+            if (!slot->busy) {
+                die(1, "Redis at %s sent what was not asked", opt.service);
             }
-            Slot *slot = &w->slots[which[i]];
             ssize_t n = recv(slot->fd, slot->reply + slot->received,
                              REDIS_REPLY_SIZE - slot->received, MSG_DONTWAIT);
             if (n <= 0) {
@@ -1086,11 +1078,10 @@ run_redis_phase(Worker *w, uint64_t until, double rate)
                 hist_record(&w->hist, now > slot->intended ? now - slot->intended : 0);
             }
             slot->busy = 0;
-            w->free_slots[w->free_count++] = which[i];
+            w->free_slots[w->free_count++] = index;
         }
     }
-    free(ready);
-    free(which);
+    close(watch);
 }
 
 static void *

@@ -128,3 +128,41 @@ def test_nothing_answering_is_exit_status_1() -> None:
                  "0.2", "--warmup", "0", "--timeout", "0.1", "--json")
     assert done.returncode == 1
     assert json.loads(done.stdout)["replies"] == 0
+
+
+@pytest.fixture
+def redis_port() -> Iterator[int]:
+    import shutil
+
+    from benchmarks.put1 import wait_for_redis
+    from domus.ops.deploy import free_port_block
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (make installs it)")
+    port = free_port_block(1)
+    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        wait_for_redis(port)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_redis_mode_writes_what_domus_bench_writes(redis_port: int) -> None:
+    """--redis: the same keys and values over RESP, each connection one
+    request at a time; every GET of a preloaded key finds it."""
+    import redis
+
+    done = bench("--redis", "--service", f"127.0.0.1:{redis_port}", "--keys", "300",
+                 "--value-size", "30", "--preload", "--op", "get", "--inflight", "8",
+                 "--seconds", "0.3", "--warmup", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["preloaded"] == 300 and report["requests"] > 0
+    assert set(report["statuses"]) == {"OK"} and report["bad_replies"] == 0
+    client = redis.Redis(port=redis_port)
+    assert client.dbsize() == 300
+    assert client.get("bench:123") == (b"bench:123" * 4)[:30]
