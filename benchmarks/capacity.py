@@ -78,11 +78,13 @@ def curve(arguments: list[str], peak: float, points: list[int], seconds: float,
         row = {"percent": percent, "target_rate": round(rate, 1),
                "throughput": report["throughput"], "p50_us": report["latency_us"]["p50"],
                "p99_us": report["latency_us"]["p99"], "p999_us": report["latency_us"]["p99.9"],
-               "max_us": report["latency_us"]["max"], "timeouts": report["timeouts"]}
+               "max_us": report["latency_us"]["max"], "timeouts": report["timeouts"],
+               "unsent": report["unsent"]}
         rows.append(row)
         print(f"  {label} {percent:>3} %: {rate:>9,.0f}/s asked, {row['throughput']:>9,.0f}/s "
               f"done, p50 {row['p50_us']:>8.1f} us, p99 {row['p99_us']:>9.1f} us"
-              f"{', lost ' + str(row['timeouts']) if row['timeouts'] else ''}", flush=True)
+              f"{', lost ' + str(row['timeouts']) if row['timeouts'] else ''}"
+              f"{', unsent ' + str(row['unsent']) if row['unsent'] else ''}", flush=True)
     return rows
 
 

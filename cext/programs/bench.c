@@ -522,6 +522,7 @@ typedef struct {
     Histogram hist;
     uint64_t sent, replies, measured, timeouts, late, bad_mac, bad_reply;
     uint64_t wrong_value, statuses[STATUSES];
+    uint64_t unsent;        /* open loop: intended in time, never sent */
     /* preload: key numbers [preload_next, preload_end) still to write, and
      * those whose PUT timed out, to write again */
     uint64_t preload_next, preload_end, preload_done, preload_lost;
@@ -773,7 +774,15 @@ run_phase(Worker *w, uint64_t until, double rate)
     }
     for (;;) {
         uint64_t now = mono_ns();
-        if (sending && now >= until) {
+        /* Open loop: every request intended before `until` is sent, late
+         * if it must (its latency counts from its intended time), unless
+         * the service is a whole timeout behind: the rest is counted
+         * unsent.  Closed loop: nothing is sent after `until`. */
+        if (sending && (interval > 0 ? next_intended >= until : now >= until)) {
+            sending = 0;
+        }
+        if (sending && interval > 0 && !phase_preload && now >= until + timeout_ns) {
+            w->unsent += (until - next_intended) / interval;
             sending = 0;
         }
         if (phase_preload && sending && w->retry_count == 0
@@ -783,7 +792,7 @@ run_phase(Worker *w, uint64_t until, double rate)
         if (!sending && w->free_count == opt.inflight) {
             break;
         }
-        if (!sending && now >= until + timeout_ns && !phase_preload) {
+        if (!sending && now >= until + 2 * timeout_ns && !phase_preload) {
             break;
         }
         /* send what is due */
@@ -995,12 +1004,16 @@ run_redis_phase(Worker *w, uint64_t until, double rate)
     }
     for (;;) {
         uint64_t now = mono_ns();
-        if (sending && (now >= until
+        if (sending && ((interval > 0 ? next_intended >= until : now >= until)
                         || (phase_preload && w->preload_next >= w->preload_end))) {
             sending = 0;
         }
+        if (sending && interval > 0 && !phase_preload && now >= until + timeout_ns) {
+            w->unsent += (until - next_intended) / interval;
+            sending = 0;
+        }
         if (!sending && (w->free_count == opt.inflight
-                         || (!phase_preload && now >= until + timeout_ns))) {
+                         || (!phase_preload && now >= until + 2 * timeout_ns))) {
             break;
         }
         int sent = 0;
@@ -1079,6 +1092,12 @@ run_redis_phase(Worker *w, uint64_t until, double rate)
             }
             slot->busy = 0;
             w->free_slots[w->free_count++] = index;
+        }
+    }
+    for (int i = 0; i < opt.inflight; i++) {
+        Slot *slot = &w->slots[i];
+        if (slot->busy && slot->intended >= measure_start && slot->intended < measure_end) {
+            w->timeouts++;          /* unanswered when the run ended */
         }
     }
     close(watch);
@@ -1562,7 +1581,7 @@ main(int argc, char **argv)
     memset(&total, 0, sizeof(total));
     total.min = UINT64_MAX;
     uint64_t sent = 0, replies = 0, measured = 0, timeouts = 0, late = 0, bad_mac = 0;
-    uint64_t bad_reply = 0, wrong = 0, statuses[STATUSES] = {0};
+    uint64_t bad_reply = 0, wrong = 0, unsent = 0, statuses[STATUSES] = {0};
     for (int t = 0; t < opt.threads; t++) {
         Worker *w = &workers[t];
         pthread_join(w->thread, NULL);
@@ -1575,6 +1594,7 @@ main(int argc, char **argv)
         bad_mac += w->bad_mac;
         bad_reply += w->bad_reply;
         wrong += w->wrong_value;
+        unsent += w->unsent;
         for (int s = 0; s < STATUSES; s++) {
             statuses[s] += w->statuses[s];
         }
@@ -1606,11 +1626,13 @@ main(int argc, char **argv)
                (unsigned long long)preloaded, preload_seconds);
         printf("\"requests\": %llu, \"throughput\": %.1f, \"sent\": %llu, \"replies\": %llu, "
                "\"timeouts\": %llu, \"late_replies\": %llu, \"bad_mac\": %llu, "
-               "\"bad_replies\": %llu, \"wrong_values\": %llu, \"latency_us\": {",
+               "\"bad_replies\": %llu, \"wrong_values\": %llu, \"unsent\": %llu, "
+               "\"latency_us\": {",
                (unsigned long long)measured, throughput, (unsigned long long)sent,
                (unsigned long long)replies, (unsigned long long)timeouts,
                (unsigned long long)late, (unsigned long long)bad_mac,
-               (unsigned long long)bad_reply, (unsigned long long)wrong);
+               (unsigned long long)bad_reply, (unsigned long long)wrong,
+               (unsigned long long)unsent);
         for (int i = 0; i < 4; i++) {
             printf("\"%s\": %.1f, ", q_names[i], (double)hist_quantile(&total, q[i]) / 1e3);
         }
@@ -1662,6 +1684,10 @@ main(int argc, char **argv)
                "wrong values %llu\n", (unsigned long long)timeouts, (unsigned long long)late,
                (unsigned long long)bad_mac, (unsigned long long)bad_reply,
                (unsigned long long)wrong);
+        if (unsent > 0) {
+            printf("  unsent %llu: the service fell over a timeout behind the rate asked\n",
+                   (unsigned long long)unsent);
+        }
     }
     return replies == 0 ? 1 : 0;
 }

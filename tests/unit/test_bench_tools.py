@@ -90,16 +90,22 @@ def test_bad_arguments_are_refused(arguments: list[str], says: str) -> None:
 
 
 @pytest.fixture
-def echo() -> Iterator[str]:
+def echo_server() -> Iterator[tuple[str, subprocess.Popen]]:
+    """domus-udp-echo on a free port: (its address, its process)."""
     process = subprocess.Popen([binary("domus-udp-echo"), "127.0.0.1:0"],
                                stdout=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()       # printed once bound
         assert line.startswith("listening on "), line
-        yield line.split()[-1]
+        yield line.split()[-1], process
     finally:
         process.terminate()
         process.wait(10)
+
+
+@pytest.fixture
+def echo(echo_server: tuple[str, subprocess.Popen]) -> str:
+    return echo_server[0]
 
 
 def test_open_loop_sends_at_the_rate_asked(echo: str) -> None:
@@ -114,6 +120,34 @@ def test_open_loop_sends_at_the_rate_asked(echo: str) -> None:
     assert report["timeouts"] == 0 and report["bad_replies"] == 0
     latency = report["latency_us"]
     assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"] <= latency["max"]
+
+
+def test_a_stall_is_charged_to_every_request_it_delays(
+        echo_server: tuple[str, subprocess.Popen]) -> None:
+    """No coordinated omission: with the server stopped for 0.4 s, the
+    requests intended meanwhile (not only the few in flight) are sent late
+    and measured from their intended time."""
+    import signal
+    import time
+
+    echo, server = echo_server
+    pid = server.pid
+    run = subprocess.Popen([binary("domus-bench"), "--service", echo, "--echo", "--rate", "1000",
+                            "--inflight", "4", "--seconds", "1.5", "--warmup", "0",
+                            "--timeout", "5", "--json"], stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.3)                 # the stall begins inside the measured time
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.4)                 # the stall itself
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    output, _ = run.communicate(timeout=30)
+    report = json.loads(output)
+    assert abs(report["requests"] - 1500) <= 2 and report["timeouts"] == 0
+    # ~400 of 1,500 requests were delayed by up to 0.4 s: the slowest tenth
+    # waited over 0.1 s (with coordinated omission only the 4 in flight would)
+    assert report["latency_us"]["p90"] >= 100_000
+    assert report["latency_us"]["max"] >= 300_000
 
 
 def test_closed_loop_keeps_requests_in_flight(echo: str) -> None:
