@@ -61,6 +61,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <stdint.h>
 #include <string.h>
@@ -68,6 +69,7 @@
 #include <sys/uio.h>
 #include <time.h>
 
+#include "hashes.h"
 #include "recordtree_api.h"
 #include "siphash.h"
 
@@ -98,10 +100,15 @@ now_seconds(void)
 #define OP_GET_MANY 0x06
 #define ST_OK 0x00
 #define ST_NOT_FOUND 0x01
+#define ST_BUSY 0x21
 #define REQUEST_HEADER_SIZE 16
 #define REPLY_HEADER_SIZE 8
 #define TOKEN_OFFSET 4              /* request id and client id */
 #define TOKEN_SIZE 12
+/* A reply cache key: the token, then the XXH64 of the whole request under
+ * the cache's seed (big-endian), so that another request under a reused
+ * request id is not taken for a retry (domus.service.replycache.cache_key). */
+#define CACHE_KEY_SIZE 20
 #define KEYED_END 26                /* header, dht u32, bucket u32, klen u16 */
 #define BATCH_END 22                /* header, dht u32, count u16 */
 #define PUT_ENTRY_SIZE 10           /* bucket u32, klen u16, vlen u32 */
@@ -124,6 +131,29 @@ now_seconds(void)
  * heartbeat: which buckets are hot, for the cost of a mask and a store. */
 #define SAMPLE_EVERY 16
 #define SAMPLE_RING 4096
+/* Each bucket's changes made here are counted in one of GENERATIONS
+ * counters (by a hash of DHT id and bucket; two buckets may share one), so
+ * that a SCAN can tell that a bucket has not changed since a snapshot of
+ * its keys was taken and share that snapshot (a counter that moved is only
+ * ever a snapshot taken afresh). */
+#define GENERATIONS 4096
+/* Overload: the service is *behind* when, over a whole SHED_INTERVAL, every
+ * datagram it read had waited more than shed_after in the socket's queue (a
+ * standing queue, as CoDel tells one from a burst), and stays behind until
+ * an interval in which one had waited less than half that.  While behind,
+ * a datagram that waited more than shed_after is answered BUSY unserved.
+ * A burst (or a pause of the process) that drains within an interval sheds
+ * nothing.  domus.service.udp.Shedder is the Python twin. */
+#define SHED_INTERVAL_NS 100000000LL
+/* ... and a standing queue is one of at least SHED_MIN_DATAGRAMS datagrams
+ * an interval: a few requests that waited because the process was not
+ * scheduled (a machine shared with other work) are late, not a queue. */
+#define SHED_MIN_DATAGRAMS 32
+/* A shed request's BUSY carries a retry-after (u16, milliseconds): one
+ * interval, doubling with each interval the service has been behind in a
+ * row, up to 2 s, so that the clients of a service long behind come back
+ * later and fewer datagrams are spent on refusals. */
+#define RETRY_AFTER_MAX_MS 2000
 
 #define HANDLED 1
 #define DECLINED 0
@@ -173,6 +203,17 @@ typedef struct {
     unsigned long long unauthenticated; /* datagrams dropped: no MAC, or a wrong one */
     unsigned long long sampled;         /* samples taken since the last take */
     uint64_t samples[SAMPLE_RING];      /* dht id << 32 | bucket */
+    unsigned long long cache_seed;      /* the reply cache keys' XXH64 seed */
+    unsigned long long busy;            /* changes refused: the reply cache is full */
+    unsigned long long shed;            /* datagrams answered BUSY: they waited too long */
+    long long shed_after_ns;            /* how long is too long; <= 0: never shed */
+    long long interval_end_ns;          /* the end of this shedding interval */
+    long long interval_min_ns;          /* the least wait seen in it */
+    long long interval_count;           /* datagrams read in it */
+    int behind;                         /* the last interval said: shed */
+    int behind_streak;                  /* intervals behind in a row (<= 6) */
+    int reply_factor;                   /* insecure: replies <= factor * request; 0: any */
+    uint64_t generations_of[GENERATIONS];   /* changes per bucket (hashed) */
 } FastPath;
 
 typedef enum {
@@ -610,10 +651,11 @@ repo_remove(FastPath *self, Repo repo, const unsigned char *key,
 /* ------------------------------------------------------------ the reply cache
  *
  * The cache is two generations of dicts in a list owned by the Python
- * ReplyCache, which rotates them in place.  A token is looked up in both;
- * a new reply goes into the current one.  C never rotates: a change that
- * would grow the current generation past `current_limit` is declined, and
- * the Python handler stores it and rotates early.
+ * ReplyCache, which rotates them in place, by time only.  A request's key
+ * (its token and a hash of its bytes, cache_key) is looked up in both; a
+ * new reply goes into the current one.  A change that would grow the
+ * current generation past `current_limit` is answered BUSY: no entry is
+ * dropped before its time, so no retry can find its reply gone.
  */
 
 /* New references to the two generations.  DECLINED if the list is not the
@@ -1189,8 +1231,58 @@ done:
 
 /* ------------------------------------------------------------ dispatch */
 
-/* PUT, DELETE, PUT_MANY: answered from the reply cache when the token is
- * there (in either generation), else applied and their reply cached. */
+/* The index of the counter of (dht id, bucket) in generations_of. */
+static inline size_t
+generation_index(uint32_t dht_id, uint32_t bucket)
+{
+    uint64_t mixed = ((uint64_t)dht_id << 32 | bucket) * DOMUS_P64_1;
+    return (size_t)(mixed >> 52) & (GENERATIONS - 1);
+}
+
+/* Counts a change applied here to each bucket the (well-formed, handled)
+ * change request `data` names. */
+static void
+count_changes(FastPath *self, int op, const unsigned char *data,
+              Py_ssize_t size)
+{
+    uint32_t dht_id = read_u32(data + 16);
+    if (op != OP_PUT_MANY) {
+        self->generations_of[generation_index(dht_id, read_u32(data + 20))]++;
+        return;
+    }
+    Py_ssize_t at = BATCH_END;
+    uint16_t count = read_u16(data + 20);
+    for (uint16_t i = 0; i < count && at + PUT_ENTRY_SIZE <= size; i++) {
+        uint32_t bucket = read_u32(data + at);
+        Py_ssize_t key_length = read_u16(data + at + 4);
+        Py_ssize_t value_length = read_u32(data + at + 6);
+        self->generations_of[generation_index(dht_id, bucket)]++;
+        at += PUT_ENTRY_SIZE + key_length + value_length;
+    }
+}
+
+/* The reply cache key of request `data` (a new reference): its token, then
+ * XXH64(data, cache_seed) big-endian. */
+static PyObject *
+cache_key(FastPath *self, const unsigned char *data, Py_ssize_t size)
+{
+    PyObject *key = PyBytes_FromStringAndSize(NULL, CACHE_KEY_SIZE);
+    if (key == NULL) {
+        return NULL;
+    }
+    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(key);
+    memcpy(out, data + TOKEN_OFFSET, TOKEN_SIZE);
+    uint64_t digest = domus_xxh64(data, (size_t)size, self->cache_seed);
+    for (int i = 0; i < 8; i++) {
+        out[TOKEN_SIZE + i] = (unsigned char)(digest >> (56 - 8 * i));
+    }
+    return key;
+}
+
+/* PUT, DELETE, PUT_MANY: answered from the reply cache when their key is
+ * there (in either generation), else applied and their reply cached; BUSY
+ * (not applied, not cached) when the current generation is full: an entry
+ * that may still be retried is never dropped to make room. */
 static int
 handle_change(FastPath *self, int op, const unsigned char *data,
               Py_ssize_t size, Reply *reply)
@@ -1200,8 +1292,7 @@ handle_change(FastPath *self, int op, const unsigned char *data,
     if (result != HANDLED) {
         return result;
     }
-    PyObject *token = PyBytes_FromStringAndSize(
-        (const char *)data + TOKEN_OFFSET, TOKEN_SIZE);
+    PyObject *token = cache_key(self, data, size);
     if (token == NULL) {
         result = -1;
         goto done;
@@ -1223,9 +1314,10 @@ handle_change(FastPath *self, int op, const unsigned char *data,
         goto done;
     }
     if (PyDict_GET_SIZE(current) >= self->current_limit) {
-        /* Storing this reply would fill the current generation: the Python
-         * handler stores it and rotates early. */
-        result = DECLINED;
+        /* (layout byte 0: the request is not parsed, its DHT not found) */
+        write_reply_header(reply->head, ST_BUSY, data, 0);
+        self->busy++;
+        result = HANDLED;
         goto done;
     }
     switch (op) {
@@ -1238,6 +1330,9 @@ handle_change(FastPath *self, int op, const unsigned char *data,
     default:
         result = change_put_many(self, data, size, current, token, reply);
         break;
+    }
+    if (result == HANDLED) {
+        count_changes(self, op, data, size);
     }
 done:
     Py_XDECREF(token);
@@ -1468,14 +1563,17 @@ static int
 FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"dhts", "generations", "tree_type",
-                             "current_limit", "dict_type", "key", NULL};
+                             "current_limit", "dict_type", "key", "cache_seed",
+                             NULL};
     PyObject *dhts, *generations, *tree_type = Py_None;
     PyObject *dict_type = Py_None, *key = Py_None;
     Py_ssize_t current_limit = PY_SSIZE_T_MAX;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!|O$nOO:FastPath", kwlist,
+    unsigned long long cache_seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!|O$nOOK:FastPath", kwlist,
                                      &PyDict_Type, &dhts, &PyList_Type,
                                      &generations, &tree_type,
-                                     &current_limit, &dict_type, &key)) {
+                                     &current_limit, &dict_type, &key,
+                                     &cache_seed)) {
         return -1;
     }
     if (key != Py_None && !(PyBytes_Check(key) && PyBytes_GET_SIZE(key) == 16)) {
@@ -1532,6 +1630,7 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     }
     self->tree_api = tree_api;
     self->current_limit = current_limit;
+    self->cache_seed = cache_seed;
     self->keyed = key != Py_None;
     if (self->keyed) {
         memcpy(self->key, PyBytes_AS_STRING(key), 16);
@@ -1732,6 +1831,56 @@ send_reply(FastPath *self, int fd, Reply *reply,
     }
 }
 
+/* Whether to shed the datagram `message` (see SHED_INTERVAL_NS): reads its
+ * kernel receive time (SO_TIMESTAMPNS, which the caller switches on; a
+ * datagram without one is never shed) and keeps the interval's state. */
+static int
+should_shed(FastPath *self, struct msghdr *message)
+{
+    for (struct cmsghdr *item = CMSG_FIRSTHDR(message); item != NULL;
+         item = CMSG_NXTHDR(message, item)) {
+        if (item->cmsg_level != SOL_SOCKET || item->cmsg_type != SCM_TIMESTAMPNS) {
+            continue;
+        }
+        struct timespec received, now;
+        memcpy(&received, CMSG_DATA(item), sizeof(received));
+        if (clock_gettime(CLOCK_REALTIME, &now) < 0) {
+            return 0;
+        }
+        long long received_ns = (long long)received.tv_sec * 1000000000LL
+                                + received.tv_nsec;
+        long long waited = (long long)now.tv_sec * 1000000000LL + now.tv_nsec
+                           - received_ns;
+        long long target = self->shed_after_ns;
+        if (received_ns >= self->interval_end_ns) {
+            if (self->interval_end_ns != 0) {
+                self->behind = self->interval_count >= SHED_MIN_DATAGRAMS
+                               && self->interval_min_ns > (self->behind ? target / 2 : target);
+                self->behind_streak = self->behind ? (self->behind_streak < 6
+                                                      ? self->behind_streak + 1 : 6) : 0;
+            }
+            self->interval_min_ns = LLONG_MAX;
+            self->interval_count = 0;
+            self->interval_end_ns = received_ns + SHED_INTERVAL_NS;
+        }
+        self->interval_count++;
+        if (waited < self->interval_min_ns) {
+            self->interval_min_ns = waited;
+        }
+        return self->behind && waited > target;
+    }
+    return 0;
+}
+
+/* The retry-after of a shed request's BUSY (see RETRY_AFTER_MAX_MS). */
+static uint16_t
+retry_after_ms(FastPath *self)
+{
+    long long wait = (SHED_INTERVAL_NS / 1000000) << (self->behind_streak > 0
+                                                      ? self->behind_streak - 1 : 0);
+    return (uint16_t)(wait < RETRY_AFTER_MAX_MS ? wait : RETRY_AFTER_MAX_MS);
+}
+
 PyDoc_STRVAR(FastPath_serve_doc,
 "serve($self, /, fd, fallback, max_datagrams=256)\n--\n\n"
 "Drain the non-blocking UDP socket `fd`: answer each datagram C can handle\n"
@@ -1743,7 +1892,13 @@ PyDoc_STRVAR(FastPath_serve_doc,
 "dropped and counted (unauthenticated); the others are handled without\n"
 "their trailer, their replies sent with theirs, and a request whose time\n"
 "is not within TIME_WINDOW seconds of this clock goes to the fallback;\n"
-"stamp is the request's time (4 bytes), or None without a key.");
+"stamp is the request's time (4 bytes), or None without a key.\n"
+"Overload: with shed_after_ns > 0 and the socket's SO_TIMESTAMPNS on, a\n"
+"request that waited longer than that in the socket's queue while the\n"
+"service is behind (a standing queue: see SHED_INTERVAL_NS) is answered\n"
+"BUSY, unserved (counted: shed).  Without a key and with reply_factor > 0,\n"
+"a reply is at most reply_factor times its request (larger ones go to the\n"
+"fallback, which answers REPLY_TOO_LARGE).");
 
 static PyObject *
 FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
@@ -1769,10 +1924,21 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
     Py_ssize_t received = 0;
     for (Py_ssize_t attempt = 0; attempt < max_datagrams; attempt++) {
         struct sockaddr_storage peer;
-        socklen_t peer_length = sizeof(peer);
-        ssize_t size = recvfrom(fd, self->buffer, RECV_BUFFER_SIZE,
-                                MSG_DONTWAIT, (struct sockaddr *)&peer,
-                                &peer_length);
+        union {
+            struct cmsghdr align;
+            char bytes[CMSG_SPACE(sizeof(struct timespec))];
+        } control;
+        struct iovec into = {self->buffer, RECV_BUFFER_SIZE};
+        struct msghdr message;
+        memset(&message, 0, sizeof(message));
+        message.msg_name = &peer;
+        message.msg_namelen = sizeof(peer);
+        message.msg_iov = &into;
+        message.msg_iovlen = 1;
+        message.msg_control = control.bytes;
+        message.msg_controllen = sizeof(control.bytes);
+        ssize_t size = recvmsg(fd, &message, MSG_DONTWAIT);
+        socklen_t peer_length = message.msg_namelen;
         if (size < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
                 break;
@@ -1809,9 +1975,29 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
             fresh = skew <= TIME_WINDOW || (uint32_t)-skew <= TIME_WINDOW;
         }
         Reply reply = {NULL, {0}, NULL};
-        int result = fresh ? handle_request(self, self->buffer, length,
-                                            MAX_UDP_PAYLOAD - (stamp ? REPLY_TRAILER : 0),
-                                            &reply)
+        if (fresh && self->shed_after_ns > 0 && length >= REQUEST_HEADER_SIZE
+                && self->buffer[0] == REQUEST_MAGIC && should_shed(self, &message)) {
+            /* Behind: this request waited too long to be worth serving
+             * (its client may have sent it again already).  BUSY costs no
+             * work and tells the client to back off. */
+            unsigned char busy[REPLY_HEADER_SIZE + 2];
+            write_reply_header(busy, ST_BUSY, self->buffer, 0);
+            write_u16(busy + REPLY_HEADER_SIZE, retry_after_ms(self));
+            reply.whole = PyBytes_FromStringAndSize((const char *)busy, sizeof(busy));
+            if (reply.whole == NULL) {
+                return NULL;
+            }
+            self->shed++;
+            send_reply(self, fd, &reply, &peer, peer_length, self->buffer, stamp);
+            reply_clear(&reply);
+            continue;
+        }
+        Py_ssize_t limit = MAX_UDP_PAYLOAD - (stamp ? REPLY_TRAILER : 0);
+        if (stamp == NULL && self->reply_factor > 0
+                && (limit + self->reply_factor - 1) / self->reply_factor > length) {
+            limit = length * self->reply_factor;   /* (anyone may spoof a source) */
+        }
+        int result = fresh ? handle_request(self, self->buffer, length, limit, &reply)
                            : DECLINED;
         if (result < 0) {
             return NULL;
@@ -1912,7 +2098,37 @@ FastPath_take_samples(FastPath *self, PyObject *unused)
     return result;
 }
 
+PyDoc_STRVAR(FastPath_generation_doc,
+"generation($self, dht_id, bucket, /)\n--\n\n"
+"How many changes C has applied to that bucket (or to another bucket that\n"
+"shares its counter): unchanged means the bucket has not changed here.");
+
+static PyObject *
+FastPath_generation(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "generation() takes dht_id and bucket");
+        return NULL;
+    }
+    unsigned long dht_id = PyLong_AsUnsignedLong(args[0]);
+    if (dht_id == (unsigned long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    unsigned long bucket = PyLong_AsUnsignedLong(args[1]);
+    if (bucket == (unsigned long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (dht_id > 0xFFFFFFFFUL || bucket > 0xFFFFFFFFUL) {
+        PyErr_SetString(PyExc_OverflowError, "dht_id and bucket are u32");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(
+        self->generations_of[generation_index((uint32_t)dht_id, (uint32_t)bucket)]);
+}
+
 static PyMethodDef FastPath_methods[] = {
+    {"generation", (PyCFunction)(void (*)(void))FastPath_generation,
+     METH_FASTCALL, FastPath_generation_doc},
     {"take_samples", (PyCFunction)FastPath_take_samples, METH_NOARGS,
      FastPath_take_samples_doc},
     {"handle", (PyCFunction)(void (*)(void))FastPath_handle,
@@ -1941,6 +2157,20 @@ static PyMemberDef FastPath_members[] = {
      "datagrams serve() dropped: too short for a MAC, or one that did not check"},
     {"current_limit", T_PYSSIZET, offsetof(FastPath, current_limit),
      READONLY, "most entries C lets the current cache generation hold"},
+    {"cache_seed", T_ULONGLONG, offsetof(FastPath, cache_seed), READONLY,
+     "the seed of the reply cache keys' XXH64"},
+    {"busy", T_ULONGLONG, offsetof(FastPath, busy), READONLY,
+     "changes answered BUSY in C: the reply cache's current generation was full"},
+    {"shed", T_ULONGLONG, offsetof(FastPath, shed), READONLY,
+     "datagrams serve() answered BUSY: they had waited over shed_after_ns"},
+    {"shed_after_ns", T_LONGLONG, offsetof(FastPath, shed_after_ns), 0,
+     "while behind, serve() answers BUSY to a datagram that waited longer "
+     "(<= 0: never)"},
+    {"behind", T_INT, offsetof(FastPath, behind), READONLY,
+     "whether the last interval found a standing queue (datagrams that "
+     "waited longer than shed_after_ns are shed)"},
+    {"reply_factor", T_INT, offsetof(FastPath, reply_factor), 0,
+     "without a key: a reply is at most this many times its request (0: any)"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1954,7 +2184,7 @@ static PyGetSetDef FastPath_getset[] = {
 
 PyDoc_STRVAR(FastPath_doc,
 "FastPath(dhts, generations, tree_type=None, *,\n"
-"         current_limit=sys.maxsize, dict_type=None)\n\n"
+"         current_limit=sys.maxsize, dict_type=None, key=None, cache_seed=0)\n\n"
 "The C data path of a service.  `dhts` maps each active DHT's id to its\n"
 "dict of bucket -> repository; `generations` is the reply cache's\n"
 "[current, previous] list.  Both stay owned (and updated) by Python.\n"
@@ -1963,7 +2193,8 @@ PyDoc_STRVAR(FastPath_doc,
 "DatabaseRepository (driven through their database's methods) are handled\n"
 "in C; others are declined.\n"
 "A change that would grow the current generation past `current_limit`\n"
-"is declined, so the Python cache can rotate early.");
+"is answered BUSY (neither applied nor cached).  The cache is keyed by\n"
+"domus.service.replycache.cache_key(request, cache_seed).");
 
 static PyTypeObject FastPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -2007,7 +2238,12 @@ PyInit__hotpath(void)
             || PyModule_AddIntConstant(module, "RECV_BUFFER_SIZE",
                                        RECV_BUFFER_SIZE) < 0
             || PyModule_AddIntConstant(module, "SAMPLE_EVERY", SAMPLE_EVERY) < 0
-            || PyModule_AddIntConstant(module, "SAMPLE_RING", SAMPLE_RING) < 0) {
+            || PyModule_AddIntConstant(module, "SAMPLE_RING", SAMPLE_RING) < 0
+            || PyModule_AddIntConstant(module, "ST_BUSY", ST_BUSY) < 0
+            || PyModule_AddIntConstant(module, "CACHE_KEY_SIZE", CACHE_KEY_SIZE) < 0
+            || PyModule_AddIntConstant(module, "GENERATIONS", GENERATIONS) < 0
+            || PyModule_AddIntConstant(module, "SHED_INTERVAL_NS",
+                                       (long)SHED_INTERVAL_NS) < 0) {
         Py_DECREF(module);
         return NULL;
     }

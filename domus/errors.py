@@ -75,6 +75,14 @@ class ServiceUnavailable(DomusError, ConnectionError):
         self.bucket = bucket
 
 
+class ServiceBusy(ServiceUnavailable):
+    """A service answered BUSY (it is overloaded: too many requests, a full
+    reply cache, too many open scans) to every try until the client's
+    deadline passed.  Nothing was applied by the tries it refused; one that
+    timed out may have been.  Retry later, spread the load over more
+    services, or raise the client's timeout."""
+
+
 class RemoteError(DomusError):
     """A service answered a data request with an error status."""
 

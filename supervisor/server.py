@@ -13,7 +13,6 @@ the full set of DHTs it takes part in, and drops any other.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any
@@ -32,7 +31,8 @@ from domus._version import __version__
 from domus.errors import InvalidAttribute, SupervisorError
 from domus.placement import assignment, layout, replicas
 from domus.wire import address as addresses
-from domus.wire import launch, secret
+from domus.wire import checks, identities, secret
+from domus.wire import launch as launch_records
 from domus.wire import protocol as wire
 from domus.wire.attributes import (
     MAX_BUCKETS,
@@ -62,6 +62,27 @@ FAILOVER_GRACE = 0.5
 AUTOMATIC = "balancer: "    # what the balancer does by itself (``_balancing`` starts so)
 REPAIRS_PER_ROUND = 32  # backups copied per round of repair
 BALANCE_MODES = ("auto", "manual")
+# A register that names a live service's name or address waits this long for
+# that service to answer the supervisor's ping; one that does not is dead.
+PROBE_TIMEOUT = 3.0
+# What one service takes of one DHT: buckets of a role per service of that
+# role at most.  Opening them is one turn of the service's reactor, and must
+# end within the supervisor's push timeout (10 s by default): measured by
+# `python -m benchmarks.bucket_cost` (docs/operations.md, "What the control
+# plane checks"), about 0.45 KiB and 10 us a bucket on a RAM platform, some
+# 7 KiB and 5-7 ms on Berkeley DB on disk.  A create or resize past it is
+# refused, saying how many buckets the DHT's services can take.
+BUCKETS_PER_SERVICE = {"python-dict": 65536, "domus-rbt": 65536,
+                       "domus-bsddb-btree": 1024, "domus-bsddb-hash": 1024}
+# What a control request to the supervisor may be (domus.wire.protocol.
+# decode_control): the largest are a register's holdings and a heartbeat's
+# per-bucket figures, well under these; in memory, at most some 64 bytes a
+# container and 14 a byte of scalars.
+MAX_REQUEST_BODY = 4 << 20
+MAX_REQUEST_CONTAINERS = 1 << 18
+# The kind of a control error that refuses a registration for good (the
+# service stops, saying why); any other error in register is retried.
+REFUSED = "RegistrationRefused"
 
 
 class SupervisorService(Service):
@@ -95,10 +116,11 @@ class SupervisorService(Service):
                          "${env})", path=path, env=secret.ENVIRONMENT)
             self.keys = secret.Keys.from_secret(secret.load(path), path)
         self.auth_failures = 0
-        timing = [] if (down_after, push_timeout) == (DOWN_AFTER, PUSH_TIMEOUT) else [
-            "--down-after", repr(down_after), "--push-timeout", repr(push_timeout)]
+        options: list[list[Any]] = []
+        if (down_after, push_timeout) != (DOWN_AFTER, PUSH_TIMEOUT):
+            options += [["--down-after", down_after], ["--push-timeout", push_timeout]]
         if balance != "auto":
-            timing += ["--balance", balance]
+            options.append(["--balance", balance])
         knobs = balancer_settings or balancer.Settings()
         for flag, value, default in (
                 ("--balance-settle", knobs.settle, balancer.Settings.settle),
@@ -107,15 +129,14 @@ class SupervisorService(Service):
                 ("--balance-cpu-busy", knobs.cpu_busy, balancer.Settings.cpu_busy),
                 ("--balance-smoothing", knobs.smoothing, balancer.Settings.smoothing)):
             if value != default:
-                timing += [flag, repr(value)]
+                options.append([flag, value])
         if metrics is not None:
-            timing += ["--metrics", metrics]
+            options.append(["--metrics", metrics])
         if insecure:
-            timing.append("--insecure")
+            options.append(["--insecure", None])
         elif secret_file is not None:
-            timing += ["--secret-file", os.path.abspath(secret_file)]
-        self.state.launch = launch.record("supervisor", listen, [
-            "supervisor", "--listen", listen, "--data-dir", data_dir, *timing], data_dir)
+            options.append(["--secret-file", os.path.abspath(secret_file)])
+        self.state.launch = launch_records.record("supervisor", listen, data_dir, options)
         self._shutting_down = False
         self.down_after = down_after
         self.push_timeout = push_timeout
@@ -130,6 +151,7 @@ class SupervisorService(Service):
         self.links: dict[str, MessageProtocol] = {}
         self.live: dict[str, dict[str, Any]] = {}   # name -> last_seen, load, stats
         self._creating: set[str] = set()
+        self._registering: dict[str, str] = {}     # name -> address, while probing
         # service -> DHTs it must be taken out of (it came back without what
         # it held) once they are not being changed
         self._taking_out: dict[str, set[str]] = {}
@@ -157,12 +179,15 @@ class SupervisorService(Service):
             link = original(addr)
             link.control_handler = counted
             link.accepting, link.keys = True, self.keys
+            link.max_control_body = MAX_REQUEST_BODY
+            link.max_control_containers = MAX_REQUEST_CONTAINERS
             link.auth_failures = self._auth_failed
             return link
 
         counted = self.metrics.counted(self.control)
         factory.buildProtocol = build
         self._port = reactor.listenTCP(self.listen_port, factory, interface=self.listen_host)
+        self.state.stamp_all()    # (DHTs of an older state file)
         if self.metrics_address:
             self._metrics_port = serve_metrics(reactor, self.metrics_address, self.metrics)
             log.info("supervisor: metrics at http://{address}/metrics",
@@ -219,67 +244,214 @@ class SupervisorService(Service):
                     version: str = "", pid: int = 0,
                     launch: dict[str, Any] | None = None,
                     platforms: list[str] | None = None,
-                    hot_path: str = "") -> dict[str, Any]:
+                    hot_path: str = "", holdings: list[Any] | None = None) -> Any:
+        """A service joins (or rejoins) the deployment.
+
+        Invariant: a registration never takes over a live service's name or
+        address.  A connection registers once; a name or address held by
+        another connection that is still open is given up only once that
+        connection's service fails to answer the supervisor's own ping
+        (PROBE_TIMEOUT): the restart of a service whose old link has not
+        dropped yet, or whose host vanished.  Everything the service says is
+        checked (domus.wire.checks) before anything is kept; a refusal has
+        kind RegistrationRefused, which tells the service that retrying
+        cannot help."""
         if self._shutting_down:
-            raise ControlError("SupervisorError", "the deployment is shutting down; start "
+            raise ControlError(REFUSED, "the deployment is shutting down; start "
                                "this service again after `domus deployment restart`")
-        if not (isinstance(name, str) and name and isinstance(address, str)
-                and isinstance(resources, dict) and isinstance(launch, dict | None)
-                and (platforms is None or isinstance(platforms, list)
-                     and all(isinstance(platform, str) for platform in platforms))
-                and isinstance(hot_path, str)):
-            raise ControlError("SupervisorError", "register needs a non-empty string name, "
-                               "a HOST:PORT address, a map of resources and a list of "
-                               "platform names")
+        registered_as = getattr(link, "registered_as", None)
+        if registered_as is not None:
+            raise ControlError(REFUSED, f"this connection registered service "
+                               f"{registered_as!r} already; a connection registers "
+                               f"one service, once")
         try:
-            addresses.parse(address)
-            for field in ("cores", "ram", "disk"):
-                float(resources.get(field) or 0)
-            # The record is saved as JSON: refuse what would not save, rather
-            # than poison the state (and every later save) with it.
-            json.dumps({"resources": resources, "version": version, "pid": pid,
-                        "launch": launch, "hot_path": hot_path}, sort_keys=True)
-        except (TypeError, ValueError) as exc:
-            raise ControlError("SupervisorError", f"cannot register service {name!r}: "
-                               f"{exc}") from None
+            fields = self._checked_registration(link, name, address, resources, held, version,
+                                                pid, launch, platforms, hot_path, holdings)
+        except ValueError as exc:
+            raise ControlError(REFUSED, f"cannot register service {name!r}: {exc}") from None
+        if name in self._registering or address in self._registering.values():
+            raise ControlError(REFUSED, f"service {name!r} (or address {address}) is being "
+                               f"registered by another connection right now")
+        rivals = self._rivals(link, name, address)
+        if not rivals:
+            return self._admit(link, fields)
+        self._registering[name] = address
+        link.registered_as = name       # (no second register while this one waits)
+
+        def probed(results: list[tuple[bool, Any]]) -> Any:
+            self._registering.pop(name, None)
+            link.registered_as = None
+            # (each probe fires True for a dead service: see _probe)
+            alive = [(rival, holder) for (rival, holder), (_fired, dead) in zip(rivals, results)
+                     if not dead]
+            if alive:
+                _rival, holder = alive[0]
+                what = (f"service name {name!r} is taken by a live service at "
+                        f"{self.state.services[holder]['address']}" if holder == name else
+                        f"address {address} is that of live service {holder!r}")
+                raise ControlError(REFUSED, f"{what}; give this one another --name (or "
+                                   f"--listen), or stop that one first")
+            if not link.connected:
+                raise ControlError(REFUSED, "the registering connection closed")
+            for rival, holder in rivals:
+                log.info("service {holder} did not answer the supervisor's ping; its link "
+                         "is closed for the registration of {name}", holder=holder, name=name)
+                _drop_link(rival)
+            return self._admit(link, fields)
+
+        probes = [self._probe(rival) for rival, _holder in rivals]
+        return defer.DeferredList(probes).addCallback(probed)
+
+    def _sort_holdings(self, name: str, holdings: list[dict[str, Any]]
+                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """What service ``name`` holds, sorted into what it must drop (DHTs
+        of this deployment that were destroyed, or that it no longer takes
+        part in: named by id, deployment and stamp) and what this supervisor
+        does not know (kept by the service: orphans).  The next DHT id
+        skips the orphans' ids, so that no new DHT is given one."""
+        drops, unknown = [], []
+        mine = {descriptor["id"]: descriptor for descriptor in self._descriptors_for(name)}
+        by_stamp = {descriptor.get("stamp"): descriptor for descriptor in self.state.dhts.values()}
+        for holding in holdings:
+            known = by_stamp.get(holding["stamp"]) if holding["stamp"] else None
+            if holding["deployment"] == self.state.deployment and known is not None \
+                    and known["id"] == holding["id"]:
+                if holding["id"] not in mine:
+                    drops.append(identities.of(known))
+            elif holding["deployment"] == self.state.deployment \
+                    and holding["stamp"] in self.state.destroyed:
+                drops.append(identities.of(holding))
+            elif holding["stamp"] is None and holding["id"] in mine:
+                continue        # (data of an older Domus: the next assign stamps it)
+            else:
+                unknown.append(holding)
+        if unknown:
+            self.state.next_dht_id = max(self.state.next_dht_id,
+                                         max(holding["id"] for holding in unknown) + 1)
+        return drops, unknown
+
+    def _orphans(self, name: str, holdings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The holdings a service reports (its heartbeat's ``orphans``:
+        those the supervisor has not told it to host) that this supervisor
+        does not know."""
+        known = {(descriptor.get("deployment"), descriptor.get("stamp"))
+                 for descriptor in self.state.dhts.values()}
+        return [holding for holding in holdings
+                if (holding["deployment"], holding["stamp"]) not in known
+                or holding["stamp"] is None]
+
+    def _rivals(self, link: MessageProtocol, name: str,
+                address: str) -> list[tuple[MessageProtocol, str]]:
+        """The open links of other services that hold ``name`` or
+        ``address``: (link, service name)."""
+        rivals = []
+        for holder, record in self.state.services.items():
+            if holder != name and record["address"] != address:
+                continue
+            other = self.links.get(holder)
+            if other is not None and other is not link and other.connected:
+                rivals.append((other, holder))
+        return rivals
+
+    def _probe(self, rival: MessageProtocol) -> defer.Deferred:
+        """Fires True if the service on ``rival`` is dead (no answer to a
+        ping within PROBE_TIMEOUT, or its link drops), False if it answers
+        anything."""
+        from domus.wire.control import RemoteControlError
+
+        def answered(_: Any) -> bool:
+            return False
+
+        def failed(failure: Any) -> bool:
+            return not failure.check(RemoteControlError)
+
+        return rival.call("ping", timeout=PROBE_TIMEOUT).addCallbacks(answered, failed)
+
+    def _checked_registration(self, link: MessageProtocol, name: Any, address: Any,
+                              resources: Any, held: Any, version: Any, pid: Any, launch: Any,
+                              platforms: Any, hot_path: Any, holdings: Any) -> dict[str, Any]:
+        checks.service_name(name)
+        checks.address(address)
+        fields: dict[str, Any] = {"name": name, "address": address,
+                                  "resources": checks.resources(resources)}
+        if not (isinstance(version, str) and len(version) <= 64):
+            raise ValueError(f"version {version!r} is not a short string")
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 32:
+            raise ValueError(f"pid {pid!r} is not a process id")
+        if hot_path not in ("", "c", "python"):
+            raise ValueError(f"hot path {hot_path!r} is not 'c' or 'python'")
+        if platforms is not None and not (
+                isinstance(platforms, list) and len(platforms) <= 64
+                and all(isinstance(platform, str) and len(platform) <= 64
+                        for platform in platforms)):
+            raise ValueError("platforms must be a list of platform names")
+        if held is not None and not (isinstance(held, dict) and len(held) <= 1 << 20
+                                     and all(isinstance(key, str) for key in held)):
+            raise ValueError("held must be a map of DHT ids")
+        if launch is not None:
+            # Kept only from an authenticated connection (all of them, on a
+            # secure deployment; on an insecure one, none is, and records are
+            # kept all the same), and only as validated fields.
+            if self.keys is not None and not link.secure:
+                raise ValueError("a launch record is taken only from an authenticated "
+                                 "connection")
+            launch = launch_records.validate(launch)
+            if launch["role"] != "service" or launch["name"] != name \
+                    or launch["address"] != address:
+                raise ValueError("its launch record is not that of this service (role, "
+                                 "name and address must match)")
+        fields.update(version=version, pid=pid, launch=launch, platforms=platforms,
+                      hot_path=hot_path, held={str(key) for key in (held or {})},
+                      holdings=identities.checked_holdings(holdings))
+        return fields
+
+    def _admit(self, link: MessageProtocol, fields: dict[str, Any]) -> dict[str, Any]:
+        name, address, resources = fields["name"], fields["address"], fields["resources"]
         known = self.state.services.get(name)
         old = self.links.get(name)
-        held_dhts = {str(key) for key in (held or {})}
         if old is not None and old is not link and old.connected:
-            # A different address under a live name is a second service
-            # misconfigured with the same --name, unless the old holder has
-            # gone silent (its host vanished): then this is its restart.
-            if (known is not None and known["address"] != address
-                    and self.service_state(name) == "up"):
-                raise ControlError("SupervisorError", f"service name {name!r} is taken by a "
-                                   f"live service at {known['address']}; give this one "
-                                   f"another --name")
-            log.info("service {name} registered again; closing its old link", name=name)
-            old.transport.loseConnection()
+            _drop_link(old)           # (proven dead, or never live: see op_register)
         record = {"name": name, "address": address, "resources": resources,
-                  "registered": known["registered"] if known else time.time(),
-                  "last_registered": time.time(), "version": version, "pid": pid,
-                  "launch": launch or (known or {}).get("launch"),
+                  "registered": (known or {}).get("registered", time.time()),
+                  "last_registered": time.time(), "version": fields["version"],
+                  "pid": fields["pid"],
+                  "launch": fields["launch"] or (known or {}).get("launch"),
                   # the storage platforms it can run (None: it did not say,
                   # as services before 0.1.0 did not: every platform)
-                  "platforms": platforms, "hot_path": hot_path}
+                  "platforms": fields["platforms"], "hot_path": fields["hot_path"]}
+        drops, unknown = self._sort_holdings(name, fields["holdings"])
         self.state.services[name] = record
         moved = known is not None and known["address"] != address
         if moved:
             self._readdress(name, address)
         if known is not None:
-            self._returning(name, held_dhts)
-        self.state.save()
+            self._returning(name, fields["held"])
+        try:
+            self.state.save()
+        except OSError as exc:
+            # (A full disk, say.  What changed above is kept in memory, and
+            # saved by the next change; the service retries, as it does any
+            # error that is not a refusal, and its retry finds it known.)
+            raise ControlError("SupervisorError", f"the supervisor could not save its state: "
+                               f"{exc}; the service will retry") from None
         self.links[name] = link
+        link.registered_as = name
         self._down_since.pop(name, None)
         link.peer_name = f"service {name}"
-        self.live[name] = {"last_seen": time.monotonic(), "load": {}, "stats": {}}
+        self.live[name] = {"last_seen": time.monotonic(), "load": {}, "stats": {},
+                           "orphans": unknown}
         link.lost.addCallback(lambda _: self._link_lost(name, link))
         log.info("service {name} registered from {address} (pid {pid}); {cores} cores, "
-                 "{ram} MiB RAM", name=name, address=address, pid=pid,
+                 "{ram} MiB RAM", name=name, address=address, pid=fields["pid"],
                  cores=resources.get("cores"), ram=int(resources.get("ram", 0)) >> 20)
+        if unknown:
+            log.warn("service {name} holds {count} DHT(s) this supervisor does not know: "
+                     "{dhts}; it keeps them (`domus status` lists them; `domus service "
+                     "discard {name} ID` discards one)", name=name, count=len(unknown),
+                     dhts=[f"{orphan['name']} (id {orphan['id']})" for orphan in unknown])
         self.metrics.registrations += 1
-        return {"dhts": self._descriptors_for(name), "supervisor_version": __version__}
+        return {"dhts": self._descriptors_for(name), "supervisor_version": __version__,
+                "deployment": self.state.deployment, "drop": drops}
 
     def _readdress(self, name: str, address: str) -> None:
         for descriptor in self.state.dhts.values():
@@ -323,7 +495,19 @@ class SupervisorService(Service):
         if self.links.get(name) is not link:
             raise ControlError("UnknownService", f"service {name!r} is not registered on "
                                f"this link; register first")
-        self.live[name] = {"last_seen": time.monotonic(), "load": load, "stats": stats or {}}
+        try:
+            checks.load(load)
+            stats = _checked_stats(stats or {})
+            orphans = self._orphans(name, identities.checked_holdings(stats.pop("orphans", None)))
+        except ValueError as exc:
+            raise ControlError("SupervisorError", f"heartbeat of service {name!r} refused: "
+                               f"{exc}") from None
+        self.live[name] = {"last_seen": time.monotonic(), "load": load, "stats": stats,
+                           "orphans": orphans}
+        next_id = max((orphan["id"] for orphan in orphans), default=0) + 1
+        if next_id > self.state.next_dht_id:
+            self.state.next_dht_id = next_id
+            self.state.save()
         self.metrics.heartbeats += 1
         return {"ok": True}
 
@@ -382,7 +566,10 @@ class SupervisorService(Service):
                 "roles": sorted(roles), "buckets": buckets, "resources": record["resources"],
                 "load": live.get("load", {}), "stats": live.get("stats", {}),
                 "pid": record.get("pid"), "version": record.get("version"),
-                "platforms": self._platforms_of(name), "hot_path": record.get("hot_path", "")}
+                "platforms": self._platforms_of(name), "hot_path": record.get("hot_path", ""),
+                # DHTs it holds that this supervisor does not know (kept;
+                # `domus service discard` removes one)
+                "unknown_dhts": live.get("orphans", [])}
 
     def _platforms_of(self, name: str) -> list[str]:
         platforms = self.state.services[name].get("platforms")
@@ -523,7 +710,10 @@ class SupervisorService(Service):
                 for service in involved:
                     link_to = self.links.get(service)
                     if link_to is not None:
-                        link_to.call("drop", id=descriptor["id"]).addErrback(lambda _f: None)
+                        link_to.call("drop", **identities.of(descriptor)).addErrback(
+                            lambda _f: None)
+                self.state.forget(descriptor)
+                self.state.save()
                 raise ControlError("SupervisorError", f"could not create DHT {name!r}: "
                                    f"service(s) {failed} did not acknowledge; check "
                                    f"`domus status` and try again")
@@ -594,6 +784,9 @@ class SupervisorService(Service):
             "routing_algorithm": wanted["routing_algorithm"], "lookup": wanted["lookup"],
             "durability": wanted["durability"], "codec": wanted["codec"], "state": "active",
             "created": time.time(), "version": 1, "initial_buckets": buckets,
+            # whose it is (domus.wire.identities): a service deletes its
+            # data only when told to by a message naming both
+            "deployment": self.state.deployment, "stamp": identities.new(),
             # roles given no service list follow the deployment: services
             # that register later get their share (the balancer)
             "follow": [role for role in layout.ROLES if not wanted.get(f"{role}_services")],
@@ -605,6 +798,7 @@ class SupervisorService(Service):
             counts = assignment.proportional_counts(buckets, weights)
             descriptor[role] = [{"name": s, "address": self.state.services[s]["address"],
                                  "count": count} for s, count in zip(services, counts)]
+        self._check_scale(name, buckets, descriptor)
         copies = wanted.get("replicas") or 1
         descriptor["replicas"] = copies
         if copies > 1:
@@ -620,6 +814,21 @@ class SupervisorService(Service):
         return descriptor
 
     @staticmethod
+    def _check_scale(name: str, buckets: int, descriptor: dict[str, Any]) -> None:
+        """Refuse a bucket count the DHT's services cannot take (see
+        BUCKETS_PER_SERVICE), naming the largest they can."""
+        cap = BUCKETS_PER_SERVICE.get(descriptor["platform"], 1024)
+        for role in ("routing_services", "storage_services"):
+            services = max(1, len(descriptor[role]))
+            if buckets > cap * services:
+                most = 1 << (cap * services).bit_length() - 1
+                raise ControlError("InvalidAttribute", f"DHT {name!r}: {buckets} buckets is "
+                                   f"more than its {services} {role.split('_')[0]} service(s) "
+                                   f"can take: each takes at most {cap} buckets of a "
+                                   f"{descriptor['platform']} DHT, so at most {most} buckets "
+                                   f"(a power of two) here; add services or ask for fewer")
+
+    @staticmethod
     def _involved(descriptor: dict[str, Any]) -> list[str]:
         names: dict[str, None] = {}
         for role in ("routing_services", "storage_services"):
@@ -631,12 +840,14 @@ class SupervisorService(Service):
         descriptor = self._find(name)
         self._refuse_while_changing(name, "destroy")
         del self.state.dhts[name]
+        self.state.forget(descriptor)
         self.state.save()
         drops = []
         for service in self._involved(descriptor):
             link_to = self.links.get(service)
             if link_to is not None:
-                drops.append(link_to.call("drop", id=descriptor["id"], timeout=self.push_timeout)
+                drops.append(link_to.call("drop", **identities.of(descriptor),
+                                          timeout=self.push_timeout)
                              .addErrback(lambda failure, s=service: log.warn(
                                  "service {service} did not drop DHT {name!r}: {error}; it "
                                  "will when it next registers", service=s, name=name,
@@ -1052,7 +1263,7 @@ class SupervisorService(Service):
             dropped = set(self._involved(descriptor)) - set(self._involved(changed))
             yield self._push(self._involved(changed), changed, self.push_timeout)
             yield defer.DeferredList([self._call(service, "drop", self.push_timeout,
-                                                 id=changed["id"]) for service in dropped],
+                                                 **identities.of(changed)) for service in dropped],
                                      consumeErrors=True)
 
     @defer.inlineCallbacks
@@ -1255,6 +1466,7 @@ class SupervisorService(Service):
                 or not MIN_BUCKETS <= buckets <= MAX_BUCKETS or buckets & (buckets - 1)):
             raise ControlError("InvalidAttribute", f"a DHT's bucket count must be a power of "
                                f"two from {MIN_BUCKETS} to {MAX_BUCKETS}, not {buckets!r}")
+        self._check_scale(name, buckets, descriptor)
         if descriptor.get("state", "active") != "active":
             raise ControlError("SupervisorError", f"DHT {name!r} is inactive; activate it "
                                f"(`domus dht activate {name}`) before resizing it")
@@ -1984,7 +2196,7 @@ class SupervisorService(Service):
         if froze:
             undoing.append((source, "thaw_bucket", {"id": dht_id, "bucket": bucket}))
         if newcomer:
-            undoing.append((target, "drop", {"id": dht_id}))
+            undoing.append((target, "drop", identities.of(descriptor)))
         else:
             if told:
                 undoing.append((target, "assign", {"dht": descriptor}))
@@ -2025,7 +2237,7 @@ class SupervisorService(Service):
             if service in before:
                 undo = self._call(service, "assign", self.push_timeout, dht=descriptor)
             else:
-                undo = self._call(service, "drop", self.push_timeout, id=descriptor["id"])
+                undo = self._call(service, "drop", self.push_timeout, **identities.of(descriptor))
             undo.addErrback(lambda failure, s=service: log.warn(
                 "service {service} did not undo the change of DHT {name!r}: {error}; it "
                 "will when it next registers", service=s, name=descriptor["name"],
@@ -2098,13 +2310,73 @@ class SupervisorService(Service):
                                "pid": os.getpid(), "uptime": time.time() - self.started,
                                "data_dir": self.state.data_dir,
                                "secure": self.keys is not None,
-                               "refused_connections": self.auth_failures},
+                               "refused_connections": self.auth_failures,
+                               "deployment": self.state.deployment},
                 "services": self.op_services(link),
                 "dhts": self.op_list_dhts(link)}
+
+    def op_discard_dht(self, link: MessageProtocol, *, service: str, id: int) -> Any:
+        """Tell service ``service`` to delete the DHT with id ``id`` that it
+        holds and this supervisor does not know (an orphan it reported),
+        named by that DHT's deployment and stamp; fires with what it
+        discarded."""
+        if service not in self.state.services or self.service_state(service) != "up":
+            raise ControlError("UnknownService", f"service {service!r} is not registered and "
+                               f"up; only a live service can discard what it holds")
+        orphans = self.live.get(service, {}).get("orphans", [])
+        found = [orphan for orphan in orphans if orphan["id"] == id]
+        if not found:
+            listed = ", ".join(f"{orphan['id']} ({orphan['name']})" for orphan in orphans)
+            raise ControlError("UnknownDht", f"service {service!r} reports no DHT with id "
+                               f"{id!r} that this supervisor does not know (it reports: "
+                               f"{listed or 'none'}); a DHT of the deployment is destroyed "
+                               f"with `domus dht destroy NAME`")
+        orphan = found[0]
+
+        def discarded(answer: dict[str, Any]) -> dict[str, Any]:
+            live = self.live.get(service, {})
+            live["orphans"] = [held for held in live.get("orphans", []) if held["id"] != id]
+            log.info("service {service} discarded DHT {name!r} (id {id}), which this "
+                     "supervisor did not know", service=service, name=orphan["name"], id=id)
+            return {"service": service, **orphan, **answer}
+
+        def refused(failure: Any) -> Any:
+            from domus.wire.control import RemoteControlError
+
+            if failure.check(RemoteControlError):
+                raise ControlError("SupervisorError", failure.value.message)
+            raise ControlError("SupervisorError", f"service {service!r} did not discard DHT id "
+                               f"{id}: {failure.getErrorMessage()}")
+
+        return self.links[service].call("discard", timeout=self.push_timeout,
+                                        **identities.of(orphan)).addCallbacks(discarded, refused)
 
     def op_ping(self, link: MessageProtocol) -> dict[str, Any]:
         return {"supervisor": self.address, "version": __version__,
                 "secure": self.keys is not None, "pid": os.getpid()}
+
+
+def _checked_stats(stats: Any, depth: int = 0) -> Any:
+    """A heartbeat's stats, every number in them finite, not negative and
+    at most MAX_LOAD (the balancer does arithmetic on them), nested at most
+    6 deep; ValueError otherwise."""
+    if depth > 6:
+        raise ValueError("its stats are nested too deep")
+    if isinstance(stats, dict):
+        return {key: _checked_stats(value, depth + 1) for key, value in stats.items()}
+    if isinstance(stats, list):
+        return [_checked_stats(value, depth + 1) for value in stats]
+    if isinstance(stats, int | float) and not isinstance(stats, bool):
+        checks.figure(stats, "a figure of its stats", high=checks.MAX_LOAD, positive=False)
+    return stats
+
+
+def _drop_link(link: MessageProtocol) -> None:
+    """Close a service's link at once (its peer may be gone without a word)."""
+    transport = getattr(link, "transport", None)
+    if transport is not None:
+        abort = getattr(transport, "abortConnection", None)
+        (abort or transport.loseConnection)()
 
 
 def _straddling_pairs(owners: Any) -> list[tuple[int, str, str]]:

@@ -304,6 +304,16 @@ class Cluster:
     def status(self) -> dict[str, Any]:
         return self.supervisor.call("status")
 
+    def discard_dht(self, service: str, dht_id: int) -> dict[str, Any]:
+        """Delete, on service ``service``, the DHT with id ``dht_id`` that it
+        holds and the supervisor does not know (``services()[i]
+        ["unknown_dhts"]``: of another deployment, or one a supervisor
+        restarted on another data dir forgot).  A DHT of the deployment is
+        refused: destroy it with ``destroy_dht``.  Returns what was
+        discarded: ``service, id, name, deployment, stamp, records``."""
+        return self.supervisor.call("discard_dht", service=service, id=dht_id,
+                                    timeout=max(self.timeout, STATE_CHANGE_TIMEOUT))
+
 
 class Dht(DirectLookup[ServiceChannel], MutableMapping):
     """One DHT, used like a dict, from any number of threads.

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import select
 import socket
 import struct
@@ -44,6 +45,7 @@ from domus.errors import (
     SUPERVISOR_ERRORS,
     AuthenticationError,
     ProtocolError,
+    ServiceBusy,
     ServiceUnavailable,
     SupervisorError,
     SupervisorUnreachable,
@@ -303,6 +305,28 @@ def _control_result(op: str, status: int, frame: bytes) -> Any:
                           f"{body.decode('utf-8', 'replace')}")
 
 
+def busy_backoff(tries: int, reply: bytes = b"") -> float:
+    """How long to wait before sending a request again after its ``tries``-th
+    BUSY answer ``reply``: BUSY_BACKOFF doubling up to BUSY_BACKOFF_MAX, or
+    the retry-after the reply carries if longer, times a random factor in
+    [0.5, 1.5) so that clients refused together do not come back together."""
+    base = min(wire.BUSY_BACKOFF * 2 ** min(tries - 1, 16), wire.BUSY_BACKOFF_MAX)
+    return max(base, wire.busy_retry_after(reply)) * random.uniform(0.5, 1.5)
+
+
+def service_busy(name: str, address: str, waited: float, tries: int, dht: str = "",
+                 bucket: int | None = None) -> ServiceBusy:
+    if dht and bucket is not None:
+        where = f" for bucket {bucket} of DHT {dht!r}"
+    else:
+        where = f" for DHT {dht!r}" if dht else ""
+    return ServiceBusy(
+        f"service {name} at {address} was too busy to serve a request{where}: it answered "
+        f"BUSY {tries} times in {waited:.1f}s (the client's deadline). It is overloaded; "
+        f"retry later, spread the load over more services, or give the client a longer "
+        f"timeout", service=name, address=address, dht=dht, bucket=bucket)
+
+
 def service_unavailable(name: str, address: str, what: str, dht: str = "",
                         bucket: int | None = None) -> ServiceUnavailable:
     """The error for service ``name`` at ``address`` that ``what`` (did not
@@ -376,6 +400,7 @@ class ServiceChannel:
         self.first_timeout = min(first_timeout, self.deadline)
         self.retries = 0
         self.timeouts = 0
+        self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
         self._closed = False
         self._local = _ThreadSockets()
         # Every socket any thread opened (weakly: a thread that ends takes
@@ -459,32 +484,61 @@ class ServiceChannel:
 
     def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
         """Send one request, return its reply (retrying over UDP, or over TCP
-        when it is too big for a datagram)."""
+        when it is too big for a datagram).  A BUSY answer is not a reply:
+        the same request is sent again after a backoff (busy_backoff), until
+        the deadline since the first send, then ServiceBusy."""
+        started = time.monotonic()
+        reply = self._request(message, dht, bucket, self.deadline)
+        if reply[2] != wire.ST_BUSY:
+            return reply
+        return self._while_busy(message, dht, bucket, started, self._request, reply)
+
+    def _while_busy(self, message: bytes, dht: str, bucket: int | None, started: float,
+                    send: Any, first: bytes) -> bytes:
+        """Send ``message`` again (with ``send``) while the service answers
+        BUSY, backing off, within the deadline since ``started``."""
+        tries = 1
+        reply = first
+        while True:
+            self.busy += 1
+            pause = busy_backoff(tries, reply)
+            elapsed = time.monotonic() - started
+            if elapsed + pause >= self.deadline:
+                raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
+            time.sleep(pause)
+            reply = send(message, dht, bucket, self.deadline - elapsed - pause)
+            if reply[2] != wire.ST_BUSY:
+                return reply
+            tries += 1
+
+    def _request(self, message: bytes, dht: str, bucket: int | None,
+                 deadline: float) -> bytes:
         if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
-            return self.request_tcp(message, dht, bucket)
+            return self._request_tcp(message, dht, bucket)
         if _roundtrip is None:
             return self._request_udp(message, dht, bucket, None)
         key = self._key
         sealed = message if key is None else auth.seal_request(key, message)
         # The first try in C: send, poll, recv, without the GIL.
         try:
-            reply = _roundtrip(self._fd, sealed, self.first_timeout, SPIN)
+            reply = _roundtrip(self._fd, sealed, min(self.first_timeout, deadline), SPIN)
         except ConnectionRefusedError:
-            return self._request_udp(message, dht, bucket, _REFUSED)
+            return self._request_udp(message, dht, bucket, _REFUSED, deadline=deadline)
         if reply is None:
-            return self._request_udp(message, dht, bucket, _TIMED_OUT)
+            return self._request_udp(message, dht, bucket, _TIMED_OUT, deadline=deadline)
         if key is not None:
             opened = auth.open_reply(key, reply, message[8:16], sealed[-12:-8])
             if opened is None:          # not the service's: wait on for its own
                 return self._request_udp(message, dht, bucket, _TIMED_OUT,
-                                         [sealed[-12:-8]])
+                                         [sealed[-12:-8]], deadline=deadline)
             reply = opened
         if reply[2] == wire.ST_REPLY_TOO_LARGE:
-            return self.request_tcp(message, dht, bucket)
+            return self._request_tcp(message, dht, bucket)
         return reply
 
     def _request_udp(self, message: bytes, dht: str, bucket: int | None,
-                     first_try: str | None, stamps: list[bytes] | None = None) -> bytes:
+                     first_try: str | None, stamps: list[bytes] | None = None,
+                     deadline: float | None = None) -> bytes:
         """The UDP round trip and its retries, in Python.  ``first_try`` is
         how a try already made (by the C round trip) ended: _TIMED_OUT,
         _REFUSED, or None if none was made; ``stamps``: the times it was
@@ -492,7 +546,8 @@ class ServiceChannel:
         reply is taken if its MAC checks for one of them)."""
         sock = self.sock
         request_id = message[4:8]
-        timeout = self.first_timeout
+        deadline = self.deadline if deadline is None else deadline
+        timeout = min(self.first_timeout, deadline)
         started = time.monotonic() - (timeout if first_try is _TIMED_OUT else 0.0)
         refused = 0
         outcome = first_try
@@ -514,7 +569,7 @@ class ServiceChannel:
                                 data = self._opened(data, message, stamps)
                             if data[4:8] == request_id and len(data) >= wire.REPLY_HEADER_SIZE:
                                 if data[2] == wire.ST_REPLY_TOO_LARGE:
-                                    return self.request_tcp(message, dht, bucket)
+                                    return self._request_tcp(message, dht, bucket)
                                 return data
                             # else: the late reply of an earlier request, or
                             # one that is not the service's; skip it
@@ -534,11 +589,11 @@ class ServiceChannel:
                     time.sleep(0.02 * refused)
                 outcome = None
                 elapsed = time.monotonic() - started
-                if elapsed >= self.deadline:
+                if elapsed >= deadline:
                     raise self.unavailable(f"did not answer within {self.deadline:.1f}s "
                                            f"({self.retries} retries so far)", dht, bucket)
                 self.retries += 1
-                timeout = min(timeout * 2, max(self.deadline - elapsed, 0.001))
+                timeout = min(timeout * 2, max(deadline - elapsed, 0.001))
                 sock.settimeout(timeout)
         finally:
             if timeout != self.first_timeout:
@@ -550,6 +605,17 @@ class ServiceChannel:
         return auth.open_reply_to(self._key, data, message, stamps) or b""  # type: ignore
 
     def request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
+        """``request`` over TCP (BUSY answers backed off and retried alike)."""
+        started = time.monotonic()
+        reply = self._request_tcp(message, dht, bucket)
+        if reply[2] != wire.ST_BUSY:
+            return reply
+        return self._while_busy(message, dht, bucket, started,
+                                lambda message, dht, bucket, _left:
+                                self._request_tcp(message, dht, bucket), reply)
+
+    def _request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None,
+                     _deadline: float | None = None) -> bytes:
         request_id = message[4:8]
         for attempt in (1, 2):
             try:
@@ -606,6 +672,10 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
     # per channel: request id -> (index, time sent, timeout, time first sent)
     in_flight: dict[ServiceChannel, dict[bytes, tuple[int, float, float, float]]] = {
         channel: {} for channel in queues}
+    # request id -> BUSY answers so far; those waiting out a backoff (in
+    # flight, their timer the backoff's end)
+    busy: dict[bytes, int] = {}
+    backing_off: set[bytes] = set()
     stamps: dict[bytes, list[bytes]] = {}       # (secure) request id -> its tries' times
     refused: dict[ServiceChannel, int] = {channel: 0 for channel in queues}
     remaining = len(requests) - sum(reply is not None for reply in replies)
@@ -647,6 +717,19 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
                 if entry is None:
                     continue
                 index = entry[0]
+                if data[2] == wire.ST_BUSY:
+                    # Not a reply: wait a backoff (still holding its window
+                    # slot, so the whole window slows down), then again.
+                    tries = busy[data[4:8]] = busy.get(data[4:8], 0) + 1
+                    channel.busy += 1
+                    pause = busy_backoff(tries, data)
+                    first = entry[3]
+                    if time.monotonic() + pause - first >= channel.deadline:
+                        raise service_busy(channel.name, channel.address, channel.deadline,
+                                           tries, dht)
+                    in_flight[channel][data[4:8]] = (index, time.monotonic(), pause, first)
+                    backing_off.add(data[4:8])
+                    continue
                 if data[2] == wire.ST_REPLY_TOO_LARGE:
                     data = channel.request_tcp(requests[index][1], dht)
                 replies[index] = data
@@ -657,8 +740,16 @@ def _pipeline(requests: Sequence[tuple[ServiceChannel, bytes]], replies: list[by
             for request_id, (index, sent, timeout, first) in list(flying.items()):
                 if now < sent + timeout:
                     continue
+                if request_id in backing_off:   # (a backoff ended: no timeout)
+                    backing_off.discard(request_id)
+                    flying[request_id] = (index, now, channel.first_timeout, first)
+                    _send(channel, requests[index][1], refused, stamps)
+                    continue
                 channel.timeouts += 1
                 if now - first >= channel.deadline:
+                    if request_id in busy:
+                        raise service_busy(channel.name, channel.address, channel.deadline,
+                                           busy[request_id], dht)
                     raise channel.unavailable(f"did not answer within {channel.deadline:.1f}s",
                                               dht)
                 channel.retries += 1

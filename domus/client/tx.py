@@ -49,7 +49,9 @@ from domus.client.transport import (
     READ_ONLY_CONTROL,
     RECV_BUFFER,
     RequestIds,
+    busy_backoff,
     next_timeout,
+    service_busy,
     service_unavailable,
 )
 from domus.errors import (
@@ -146,7 +148,7 @@ class _Pending:
     or the client's close."""
 
     __slots__ = ("deferred", "message", "request_id", "channel", "dht", "bucket",
-                 "started", "timeout", "tries", "timer", "stamps")
+                 "started", "timeout", "tries", "timer", "stamps", "busy")
 
     def __init__(self, channel: TxChannel, message: bytes, dht: str,
                  bucket: int | None) -> None:
@@ -160,6 +162,7 @@ class _Pending:
         self.tries = 0
         self.timer: Any = None
         self.stamps: list[bytes] = []   # (secure) the times its tries were sealed with
+        self.busy = 0                   # BUSY answers so far
         self.deferred: defer.Deferred = defer.Deferred(canceller=self._cancelled)
 
     def _cancelled(self, _deferred: defer.Deferred) -> None:
@@ -276,11 +279,33 @@ class DatagramRequests(protocol.DatagramProtocol):
             what = (f"did not answer within {channel.deadline:.1f}s ({channel.retries} retries "
                     f"so far)")
             for request in doomed:
-                request.deferred.errback(channel.unavailable(what, request.dht, request.bucket))
+                request.deferred.errback(
+                    service_busy(channel.name, channel.address, channel.deadline, request.busy,
+                                 request.dht, request.bucket) if request.busy
+                    else channel.unavailable(what, request.dht, request.bucket))
             return
         channel.retries += 1
         entry.timeout = timeout
         self._send(entry)
+
+    def _busy(self, entry: _Pending, reply: bytes) -> None:
+        """The service answered BUSY: send the same request again after a
+        backoff (keeping its window slot, so the channel slows down), or
+        fail with ServiceBusy if that would pass the deadline."""
+        entry.busy += 1
+        channel = entry.channel
+        channel.busy += 1
+        pause = busy_backoff(entry.busy, reply)
+        elapsed = self.reactor.seconds() - entry.started
+        if entry.timer is not None and entry.timer.active():
+            entry.timer.cancel()
+        if elapsed + pause >= channel.deadline:
+            self.forget(entry)
+            entry.deferred.errback(service_busy(channel.name, channel.address, channel.deadline,
+                                                entry.busy, entry.dht, entry.bucket))
+            return
+        entry.timeout = channel.first_timeout
+        entry.timer = self.reactor.callLater(pause, self._send, entry)
 
     def forget(self, entry: _Pending) -> None:
         """Take ``entry`` out of the table (or the queue) and free its slot."""
@@ -308,6 +333,9 @@ class DatagramRequests(protocol.DatagramProtocol):
                 self.unauthenticated += 1   # not the service's: wait on for its own
                 return
             data = opened
+        if data[2] == wire.ST_BUSY:
+            self._busy(entry, data)
+            return
         self.forget(entry)
         if data[2] == wire.ST_REPLY_TOO_LARGE:
             entry.channel.request_tcp(entry.message, entry.dht, entry.bucket).chainDeferred(
@@ -377,6 +405,7 @@ class TxChannel:
         self.requests = requests
         self.retries = 0
         self.timeouts = 0
+        self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
         self.in_flight = 0
         self.waiting: deque[_Pending] = deque()
         self.ip: str | None = self.host if isIPAddress(self.host) else None
@@ -403,6 +432,21 @@ class TxChannel:
         return defer.Deferred.fromCoroutine(self._request_tcp(message, dht, bucket))
 
     async def _request_tcp(self, message: bytes, dht: str, bucket: int | None) -> bytes:
+        reactor = self.requests.reactor
+        started = reactor.seconds()
+        tries = 0
+        while True:
+            frame = await self._request_tcp_once(message, dht, bucket)
+            if frame[2] != wire.ST_BUSY:
+                return frame
+            tries += 1
+            self.busy += 1
+            pause = busy_backoff(tries, frame)
+            if reactor.seconds() - started + pause >= self.deadline:
+                raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
+            await task.deferLater(reactor, pause, lambda: None)
+
+    async def _request_tcp_once(self, message: bytes, dht: str, bucket: int | None) -> bytes:
         request_id = wire.U32.unpack_from(message, 4)[0]
         for attempt in (1, 2):
             link: MessageProtocol | None = None

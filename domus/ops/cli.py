@@ -13,13 +13,14 @@ import time
 from typing import Any
 
 from domus.errors import AuthenticationError, DomusError
+from domus.service import limits
 from domus.supervisor.balancer import Settings
 from domus.supervisor.timing import DOWN_AFTER, PUSH_TIMEOUT
 from domus.wire import address as addresses
 from domus.wire.attributes import MAX_BUCKETS, MIN_BUCKETS
 from domus.wire.keys import DEFAULT_HASH, HASH_FUNCTIONS
 
-SERVICE_ADMIN = ("list", "remove", "drain")
+SERVICE_ADMIN = ("list", "remove", "drain", "discard")
 
 
 def _positive_seconds(text: str) -> float:
@@ -30,6 +31,16 @@ def _positive_seconds(text: str) -> float:
     if not 0 < seconds < float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
     return seconds
+
+
+def _dht_id(text: str) -> int:
+    from domus.wire import checks
+
+    try:
+        return checks.dht_id(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a DHT id (an integer from 1 to "
+                                         f"{checks.MAX_DHT_ID})") from None
 
 
 def _number(kind: type, low: float, high: float, what: str) -> Any:
@@ -60,6 +71,11 @@ _MOVES = _number(int, 1, 1_000_000, "moves per round")
 _PERCENT = _number(float, 0.0, 1e6, "percentages")
 _CORES = _number(float, 0.01, 1e6, "cores")
 _BYTES = _number(int, 1, 2 ** 62, "sizes in bytes")
+_CONNECTIONS = _number(int, 1, 1_000_000, "connection counts")
+_SCANS = _number(int, 1, 100_000_000, "scan counts")
+_KEYS = _number(int, 1, 2 ** 40, "key counts")
+_FACTOR = _number(int, 0, 65_507, "reply factors")
+_SHED_AFTER = _number(float, 0.0, 3600.0, "seconds")
 
 
 def _fraction(text: str) -> float:
@@ -144,18 +160,20 @@ def _run_reactor(service: Any) -> int:
 def cmd_supervisor(args: argparse.Namespace) -> int:
     from domus.supervisor.server import SupervisorService
 
-    return _run_reactor(SupervisorService(listen=args.listen, data_dir=args.data_dir,
-                                          down_after=args.down_after,
-                                          push_timeout=args.push_timeout,
-                                          balance=args.balance,
-                                          balancer_settings=Settings(
-                                              settle=args.balance_settle,
-                                              max_moves=args.balance_max_moves,
-                                              cooldown=args.balance_cooldown,
-                                              cpu_busy=args.balance_cpu_busy,
-                                              smoothing=args.balance_smoothing),
-                                          secret_file=args.secret_file,
-                                          insecure=args.insecure, metrics=args.metrics))
+    try:
+        supervisor = SupervisorService(
+            listen=args.listen, data_dir=args.data_dir, down_after=args.down_after,
+            push_timeout=args.push_timeout, balance=args.balance,
+            balancer_settings=Settings(settle=args.balance_settle,
+                                       max_moves=args.balance_max_moves,
+                                       cooldown=args.balance_cooldown,
+                                       cpu_busy=args.balance_cpu_busy,
+                                       smoothing=args.balance_smoothing),
+            secret_file=args.secret_file, insecure=args.insecure,
+            metrics=args.metrics)
+    except ValueError as exc:
+        raise SystemExit(f"domus: cannot start the supervisor: {exc}") from None
+    return _run_reactor(supervisor)
 
 
 def cmd_service(args: argparse.Namespace) -> int:
@@ -164,13 +182,24 @@ def cmd_service(args: argparse.Namespace) -> int:
     overrides = {key: value for key, value in
                  (("cores", args.cores), ("ram", args.ram), ("disk", args.disk))
                  if value is not None}
-    return _run_reactor(DomusService(supervisor=addresses.supervisor_address(args.supervisor),
-                                     listen=args.listen, data_dir=args.data_dir, name=args.name,
-                                     heartbeat=args.heartbeat, resources=overrides,
-                                     cpus=args.cpus, secret_file=args.secret_file,
-                                     metrics=args.metrics,
-                                     **({"disk_reserve": args.disk_reserve}
-                                        if args.disk_reserve is not None else {})))
+    try:
+        bounds = limits.Limits(
+            max_connections=args.max_connections,
+            max_connections_per_host=args.max_connections_per_host,
+            idle_timeout=args.idle_timeout, write_timeout=args.write_timeout,
+            input_budget=args.input_budget, max_scans=args.max_scans,
+            max_scan_keys=args.max_scan_keys, udp_reply_factor=args.udp_reply_factor,
+            shed_after=args.shed_after)
+        service = DomusService(supervisor=addresses.supervisor_address(args.supervisor),
+                               listen=args.listen, data_dir=args.data_dir, name=args.name,
+                               heartbeat=args.heartbeat, resources=overrides,
+                               cpus=args.cpus, secret_file=args.secret_file,
+                               limits=bounds, metrics=args.metrics,
+                               **({"disk_reserve": args.disk_reserve}
+                                  if args.disk_reserve is not None else {}))
+    except ValueError as exc:
+        raise SystemExit(f"domus: cannot start the service: {exc}") from None
+    return _run_reactor(service)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -327,6 +356,18 @@ def format_status(status: dict[str, Any]) -> str:
     stored = _stored_rows(status["services"])
     if stored:
         lines += ["", *_table(stored)]
+    orphans = [(service["name"], orphan) for service in status["services"]
+               for orphan in service.get("unknown_dhts") or []]
+    if orphans:
+        lines += ["", "DHTs unknown to the supervisor (kept by their services; "
+                  "`domus service discard SERVICE ID` deletes one):"]
+        rows = [("SERVICE", "ID", "NAME", "STORAGE", "RECORDS", "DEPLOYMENT", "STAMP")]
+        rows += [(name, str(orphan["id"]), str(orphan.get("name") or "?"),
+                  f"{orphan.get('storage') or '?'}/{orphan.get('platform') or '?'}",
+                  "-" if orphan.get("records") is None else f"{orphan['records']:,}",
+                  str(orphan.get("deployment") or "?"), str(orphan.get("stamp") or "?"))
+                 for name, orphan in orphans]
+        lines += _table(rows)
     return "\n".join(lines)
 
 
@@ -433,6 +474,13 @@ def cmd_service_admin(args: argparse.Namespace) -> int:
             print(f"removed service {args.name}" + (
                 "" if lost is None else f" by force: its buckets of {answer['dhts']} went to "
                 f"their backups, or empty to the other services; {lost:,} records lost"))
+        elif args.action == "discard":
+            answer = cluster.discard_dht(args.name, args.dht_id)
+            records = answer.get("records")
+            print(f"service {args.name} discarded DHT {answer.get('name')!r} (id "
+                  f"{answer['id']}, deployment {answer.get('deployment')}, stamp "
+                  f"{answer.get('stamp')})" + ("" if records is None else
+                                                f": {records:,} records"))
         elif args.action == "drain":
             drained = cluster.drain_service(args.name)
             print(f"drained service {args.name}: {drained['moves']} bucket moves, "
@@ -825,6 +873,36 @@ def build_parser() -> argparse.ArgumentParser:
                      "disk DHTs are refused (StorageFull) while reads and deletes go on; a "
                      "size (512m, 2G) or a percentage (5%%); default 1%% of the filesystem, at "
                      "least 64 MiB, at most 1 GiB and a quarter of the filesystem")
+    bounds = svc.add_argument_group("bounds", "what peers can make the service hold "
+                                    "(docs/operations.md, Bounds)")
+    bounds.add_argument("--max-connections", type=_CONNECTIONS, default=limits.MAX_CONNECTIONS,
+                        metavar="N", help="TCP connections open at once (default %(default)s, "
+                        "fewer if the file descriptor limit is lower)")
+    bounds.add_argument("--max-connections-per-host", type=_CONNECTIONS,
+                        default=limits.MAX_CONNECTIONS_PER_HOST, metavar="N",
+                        help="TCP connections open at once from one address "
+                        "(default %(default)s)")
+    bounds.add_argument("--idle-timeout", type=_positive_seconds, default=limits.IDLE_TIMEOUT,
+                        metavar="SECONDS", help="close a TCP connection that completes no "
+                        "frame for this long (default %(default)s)")
+    bounds.add_argument("--write-timeout", type=_positive_seconds, default=limits.WRITE_TIMEOUT,
+                        metavar="SECONDS", help="abort a TCP connection that leaves its "
+                        "replies unread for this long (default %(default)s)")
+    bounds.add_argument("--input-budget", type=_BYTES, default=limits.INPUT_BUDGET,
+                        metavar="BYTES", help="bytes of partial TCP frames held, all "
+                        "connections together (default %(default)s)")
+    bounds.add_argument("--max-scans", type=_SCANS, default=limits.MAX_SCANS, metavar="N",
+                        help="SCANs open at once (default %(default)s)")
+    bounds.add_argument("--max-scan-keys", type=_KEYS, default=limits.MAX_SCAN_KEYS,
+                        metavar="N", help="keys held by open SCANs' snapshots, all together "
+                        "(default %(default)s)")
+    bounds.add_argument("--udp-reply-factor", type=_FACTOR, default=limits.UDP_REPLY_FACTOR,
+                        metavar="F", help="on an insecure deployment, a UDP reply is at most "
+                        "F times its request (larger ones go over TCP; 0: no bound; "
+                        "default %(default)s)")
+    bounds.add_argument("--shed-after", type=_SHED_AFTER, default=limits.SHED_AFTER,
+                        metavar="SECONDS", help="answer BUSY to a datagram that waited "
+                        "longer than this (0: never shed; default %(default)s)")
     svc.set_defaults(func=cmd_service)
 
     secret_parser = commands.add_parser("secret", help="make a deployment secret (for job "
@@ -950,6 +1028,8 @@ SERVICE_ADMIN_HELP = {
     "list": "every registered service: its address, state and roles",
     "remove": "take a service out of the deployment (it must hold no buckets, or --force)",
     "drain": "move every bucket off a service, so that it can leave",
+    "discard": "delete a DHT a service holds that the supervisor does not know (see "
+               "`domus status`)",
 }
 
 
@@ -968,8 +1048,12 @@ def _service_admin_parser() -> argparse.ArgumentParser:
                          "./domus-data/supervisor/secret)")
         if action == "list":
             sub.add_argument("--json", action="store_true", help="print JSON")
-        if action in ("remove", "drain"):
+        if action in ("remove", "drain", "discard"):
             sub.add_argument("name")
+        if action == "discard":
+            sub.add_argument("dht_id", type=_dht_id, metavar="DHT_ID",
+                             help="the id `domus status` shows under DHTs unknown to the "
+                             "supervisor")
         if action == "remove":
             sub.add_argument("--force", action="store_true", help="remove it even if it holds "
                              "buckets: they go, empty, to the others, and its records are lost")

@@ -2,11 +2,15 @@
 ``domus deployment shutdown`` (or a crash).
 
 Every supervisor and service records, when it starts, a *launch record*
-(domus.wire.launch), which the supervisor keeps in its state file.
-``domus deployment restart`` reads them and starts each process again,
-detached from the terminal (its own session, output appended to
-``<data dir>/<role>.log``): on this host directly, on another host through a
-launcher such as ``ssh {host}``.
+(domus.wire.launch: validated fields, never a command line), which the
+supervisor keeps in its state file.  ``domus deployment restart`` reads
+them, checks each again, and rebuilds each command itself: on this host
+``[sys.executable, "-m", "domus", ...]`` (the Python running the restart),
+on another host ``domus ...`` from that host's PATH, through a launcher
+such as ``ssh {host}`` into which every substitution is quoted.  Each
+process starts detached from the terminal (its own session, output
+appended to ``<data dir>/<role>.log``), and each command is printed before
+it runs.
 """
 
 from __future__ import annotations
@@ -15,48 +19,84 @@ import os
 import shlex
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from domus.errors import DomusError, SupervisorUnreachable
+from domus.wire import checks
+from domus.wire import launch as records
+
+REMOTE_EXECUTABLE = ["domus"]      # on another host: the `domus` on its PATH
 
 
 def is_local(launch: dict[str, Any]) -> bool:
     return launch.get("host") == socket.gethostname()
 
 
+def command(launch: dict[str, Any], *, local: bool | None = None) -> list[str]:
+    """The argv that starts the process of a validated record: this
+    Python's ``-m domus`` here, the remote host's ``domus`` elsewhere."""
+    local = is_local(launch) if local is None else local
+    executable = [sys.executable, "-m", "domus"] if local else REMOTE_EXECUTABLE
+    return [*executable, *records.arguments(launch)]
+
+
 def command_line(launch: dict[str, Any]) -> str:
-    """A shell command that starts the process as recorded, detached, its
-    output appended to its log: what a launcher runs on the process's host,
-    and what a user can paste there."""
-    env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(launch["env"].items()))
-    command = shlex.join([launch["python"], *launch["arguments"]])
-    return (f"cd {shlex.quote(launch['cwd'])} && {'env ' + env + ' ' if env else ''}"
-            f"nohup setsid {command} >>{shlex.quote(launch['log'])} 2>&1 </dev/null &")
+    """A shell command that starts the process of a validated record on its
+    host, detached, its output appended to its log: what a launcher runs on
+    the process's host, and what a user can paste there.  Every word is
+    quoted; environment keys are DOMUS_* names (checked again here)."""
+    env = " ".join(f"{shlex.quote(key)}={shlex.quote(value)}"
+                   for key, value in sorted(checks.environment(launch["env"]).items()))
+    data_dir = launch["data_dir"]
+    return (f"mkdir -p {shlex.quote(data_dir)} && cd {shlex.quote(data_dir)} && "
+            f"{'env ' + env + ' ' if env else ''}"
+            f"nohup setsid {shlex.join(command(launch, local=False))} "
+            f">>{shlex.quote(records.log_file(launch))} 2>&1 </dev/null &")
 
 
-def start(launch: dict[str, Any], launcher: str | None = None) -> subprocess.Popen | None:
-    """Start the recorded process.  Here if it ran on this host (returns
-    its Popen), else through ``launcher`` (a command template with
+def launcher_argv(launcher: str, host: str) -> list[str]:
+    """The launcher template with ``{host}`` filled in: the host must be a
+    valid host name or IP address, and is quoted, so it stays one word that
+    cannot be taken as an option (``-oProxyCommand=...`` is not a host)."""
+    checks.host(host)
+    if "{host}" not in launcher:
+        raise ValueError(f"the launcher {launcher!r} has no {{host}} to fill in")
+    try:
+        return shlex.split(launcher.replace("{host}", shlex.quote(host)))
+    except ValueError as exc:
+        raise ValueError(f"the launcher {launcher!r} is not a valid command: {exc}") from None
+
+
+def start(launch: dict[str, Any], launcher: str | None = None,
+          report: Callable[[str], None] = print) -> subprocess.Popen | None:
+    """Start the process of launch record ``launch`` (validated again
+    here; ValueError if it does not pass).  Here if it ran on this host
+    (returns its Popen), else through ``launcher`` (a command template with
     ``{host}``, e.g. ``ssh {host}``; returns None once the launcher has
     handed the command over).  ValueError if it ran elsewhere and no
-    launcher is given."""
+    launcher is given.  ``report`` is told each command before it runs."""
+    launch = records.validate(launch)
     if is_local(launch):
-        os.makedirs(os.path.dirname(launch["log"]), exist_ok=True)
-        with open(launch["log"], "ab") as log:
+        argv = command(launch, local=True)
+        report(f"running: {shlex.join(argv)}  (in {launch['data_dir']}, output to "
+               f"{records.log_file(launch)})")
+        os.makedirs(launch["data_dir"], exist_ok=True)
+        with open(records.log_file(launch), "ab") as log:
             return subprocess.Popen(
-                [launch["python"], *launch["arguments"]], cwd=launch["cwd"],
+                argv, cwd=launch["data_dir"],
                 env={**os.environ, **launch["env"], "PYTHONUNBUFFERED": "1"},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
     if not launcher:
-        raise ValueError(f"it ran on host {launch.get('host')!r}, not here; pass --launcher "
+        raise ValueError(f"it ran on host {launch['host']!r}, not here; pass --launcher "
                          f"(e.g. --launcher 'ssh {{host}}') or run there: "
                          f"{command_line(launch)}")
-    subprocess.run([*shlex.split(launcher.format(host=launch["host"])),
-                    command_line(launch)], check=True, stdin=subprocess.DEVNULL,
-                   timeout=60)
+    argv = [*launcher_argv(launcher, launch["host"]), command_line(launch)]
+    report(f"running: {shlex.join(argv)}")
+    subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, timeout=60)
     return None
 
 
@@ -107,8 +147,15 @@ def restart(state_dir: str, *, launcher: str | None = None, timeout: float = 60.
     if not state.launch:
         raise DomusError(f"{state.path} has no launch record (written by an older Domus); "
                          f"start the supervisor and services yourself this time")
-    address = state.launch["address"]
-    start(state.launch, launcher)
+    try:
+        supervisor = records.validate(state.launch)
+        if supervisor["role"] != "supervisor":
+            raise ValueError("it is not a supervisor's")
+        address = supervisor["address"]
+        start(supervisor, launcher, report)
+    except ValueError as exc:
+        raise DomusError(f"{state.path}: the supervisor's launch record is refused: {exc}; "
+                         f"start the supervisor yourself this time") from None
     _wait_for_supervisor(address, timeout)
     report(f"supervisor started at {address} (state in {state_dir})")
     failures = 0
@@ -128,7 +175,16 @@ def restart(state_dir: str, *, launcher: str | None = None, timeout: float = 60.
                 failures += 1
                 continue
             try:
-                start(recorded, launcher)
+                recorded = records.validate(recorded)
+                if recorded["role"] != "service" or recorded["name"] != name:
+                    raise ValueError(f"it is not service {name!r}'s")
+            except ValueError as exc:
+                report(f"service {name}: its launch record is refused ({exc}); start it "
+                       f"yourself")
+                failures += 1
+                continue
+            try:
+                start(recorded, launcher, report)
             except (ValueError, OSError, subprocess.SubprocessError) as exc:
                 report(f"service {name} not started: {exc}")
                 failures += 1
@@ -140,7 +196,7 @@ def restart(state_dir: str, *, launcher: str | None = None, timeout: float = 60.
                 report(f"service {name} started at {state.services[name]['address']}")
             else:
                 report(f"service {name} did not come up in {timeout:.0f}s; see "
-                       f"{state.services[name]['launch']['log']}")
+                       f"{records.log_file(records.validate(state.services[name]['launch']))}")
                 failures += 1
         _wait_for_resumed(cluster, timeout)
         for dht in cluster.list_dhts():

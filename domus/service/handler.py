@@ -37,14 +37,16 @@ from typing import Any
 from twisted.logger import Logger
 
 from domus.errors import ProtocolError
-from domus.service import hotpath
+from domus.service import holdings, hotpath
 from domus.service.hosted import MAX_NUMBERING, HostedDht
+from domus.service.limits import DEFAULT as DEFAULT_LIMITS
+from domus.service.limits import Limits
 from domus.service.replycache import ReplyCache
-from domus.storage import Repository, StorageFault, StorageFullFault
+from domus.storage import PLATFORMS, Repository, StorageFault, StorageFullFault
 from domus.storage.base import apply_batch
 from domus.storage.headroom import OK as ROOM_OK
 from domus.storage.headroom import Headroom, describe_bytes
-from domus.wire import auth
+from domus.wire import auth, identities
 from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
@@ -56,10 +58,10 @@ _REPLACED = b"\x00"
 _KEYED_END = wire.KEYED_END
 _KEYED_UNPACK = wire.KEYED.unpack_from
 _CHANGING = wire.CHANGING_OPS
+_APPLIED = (wire.ST_OK, wire.ST_NOT_FOUND)
 # The changes a disk DHT refuses once its service's disk is at its reserve
 # (deletes go on: they are how space comes back).
 _FILLING = frozenset({wire.OP_PUT, wire.OP_PUT_MANY})
-_NOT_CACHED = frozenset({wire.ST_MOVING, wire.ST_STORAGE_FULL})
 # A store that failed to open is tried again after these many seconds,
 # doubling up to the last.
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
@@ -83,7 +85,6 @@ def status_name(status: int) -> str:
 
 
 SCAN_TTL = 120.0
-MAX_SCANS = 4096
 # Which buckets are hot: one request in SAMPLE_EVERY is sampled, as the C
 # path does (domus._hotpath.FastPath.take_samples), keeping SAMPLE_RING.
 SAMPLE_EVERY = 16
@@ -165,10 +166,31 @@ class _Join:
             self.handler._replicated(self)
 
 
+class _Snapshot:
+    """A bucket's keys as a scan's first page found them, shared by the
+    scans that started while the bucket was unchanged."""
+
+    __slots__ = ("version", "keys", "count", "users")
+
+    def __init__(self, version: tuple[int, ...], keys: list[bytes], count: int) -> None:
+        self.version, self.keys, self.count = version, keys, count
+        self.users = 0
+
+
+class _Scan:
+    __slots__ = ("expires", "dht_id", "bucket", "snapshot", "client")
+
+    def __init__(self, expires: float, dht_id: int, bucket: int, snapshot: _Snapshot,
+                 client: bytes) -> None:
+        self.expires, self.dht_id, self.bucket = expires, dht_id, bucket
+        self.snapshot, self.client = snapshot, client
+
+
 class RequestHandler:
     def __init__(self, service_name: str, reply_cache: ReplyCache | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 data_dir: str | None = None, data_key: bytes | None = None) -> None:
+                 data_dir: str | None = None, data_key: bytes | None = None,
+                 limits: Limits = DEFAULT_LIMITS) -> None:
         self.service_name = service_name
         self.data_dir = data_dir      # where disk DHTs keep their files
         self.dhts: dict[int, HostedDht] = {}
@@ -183,11 +205,19 @@ class RequestHandler:
         self.counters: dict[str, int] = {"malformed": 0, "errors": 0, "replayed": 0,
                                          "internal_errors": 0, "storage_errors": 0,
                                          "replicated": 0, "replication_failures": 0,
-                                         "unauthenticated": 0, "stale": 0,
+                                         "unauthenticated": 0, "stale": 0, "busy": 0,
+                                         "shed": 0, "scans_forgotten": 0,
                                          "storage_full": 0}
-        # scan id -> (expiry, dht id, bucket, key snapshot, bucket count then)
-        self._scans: OrderedDict[int, tuple[float, int, int, list[bytes], int]] = OrderedDict()
+        self.limits = limits
+        # Open scans, least recently used first; their number per client
+        # id; the shared snapshots by (DHT id, bucket); the keys held by
+        # all snapshots in use.
+        self._scans: OrderedDict[int, _Scan] = OrderedDict()
+        self._scans_of: dict[bytes, int] = {}
+        self._snapshots: dict[tuple[int, int], _Snapshot] = {}
+        self._scan_keys = 0
         self._scan_ids = itertools.count(1)
+        self._changed = 0           # changes applied by the Python path
         self._ops: dict[int, Callable[[bytes, bytes, int], bytes]] = {
             wire.OP_PUT: self._put,
             wire.OP_GET: self._get,
@@ -221,6 +251,11 @@ class RequestHandler:
         self.copy_failed: Callable[[HostedDht, str, str], None] | None = None
         self._in_flight: dict[bytes, Later] = {}
         self._as_backup = False
+        # What is held here and whose (domus.service.holdings): DHTs found
+        # on disk at start that are not hosted (id -> identity), and the ids
+        # the supervisor has told this service to host since it registered.
+        self.unloaded: dict[int, dict[str, Any]] = holdings.on_disk(data_dir)
+        self.claimed: set[int] = set()
         # The free space kept under the data dir (domus.storage.headroom);
         # None: no disk to watch.  Set by the service.
         self.headroom: Headroom | None = None
@@ -270,13 +305,20 @@ class RequestHandler:
                 self._sample(op, data)
         changing = op in _CHANGING
         if changing:
-            token = data[4:16]
+            token = self.reply_cache.key(data)
             cached = self.reply_cache.get(token)
             if cached is not None:
                 self.counters["replayed"] += 1
                 if forward:
                     self.by_status[cached[2]] += 1
                 return cached
+            if self.reply_cache.full():
+                # (Every entry may still be retried: none is dropped for
+                # this one, which is not applied; the client backs off.)
+                self.counters["busy"] += 1
+                if forward:
+                    self.by_status[wire.ST_BUSY] += 1
+                return bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_BUSY, 0)) + request_id
             if op in _FILLING and self.headroom is not None \
                     and self.headroom.state != ROOM_OK and not self._as_backup:
                 refused = self._short_of_room(data, request_id)
@@ -321,11 +363,12 @@ class RequestHandler:
             hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0])
             if hosted is not None and hosted.layout_tag:
                 answer = answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
-        if changing and answer[2] not in _NOT_CACHED:
-            # (MOVING and STORAGE_FULL applied nothing: a retry with the same
-            # id must be tried again, not told so from the cache once the
-            # move is done or there is room again.)
+        if changing and answer[2] in _APPLIED:
+            # (Only what was applied: a refused change -- junk, MOVING, a
+            # bucket not here -- changed nothing, and its retry is judged
+            # afresh, never told an old refusal once it could succeed.)
             self.reply_cache.put(token, answer)
+            self._changed += 1
         if forward:
             self.by_status[answer[2]] += 1
         return answer
@@ -862,32 +905,46 @@ class RequestHandler:
         return _OK + request_id + wire.U64.pack(hosted.records())
 
     # ------------------------------------------------------------ scans
+    # A scan walks a snapshot of its bucket's keys (references to the key
+    # objects, 8 bytes a key), taken by its first page.  Scans that start
+    # while a bucket is unchanged share one snapshot: its version is the
+    # bucket's repository, the count of changes applied to it (by C, per
+    # bucket; by Python, all together) and the DHT's bucket count, and a
+    # scan that starts when the version moved on takes a new one.  Bounds:
+    # MAX_SCANS open scans and MAX_SCAN_KEYS keys held in snapshots, in
+    # total (past either, a first page gets BUSY: nothing live is dropped),
+    # and MAX_SCANS_PER_CLIENT per client id (past it, that client's own
+    # least recently used scan is forgotten); a scan idle for SCAN_TTL is
+    # forgotten.
     def _scan(self, data: bytes, request_id: bytes, limit: int) -> bytes:
         """One page of a bucket's records.  The first page (scan id 0) takes a
-        snapshot of the bucket's keys; later pages walk that snapshot, so a
-        scan sees every key present for its whole duration exactly once,
-        skips keys deleted meanwhile, and may miss keys added meanwhile."""
+        snapshot of the bucket's keys (or shares one); later pages walk it,
+        so a scan sees every key present for its whole duration exactly
+        once, skips keys deleted meanwhile, and may miss keys added
+        meanwhile."""
         dht_id, bucket, scan_id, offset = wire.decode_scan(data)
         hosted = self._hosted(dht_id)
         now = self._clock()
         self._expire_scans(now)
         if scan_id == 0:
             self._numbered_as(hosted, data)
-            self._repo(dht_id, bucket)              # (NOT_OWNER, MOVING...)
+            repo = self._repo(dht_id, bucket)              # (NOT_OWNER, MOVING...)
+            snapshot = self._snapshot(hosted, dht_id, bucket, repo)
+            client = data[8:16]
+            self._forget_clients_oldest_scan(client)
             scan_id = next(self._scan_ids) & 0xFFFFFFFF or next(self._scan_ids)
-            keys = hosted.bucket_keys(bucket)
-            count_then = hosted.bucket_count
-            self._scans[scan_id] = (now + SCAN_TTL, dht_id, bucket, keys, count_then)
-            if len(self._scans) > MAX_SCANS:
-                self._scans.popitem(last=False)
+            snapshot.users += 1
+            self._scans[scan_id] = _Scan(now + SCAN_TTL, dht_id, bucket, snapshot, client)
+            self._scans_of[client] = self._scans_of.get(client, 0) + 1
+            session = self._scans[scan_id]
         else:
             session = self._scans.get(scan_id)
-            if session is None or session[1:3] != (dht_id, bucket):
+            if session is None or (session.dht_id, session.bucket) != (dht_id, bucket):
                 raise RequestFailed(wire.ST_MALFORMED, f"scan {scan_id} of bucket {bucket} "
                                     f"expired or unknown; start the iteration again")
-            keys, count_then = session[3], session[4]
-            self._scans[scan_id] = (now + SCAN_TTL, *session[1:])
+            session.expires = now + SCAN_TTL
             self._scans.move_to_end(scan_id)
+        keys, count_then = session.snapshot.keys, session.snapshot.count
         if hosted.bucket_count == count_then:
             repo = self._repo(dht_id, bucket)
             value_of = repo.get
@@ -921,9 +978,69 @@ class RequestHandler:
                 entries.append((key, value))
             position += 1
         if position >= len(keys):
-            self._scans.pop(scan_id, None)
+            self._end_scan(scan_id)
             position = wire.SCAN_END
         return wire.encode_scan_reply(wire.U32.unpack(request_id)[0], scan_id, position, entries)
+
+    def _snapshot(self, hosted: HostedDht, dht_id: int, bucket: int,
+                  repo: Repository) -> _Snapshot:
+        """The snapshot a scan starting now walks: the bucket's shared one
+        if the bucket has not changed since it was taken, else a new one;
+        BUSY if a new one would pass a bound."""
+        limits = self.limits
+        if len(self._scans) >= limits.max_scans:
+            self.counters["busy"] += 1
+            raise RequestFailed(wire.ST_BUSY, "")
+        version = (id(repo), self._changed, hosted.bucket_count,
+                   self.fast.generation(dht_id, bucket) if self.fast is not None else 0)
+        shared = self._snapshots.get((dht_id, bucket))
+        if shared is not None and shared.version == version:
+            return shared
+        try:
+            expected = len(repo)        # (a part holding several buckets: more)
+        except TypeError:
+            expected = 0
+        if self._scan_keys + expected > limits.max_scan_keys:
+            self.counters["busy"] += 1
+            raise RequestFailed(wire.ST_BUSY, "")
+        keys = hosted.bucket_keys(bucket)
+        snapshot = _Snapshot(version, keys, hosted.bucket_count)
+        self._scan_keys += len(keys)
+        self._snapshots[(dht_id, bucket)] = snapshot
+        return snapshot
+
+    def _forget_clients_oldest_scan(self, client: bytes) -> None:
+        if self._scans_of.get(client, 0) < self.limits.max_scans_per_client:
+            return
+        for scan_id, session in self._scans.items():
+            if session.client == client:
+                self.counters["scans_forgotten"] += 1
+                self._end_scan(scan_id)
+                return
+
+    def _end_scan(self, scan_id: int) -> None:
+        session = self._scans.pop(scan_id, None)
+        if session is None:
+            return
+        left = self._scans_of[session.client] - 1
+        if left:
+            self._scans_of[session.client] = left
+        else:
+            del self._scans_of[session.client]
+        snapshot = session.snapshot
+        snapshot.users -= 1
+        if not snapshot.users:
+            self._scan_keys -= len(snapshot.keys)
+            place = (session.dht_id, session.bucket)
+            if self._snapshots.get(place) is snapshot:
+                del self._snapshots[place]
+
+    def _expire_scans(self, now: float) -> None:
+        while self._scans:
+            scan_id, session = next(iter(self._scans.items()))
+            if session.expires > now:
+                break
+            self._end_scan(scan_id)
 
     # ------------------------------------------------------------ key ranges
     def _range(self, data: bytes, request_id: bytes, limit: int) -> bytes:
@@ -975,13 +1092,6 @@ class RequestHandler:
             entries.append((key, value))
         return wire.encode_range_reply(wire.U32.unpack(request_id)[0], entries, more)
 
-    def _expire_scans(self, now: float) -> None:
-        while self._scans:
-            scan_id, (expires, *_session) = next(iter(self._scans.items()))
-            if expires > now:
-                break
-            del self._scans[scan_id]
-
     # ------------------------------------------------------------ service info
     def _ping(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
         return _OK + request_id + wire.pack({"name": self.service_name,
@@ -997,6 +1107,8 @@ class RequestHandler:
         if fast is not None:
             by_op = [mine + theirs for mine, theirs in zip(by_op, fast.by_op)]
             by_status = [mine + theirs for mine, theirs in zip(by_status, fast.by_status)]
+            counters["busy"] += fast.busy
+            counters["shed"] += fast.shed
         for path in self._fast_paths():     # (a retried REPLICATE is a replay either way)
             counters["replayed"] += path.replayed
             counters["unauthenticated"] += path.unauthenticated
@@ -1010,7 +1122,9 @@ class RequestHandler:
             "hot_path": "c" if fast is not None else "python",
             "hot_path_fallbacks": sum(path.fallbacks for path in self._fast_paths()),
             "reply_cache": len(self.reply_cache),
-            "reply_cache_evicted_early": self.reply_cache.evicted_early,
+            "reply_cache_limit": self.reply_cache.current_limit,
+            "scans": len(self._scans),
+            "scan_keys": self._scan_keys,
             "dhts": {hosted.name: self._dht_stats(hosted) for hosted in self.dhts.values()},
         }
 
@@ -1038,26 +1152,50 @@ class RequestHandler:
         return stats
 
     # ------------------------------------------------------------ assignment
+    def _record_identity(self, descriptor: dict[str, Any]) -> None:
+        """Write the DHT's identity beside its files (holdings.write); a
+        home that cannot be written (a full disk, a file in the way) is
+        logged and tried again at the next assign or sync: the DHT's store
+        says itself why it will not open."""
+        try:
+            holdings.write(self.data_dir, descriptor)
+        except OSError as exc:
+            log.warn("service {service}: cannot record the identity of DHT {dht!r} (id {id}) "
+                     "with its files yet: {error}", service=self.service_name,
+                     dht=descriptor["name"], id=descriptor["id"], error=exc)
+
     def assign(self, descriptor: dict[str, Any]) -> dict[str, Any]:
         """Host (or re-host) a DHT as the supervisor describes it, active or
         inactive.  Returns its state here and the records a change of state
         saved or loaded; a change that fails raises StorageFault and leaves
-        the DHT as it was."""
+        the DHT as it was.  A descriptor that is not valid, or that names
+        the id of another DHT held here (domus.service.holdings), raises
+        ValueError before anything is opened."""
+        holdings.check_descriptor(descriptor, PLATFORMS)
         dht_id = descriptor["id"]
         hosted = self.dhts.get(dht_id)
+        recorded = (holdings.identity_of(hosted.descriptor) if hosted is not None
+                    else self.unloaded.get(dht_id))
+        refusal = holdings.conflict(recorded, descriptor)
+        if refusal is not None:
+            raise ValueError(refusal)
         try:
             if hosted is None:
                 hosted = HostedDht(descriptor, self.service_name, self.data_dir)
+                self._record_identity(descriptor)
                 hosted.headroom = self.headroom
                 self.dhts[dht_id] = hosted
+                self.unloaded.pop(dht_id, None)
                 moved = hosted.apply(descriptor)
                 log.info("service {service}: now hosting DHT {dht!r} (id {id}, {state})",
                          service=self.service_name, dht=descriptor["name"], id=dht_id,
                          state="active" if hosted.active else "inactive")
             else:
+                self._record_identity(descriptor)
                 moved = hosted.apply(descriptor)
         finally:
             self._update_fast_table(dht_id)
+        self.claimed.add(dht_id)
         return {"state": "active" if hosted.active else "inactive", "records": moved}
 
     def refresh_fast_table(self, dht_id: int) -> None:
@@ -1079,15 +1217,66 @@ class RequestHandler:
             self.fast_table.pop(dht_id, None)
             self.backup_table.pop(dht_id, None)
 
-    def drop(self, dht_id: int) -> bool:
+    def drop(self, named: dict[str, Any]) -> bool:
+        """Delete a DHT held here, memory and files, as the supervisor says:
+        ``named`` gives its id, deployment and stamp, which must be those
+        the DHT was created with (ValueError otherwise, and nothing is
+        touched).  False if no DHT of that id is held here."""
+        named = identities.checked(named, required=False)
+        dht_id = named["id"]
+        hosted = self.dhts.get(dht_id)
+        recorded = (holdings.identity_of(hosted.descriptor) if hosted is not None
+                    else self.unloaded.get(dht_id))
+        if recorded is None:
+            return False
+        if not identities.same(recorded, named):
+            raise ValueError(f"service {self.service_name} refuses to drop DHT id {dht_id}: "
+                             f"the deployment and stamp named ({named['deployment']}, "
+                             f"{named['stamp']}) are not those of the DHT held under that id "
+                             f"({recorded.get('name')!r}: {recorded.get('deployment')}, "
+                             f"{recorded.get('stamp')}); it is kept")
+        self._forget_dht(dht_id)
+        return True
+
+    def discard(self, named: dict[str, Any]) -> dict[str, Any]:
+        """Delete a DHT held here that the supervisor has not told this
+        service to host (an orphan; see domus.wire.identities), named by its
+        id, deployment and stamp; an operator's decision."""
+        named = identities.checked(named, required=False)
+        dht_id = named["id"]
+        if dht_id in self.claimed:
+            raise ValueError(f"DHT id {dht_id} is one the supervisor has this service host; "
+                             f"destroy it with `domus dht destroy`")
+        if not self.drop(named):
+            raise ValueError(f"service {self.service_name} holds no DHT with id {dht_id}")
+        return {"discarded": dht_id}
+
+    def _forget_dht(self, dht_id: int) -> None:
         hosted = self.dhts.pop(dht_id, None)
         self._update_fast_table(dht_id)
+        self.unloaded.pop(dht_id, None)
+        self.claimed.discard(dht_id)
         if hosted is None:
-            return False
+            log.info("service {service}: deleting the files of DHT id {id}",
+                     service=self.service_name, id=dht_id)
+            holdings.remove(self.data_dir, dht_id)
+            return
         log.info("service {service}: dropping DHT {dht!r} ({records} records)",
                  service=self.service_name, dht=hosted.name, records=hosted.records())
         hosted.destroy()
-        return True
+
+    def holdings(self, *, unclaimed: bool = False) -> list[dict[str, Any]]:
+        """Every DHT held here (hosted, or only on disk), with its identity;
+        ``unclaimed``: only those the supervisor has not told this service
+        to host since it registered (what a heartbeat reports)."""
+        held = [holdings.report(holdings.identity_of(hosted.descriptor), loaded=True,
+                                records=hosted.records())
+                for dht_id, hosted in sorted(self.dhts.items())
+                if not (unclaimed and dht_id in self.claimed)]
+        held += [holdings.report(identity, loaded=False, records=None)
+                 for dht_id, identity in sorted(self.unloaded.items())
+                 if dht_id not in self.dhts and not (unclaimed and dht_id in self.claimed)]
+        return held
 
     def flush(self) -> None:
         """Write what the DHTs hosted here have buffered to their media."""
@@ -1112,15 +1301,18 @@ class RequestHandler:
                           problem=str(exc))
 
     def sync(self, descriptors: list[dict[str, Any]]) -> None:
-        """Make the hosted DHTs exactly those the supervisor lists.  A DHT
-        whose change of state fails is logged and left as it was; the
-        others are still synced.  Bucket moves under way are abandoned
-        (see HostedDht, "Moving a bucket"): the supervisor sends this when
-        the service registers, on a link no move was driven over."""
-        wanted = {descriptor["id"] for descriptor in descriptors}
-        for dht_id in list(self.dhts):
-            if dht_id not in wanted:
-                self.drop(dht_id)
+        """Host the DHTs the supervisor lists, as it describes them.  A DHT
+        held here that it does not list is kept, not deleted (it may be of
+        another deployment, or one a supervisor restarted on the wrong data
+        dir no longer knows): it is reported as unclaimed, and only a
+        ``drop`` or ``discard`` naming it deletes it.  A DHT whose change of
+        state fails (or whose descriptor is refused) is logged and left as
+        it was; the others are still synced.  Bucket moves under way are
+        abandoned (see HostedDht, "Moving a bucket"): the supervisor sends
+        this when the service registers, on a link no move was driven over."""
+        if not isinstance(descriptors, list):
+            raise ValueError("sync needs a list of DHT descriptors")
+        self.claimed = set()
         for hosted in self.dhts.values():
             hosted.abandon_moves()
         for descriptor in descriptors:
@@ -1130,3 +1322,12 @@ class RequestHandler:
                 self.counters["storage_errors"] += 1
                 log.error("service {service}: {problem}", service=self.service_name,
                           problem=str(exc))
+            except ValueError as exc:
+                log.error("service {service}: refused a DHT of the supervisor's: {problem}",
+                          service=self.service_name, problem=str(exc))
+        for hosted in self.dhts.values():
+            if hosted.id not in self.claimed:
+                log.warn("service {service}: keeps DHT {dht!r} (id {id}), which its "
+                         "supervisor does not list (`domus status` shows it; `domus service "
+                         "discard` deletes it)", service=self.service_name, dht=hosted.name,
+                         id=hosted.id)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import shutil
 import time
 from collections.abc import Generator
@@ -17,6 +16,7 @@ from domus.placement import layout, replicas
 from domus.placement.bucketmap import BucketMap
 from domus.routing import FEWEST_HOPS, RoutingGraph, make_graph
 from domus.routing.base import contains
+from domus.service import holdings
 from domus.storage import (
     PLATFORMS,
     FailedRepository,
@@ -39,9 +39,7 @@ MAX_NUMBERING = 33      # a request's bucket numbering at most: 2^32 buckets
 log = Logger(namespace="domus.service")
 
 
-def dht_home(data_dir: str, dht_id: int) -> str:
-    """Where a service keeps a DHT's files (DHT ids are never reused)."""
-    return os.path.join(data_dir, "dhts", str(dht_id))
+dht_home = holdings.dht_home      # (where a DHT's files are: its id checked)
 
 
 class HostedDht:

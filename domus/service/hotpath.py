@@ -54,4 +54,4 @@ def make_fast_path(dhts: dict[int, tuple[dict[int, Any], int]],
         return None
     return FastPath(dhts, reply_cache.generations, record_tree_type(),
                     current_limit=reply_cache.current_limit, dict_type=DictRepository,
-                    key=key)
+                    key=key, cache_seed=reply_cache.seed)

@@ -107,9 +107,13 @@ class ServiceCollector:
         for metric, key, documentation in HANDLER_COUNTERS:
             yield metrics.counter(f"domus_service_{metric}", documentation, me,
                                   counters.get(key, 0))
-        yield metrics.counter("domus_service_reply_cache_evicted_early",
-                              "replies the reply cache let go before their time, to stay "
-                              "within its size", me, handler.reply_cache.evicted_early)
+        yield metrics.counter("domus_service_busy", "requests answered BUSY, unapplied: "
+                              "the reply cache full of replies still young, or a SCAN past "
+                              "its bounds (by C or Python)", me,
+                              counters.get("busy", 0) + (fast.busy if fast else 0))
+        yield metrics.counter("domus_service_shed", "datagrams answered BUSY unserved: they "
+                              "waited too long in a standing queue (overload)", me,
+                              counters.get("shed", 0) + (fast.shed if fast else 0))
         yield metrics.gauge("domus_service_reply_cache_entries", "replies held in the reply "
                             "cache", me, len(handler.reply_cache))
 

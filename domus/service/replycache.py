@@ -5,12 +5,24 @@ of a change (put, delete, put_many) that was already applied must not be
 applied again: between the first try and the retry another client may have
 written the same key, and applying the stale retry would undo that write.
 
-Invariant: a change request whose (request id, client id) token is in the
-cache is never applied again; its cached reply is sent instead.
+Invariant: a change request whose key is in the cache is never applied
+again; its cached reply is sent instead.  And no entry leaves the cache
+before ``ttl / 2`` seconds (>= MAX_DEADLINE, the longest a client retries),
+whatever the request rate: when the cache is full of entries that young,
+a new change is refused with BUSY (applied nowhere, cached nowhere: the
+client backs off and sends it again) instead of an entry being dropped.
+
+An entry's key is ``cache_key(request)``: the request's token (bytes 4-16:
+request id and client id) and a hash of the whole request (XXH64 under a
+seed this cache draws at random), so a different request sent under a
+reused request id is applied as what it is, not answered with the reply of
+another.  Only changes that were applied (OK, NOT_FOUND) are kept: a
+request that does not parse, or is refused, changed nothing, and its retry
+is judged afresh.
 
 The cache is two generations of plain dicts, ``generations = [current,
 previous]``, so that the C hot path (domus._hotpath) can read and fill it
-without calling Python: a token is looked up in both, a new reply goes into
+without calling Python: a key is looked up in both, a new reply goes into
 ``current``.  Every ``ttl / 2`` seconds ``rotate`` drops ``previous``, makes
 ``current`` the previous generation and starts an empty one, changing the
 list in place (the C side holds the list itself).  An entry therefore lives
@@ -19,66 +31,85 @@ between ``ttl / 2`` and ``ttl`` seconds (plus the timer's period, since
 ``domus.wire.protocol.MAX_DEADLINE`` (``REPLY_CACHE_TTL / 2`` = 15 s) of its first
 send, and its reply is stored after that first send, so no retry can arrive
 after its entry is gone; the constructor refuses a ``ttl`` that would break
-this.  The margin is small by design when a retry is sent just before the
-deadline *and* its reply was stored just before a rotation; it is the time
-the first try took to reach the service plus the time left until the next
-rotation.
+this.
 
-The cache is also capped: when the current generation grows past
-``max_entries / 2`` it rotates early, and the entries of the previous
-generation it drops are added to ``evicted_early`` (a non-zero count means
-the cap is too small for the request rate: such entries may have lived less
-than ``ttl / 2``).
+The current generation holds at most ``max_entries / 2`` entries (the
+most changes the service takes in ``ttl / 2`` seconds: 500,000 by default,
+33,000 a second, about 150 bytes each); past that, changes get BUSY until
+the next rotation (counted in ``refused``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+
+import xxhash
 
 from domus.wire.protocol import MAX_DEADLINE, REPLY_CACHE_TTL
 
 DEFAULT_TTL = REPLY_CACHE_TTL
 DEFAULT_MAX_ENTRIES = 1_000_000
+TOKEN = slice(4, 16)
+
+
+def cache_key(request: bytes, seed: int) -> bytes:
+    """The key of ``request``'s reply: its token, then XXH64(request, seed)
+    big-endian (the C path computes the same)."""
+    return request[TOKEN] + xxhash.xxh64_intdigest(request, seed).to_bytes(8, "big")
 
 
 class ReplyCache:
     def __init__(self, ttl: float = DEFAULT_TTL, max_entries: int = DEFAULT_MAX_ENTRIES,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
         if ttl / 2 < MAX_DEADLINE:
             raise ValueError(f"a reply cache with ttl {ttl}s may forget a reply after "
                              f"{ttl / 2}s, before clients stop retrying ({MAX_DEADLINE}s); "
                              f"use a ttl of at least {2 * MAX_DEADLINE}s")
-        if max_entries < 1:
-            raise ValueError(f"max_entries must be at least 1, not {max_entries}")
+        if max_entries < 2:
+            raise ValueError(f"max_entries must be at least 2, not {max_entries}")
         self.ttl = ttl
         self.max_entries = max_entries
-        # The most entries the current generation holds before an early
-        # rotation; the C hot path declines a change that would pass it.
+        # The most entries the current generation holds; past it, changes
+        # are refused (BUSY) until the next rotation, in C and here alike.
         self.current_limit = max_entries // 2
+        self.seed = int.from_bytes(os.urandom(8), "big") if seed is None else seed
         self._clock = clock
         self.generations: list[dict[bytes, bytes]] = [{}, {}]
         self._next_rotation = clock() + ttl / 2
-        self.evicted_early = 0
+        self.refused = 0
         self.hits = 0
 
-    def get(self, token: bytes) -> bytes | None:
+    def key(self, request: bytes) -> bytes:
+        return cache_key(request, self.seed)
+
+    def get(self, key: bytes) -> bytes | None:
         current, previous = self.generations
-        cached = current.get(token)
+        cached = current.get(key)
         if cached is None:
-            cached = previous.get(token)
+            cached = previous.get(key)
         if cached is not None:
             self.hits += 1
         return cached
 
-    def put(self, token: bytes, reply: bytes) -> None:
-        """Keep the reply of a change; the first reply kept for a token stays."""
+    def full(self) -> bool:
+        """Whether a new entry must wait for the next rotation (the change
+        that would make it is refused: BUSY)."""
+        return len(self.generations[0]) >= self.current_limit
+
+    def put(self, key: bytes, reply: bytes) -> bool:
+        """Keep the reply of a change; the first reply kept for a key stays.
+        False if the cache is full (nothing kept: the caller must not have
+        applied the change, see ``full``)."""
         current, previous = self.generations
-        if token in current or token in previous:
-            return
-        current[token] = reply
-        if len(current) > self.current_limit:
-            self.evicted_early += self.rotate()
+        if key in current or key in previous:
+            return True
+        if len(current) >= self.current_limit:
+            self.refused += 1
+            return False
+        current[key] = reply
+        return True
 
     def rotate(self) -> int:
         """Forget the previous generation and start a new current one;

@@ -16,21 +16,24 @@ from typing import Any
 from twisted.application.service import Service
 from twisted.internet import defer, protocol, task
 from twisted.logger import Logger
-from twisted.protocols import policies
 from twisted.python.failure import Failure
 
 from domus._version import __version__
 from domus.errors import AuthenticationError
+from domus.service.connections import DataFactory
 from domus.service.handler import RequestHandler
 from domus.service.hosted import FREEZE_LEASE
+from domus.service.limits import DEFAULT as DEFAULT_LIMITS
+from domus.service.limits import Limits
 from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
 from domus.storage.headroom import DEFAULT as DEFAULT_RESERVE
 from domus.storage.headroom import SAMPLE_INTERVAL, Headroom, Reserve
 from domus.wire import address as addresses
-from domus.wire import launch, secret
+from domus.wire import checks, launch, secret
 from domus.wire import protocol as wire
+from domus.wire.attributes import MAX_BUCKETS
 from domus.wire.control import ControlError, MessageProtocol, RemoteControlError
 
 log = Logger(namespace="domus.service")
@@ -42,6 +45,11 @@ REPLICATE_TIMEOUT = 2.0
 COPY_FAILED_REPORT_INTERVAL = 1.0   # at most one report per backup and DHT a second
 FLUSH_INTERVAL = 1.0
 RECONNECT_MAX_DELAY = 2.0
+# A registration that fails for any reason but a refusal is tried again on
+# the same link after REGISTER_FIRST_DELAY, doubling up to REGISTER_MAX_DELAY.
+REGISTER_FIRST_DELAY = 0.5
+REGISTER_MAX_DELAY = 30.0
+REGISTRATION_REFUSED = "RegistrationRefused"    # (the supervisor's REFUSED)
 MOVE_OPS = frozenset({"track_bucket", "catch_up_bucket", "freeze_bucket", "export_bucket",
                       "thaw_bucket", "stage_bucket", "discard_bucket"})
 EXPORT_PAGE_BYTES = 4 << 20    # records per export page, well under a TCP frame
@@ -52,7 +60,7 @@ class DomusService(Service):
                  heartbeat: float = HEARTBEAT_INTERVAL,
                  resources: dict[str, Any] | None = None,
                  cpus: list[int] | None = None, secret_file: str | None = None,
-                 metrics: str | None = None,
+                 limits: Limits = DEFAULT_LIMITS, metrics: str | None = None,
                  disk_reserve: Reserve = DEFAULT_RESERVE) -> None:
         self.supervisor_address = addresses.parse(supervisor)
         if metrics is not None:
@@ -60,33 +68,33 @@ class DomusService(Service):
         self.metrics_address = metrics      # where /metrics is served; None: nowhere
         self.listen_host, self.listen_port = addresses.parse(listen)
         self.address = f"{self.listen_host}:{self.listen_port}"
-        self.service_name = name or self.address
-        self.data_dir = os.path.abspath(data_dir)
+        self.service_name = checks.service_name(name or self.address)
+        checks.address(self.address)
+        self.data_dir = checks.absolute_path(os.path.abspath(data_dir), "data dir")
         os.makedirs(data_dir, exist_ok=True)
         self.heartbeat_interval = heartbeat
         if cpus:
             pin_to_cpus(cpus)       # (before the resources count them)
         self.resources = base_resources(data_dir, **(resources or {}))
-        declared = [argument for field, value in sorted((resources or {}).items())
-                    for argument in (f"--{field}", str(value))]
+        options: list[list[Any]] = [["--heartbeat", heartbeat]]
+        options += [[f"--{field}", value] for field, value in sorted((resources or {}).items())]
         if cpus:
-            declared += ["--cpus", ",".join(map(str, cpus))]
+            options.append(["--cpus", ",".join(map(str, cpus))])
         if metrics:
-            declared += ["--metrics", metrics]
+            options.append(["--metrics", metrics])
         if disk_reserve != DEFAULT_RESERVE:
-            declared += ["--disk-reserve", str(disk_reserve)]
+            options.append(["--disk-reserve", str(disk_reserve)])
         # The deployment secret, found as every process finds it
         # (domus.wire.secret); None: an insecure deployment.
         self.keys = secret.keys(secret_file)
         if self.keys is not None:
-            declared += ["--secret-file", os.path.abspath(self.keys.source)]
-        self.launch = launch.record("service", self.address, [
-            "service", "--name", self.service_name,
-            "--supervisor", supervisor, "--listen", self.address,
-            "--data-dir", self.data_dir, "--heartbeat", str(heartbeat), *declared],
-            self.data_dir)
+            options.append(["--secret-file", os.path.abspath(self.keys.source)])
+        self.launch = launch.record("service", self.address, self.data_dir, options,
+                                    name=self.service_name, supervisor=supervisor)
+        self.limits = limits
         self.handler = RequestHandler(self.service_name, data_dir=data_dir,
-                                      data_key=self.keys.data if self.keys else None)
+                                      data_key=self.keys.data if self.keys else None,
+                                      limits=limits)
         self.peers = PeerLinks(self.service_name, self.keys)
         self.handler.headroom = Headroom(self.data_dir, disk_reserve, self.service_name)
         self.handler.replicator = self.peers.forward
@@ -97,6 +105,7 @@ class DomusService(Service):
         self.started = time.time()
         self.link: MessageProtocol | None = None
         self.registered = False
+        self._register_delay = REGISTER_FIRST_DELAY
         self._ports: list[Any] = []
         self.udp: UdpServer | None = None
         self._timers: list[task.LoopingCall] = []
@@ -111,22 +120,17 @@ class DomusService(Service):
         super().startService()
         self.udp = UdpServer(self.handler, self.listen_host, self.listen_port)
         self.udp.start(reactor)
-        data_factory = protocol.Factory.forProtocol(MessageProtocol)
-        data_factory.counters = self.handler.counters
-        original = data_factory.buildProtocol
-
-        def build(addr: Any) -> MessageProtocol:
-            proto = original(addr)
+        def configure(proto: MessageProtocol) -> None:
             proto.data_handler = self.handler.handle_fast
             proto.control_handler = self._client_control
             proto.accepting, proto.keys = True, self.keys
             proto.auth_failures = self._auth_failed
-            return proto
 
-        data_factory.buildProtocol = build
-        counted = policies.WrappingFactory(data_factory)
-        counted.protocol = _CountedBytes
-        self._ports.append(reactor.listenTCP(self.listen_port, counted,
+        # (Bounded: connections, their output, input and idle time; each
+        # connection counts its bytes each way, which the metrics read.)
+        data_factory = DataFactory(self.service_name, self.limits, self.handler.counters,
+                                   configure)
+        self._ports.append(reactor.listenTCP(self.listen_port, data_factory,
                                              interface=self.listen_host))
         if self.metrics_address:
             from domus.service import metrics
@@ -218,11 +222,20 @@ class DomusService(Service):
                                 resources=self.resources, version=__version__, held=held,
                                 pid=os.getpid(), launch=self.launch,
                                 platforms=list(available_platforms()),
-                                hot_path="c" if self.handler.fast is not None else "python")
+                                hot_path="c" if self.handler.fast is not None else "python",
+                                holdings=self.handler.holdings())
         registering.addCallbacks(self._registered, self._register_failed, errbackArgs=(link,))
 
     def _registered(self, answer: dict[str, Any]) -> None:
+        self._register_delay = REGISTER_FIRST_DELAY
         self.handler.sync(answer.get("dhts", []))
+        # DHTs it holds that the supervisor destroyed (or took it out of)
+        # while it was away, each named by id, deployment and stamp.
+        for named in answer.get("drop") or []:
+            try:
+                self.handler.drop(named)
+            except (ValueError, AttributeError, TypeError) as exc:
+                log.error("service {name}: {error}", name=self.service_name, error=str(exc))
         self.registered = True
         log.info("service {name} registered with the supervisor; hosting {count} DHTs",
                  name=self.service_name, count=len(self.handler.dhts))
@@ -230,18 +243,26 @@ class DomusService(Service):
     def _register_failed(self, failure: Any, link: MessageProtocol) -> None:
         from twisted.internet import reactor
 
-        if failure.check(RemoteControlError):
-            # A refusal is a configuration error (e.g. a name taken by another
-            # live service): retrying cannot help, so stop and say why.
+        if failure.check(RemoteControlError) and failure.value.kind == REGISTRATION_REFUSED:
+            # A refusal for a reason (a name taken by another live service,
+            # a figure out of range): retrying cannot help, so stop and say why.
             log.error("service {name}: the supervisor refused registration: {error}; "
                       "stopping", name=self.service_name, error=failure.getErrorMessage())
             self.exit_code = 2
             reactor.stop()
             return
-        log.warn("service {name}: registration failed ({error}); retrying",
-                 name=self.service_name, error=failure.getErrorMessage())
-        if link.transport is not None:
-            link.transport.loseConnection()
+        # Anything else (the supervisor's disk is full, an error of its own,
+        # no answer in time) may pass: try again on this link, backing off.
+        delay = self._register_delay
+        self._register_delay = min(delay * 2, REGISTER_MAX_DELAY)
+        log.warn("service {name}: registration failed ({error}); retrying in {delay:.1f}s",
+                 name=self.service_name, error=failure.getErrorMessage(), delay=delay)
+
+        def again() -> None:
+            if link is self.link and link.connected and not self._stopping:
+                self._authenticated(link)
+
+        reactor.callLater(delay, again)
 
     def link_lost(self) -> None:
         self.link = None
@@ -282,7 +303,8 @@ class DomusService(Service):
                                      "bucket_records": {
                                          hosted.name: hosted.bucket_records()
                                          for hosted in self.handler.dhts.values()},
-                                     "bucket_requests": hot},
+                                     "bucket_requests": hot,
+                                     "orphans": self.handler.holdings(unclaimed=True)},
                               timeout=max(5.0, 3 * self.heartbeat_interval))
         beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: {error}",
                                                  name=self.service_name,
@@ -292,15 +314,26 @@ class DomusService(Service):
         op = body["op"]
         if op == "assign":
             try:
-                return {"ok": True, **self.handler.assign(body["dht"])}
+                return {"ok": True, **self.handler.assign(body.get("dht"))}
             except StorageFault as exc:
                 raise ControlError("StorageError", f"service {self.service_name}: {exc}") \
                     from None
-        if op == "drop":
-            return {"dropped": self.handler.drop(body["id"])}
-        if op == "sync":
-            self.handler.sync(body["dhts"])
-            return {"ok": True}
+            except ValueError as exc:
+                raise ControlError("InvalidAttribute", f"service {self.service_name}: {exc}") \
+                    from None
+        if op in ("drop", "discard", "sync"):
+            try:
+                if op == "drop":
+                    return {"dropped": self.handler.drop(body)}
+                if op == "discard":
+                    return self.handler.discard(body)
+                self.handler.sync(body.get("dhts"))
+                return {"ok": True}
+            except ValueError as exc:
+                raise ControlError("DomusError", f"service {self.service_name}: {exc}") \
+                    from None
+        if op == "ping":
+            return {"name": self.service_name}
         if op == "shutdown":
             from twisted.internet import reactor
 
@@ -321,10 +354,10 @@ class DomusService(Service):
         "seconds"} once done."""
         from twisted.internet import reactor
 
-        hosted = self.handler.dhts.get(body.get("id"))
+        hosted = self._hosted_named(body)
         count = body.get("count")
         if hosted is None or not isinstance(count, int) or isinstance(count, bool) \
-                or count < 1:
+                or not 1 <= count <= MAX_BUCKETS or count & (count - 1):
             raise ControlError("DomusError", f"service {self.service_name}: regroup_buckets "
                                f"needs the id of a DHT hosted here and a bucket count")
         try:
@@ -362,12 +395,21 @@ class DomusService(Service):
         step()
         return finished
 
+    def _hosted_named(self, body: dict[str, Any]) -> Any:
+        """The DHT hosted here that ``body``'s ``id`` names (None if it is
+        not an id, or not one hosted here)."""
+        dht_id = body.get("id")
+        if not isinstance(dht_id, int) or isinstance(dht_id, bool):
+            return None
+        return self.handler.dhts.get(dht_id)
+
     def _move_step(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """One step of moving a bucket (domus.service.hosted, "Moving a
         bucket"), as the supervisor drives it."""
-        hosted = self.handler.dhts.get(body.get("id"))
+        hosted = self._hosted_named(body)
         bucket = body.get("bucket")
-        if hosted is None or not isinstance(bucket, int):
+        if hosted is None or not isinstance(bucket, int) or isinstance(bucket, bool) \
+                or not 0 <= bucket < hosted.bucket_count:
             raise ControlError("DomusError", f"service {self.service_name}: {op} needs the id "
                                f"of a DHT hosted here and a bucket number")
         try:
@@ -414,30 +456,6 @@ class DomusService(Service):
                            f"{body['op']!r} only from the supervisor")
 
 
-class _CountedBytes(policies.ProtocolWrapper):
-    """A connection to the service's TCP port, whose bytes are counted as
-    they cross the socket, each way (frame headers, the handshake and the
-    frames' tags included), in the handler's counters, which the metrics
-    read."""
-
-    def _count(self, name: str, size: int) -> None:
-        counters = self.factory.wrappedFactory.counters
-        counters[name] = counters.get(name, 0) + size
-
-    def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's name)
-        self._count("tcp_bytes_received", len(data))
-        super().dataReceived(data)
-
-    def write(self, data: bytes) -> None:
-        self._count("tcp_bytes_sent", len(data))
-        super().write(data)
-
-    def writeSequence(self, data: Any) -> None:  # noqa: N802
-        data = list(data)
-        self._count("tcp_bytes_sent", sum(map(len, data)))
-        super().writeSequence(data)
-
-
 class PeerLinks:
     """This service's TCP links to the services that back up its buckets,
     one per peer, made when first needed: a change goes down the one link to
@@ -460,31 +478,35 @@ class PeerLinks:
         """Send ``request`` to ``peer`` as a REPLICATE; ``done(result,
         *args)`` is called once, with the change's own reply, or with the
         exception that kept the backup from answering."""
+        self._forward(peer, address, request, done, args, False)
+
+    def _forward(self, peer: str, address: str, request: bytes, done: Any,
+                 args: tuple[Any, ...], again: bool) -> None:
         link = self._links.get(peer)
         if link is not None and link.connected:
-            self._send(link, request, done, args)
+            self._send(link, request, done, args, (peer, address, again))
             return
         waiting = self._connecting.get(peer)
         if waiting is not None:
-            waiting.append((request, done, args))
+            waiting.append((request, done, args, again))
             return
-        self._connecting[peer] = [(request, done, args)]
+        self._connecting[peer] = [(request, done, args, again)]
         self._connect(peer, address)
 
     def _send(self, link: MessageProtocol, request: bytes, done: Any,
-              args: tuple[Any, ...]) -> None:
+              args: tuple[Any, ...], where: tuple[str, str, bool]) -> None:
         if self._sweeper is None:
             self._sweeper = task.LoopingCall(self._sweep)
             self._sweeper.start(REPLICATE_TIMEOUT / 4, now=False)
         request_id = next(self._ids) & 0xFFFFFFFF
-        self._waiting[request_id] = (done, args, time.monotonic(), link)
+        self._waiting[request_id] = (done, args, time.monotonic(), link, request, where)
         link.sendString(wire.encode_replicate(request_id, link.client_id, request))
 
     def _answered(self, status: int, request_id: int, frame: bytes) -> None:
         waiting = self._waiting.pop(request_id, None)
         if waiting is None:
             return                          # (timed out already)
-        done, args, _sent, _link = waiting
+        done, args = waiting[0], waiting[1]
         if status == wire.ST_OK:
             done(frame[wire.REPLY_HEADER_SIZE:], *args)
         else:
@@ -495,8 +517,8 @@ class PeerLinks:
 
     def _sweep(self) -> None:
         old = time.monotonic() - REPLICATE_TIMEOUT
-        for request_id in [rid for rid, (_d, _a, sent, _l) in self._waiting.items() if sent < old]:
-            done, args, _sent, link = self._waiting.pop(request_id)
+        for request_id in [rid for rid, entry in self._waiting.items() if entry[2] < old]:
+            done, args, _sent, link, _request, _where = self._waiting.pop(request_id)
             done(TimeoutError(f"{link.peer_name} did not answer within "
                               f"{REPLICATE_TIMEOUT:.0f}s"), *args)
 
@@ -504,7 +526,14 @@ class PeerLinks:
         if self._links.get(peer) is link:
             del self._links[peer]
         for request_id in [rid for rid, entry in self._waiting.items() if entry[3] is link]:
-            done, args, _sent, _link = self._waiting.pop(request_id)
+            done, args, _sent, _link, request, (peer, address, again) = \
+                self._waiting.pop(request_id)
+            if not again:
+                # Once more on a new link: the backup may have closed this
+                # one as idle as the change went out (a backup applies a
+                # change it has applied already from its reply cache).
+                self._forward(peer, address, request, done, args, True)
+                continue
             done(ConnectionError(f"the link to {link.peer_name} was lost"), *args)
 
     def _connect(self, peer: str, address: str) -> None:
@@ -516,7 +545,7 @@ class PeerLinks:
         except ValueError as exc:
             # (Failed at once, each change waiting for it: none is left
             # waiting on a connection that was never begun.)
-            for _request, done, args in self._connecting.pop(peer, []):
+            for _request, done, args, _again in self._connecting.pop(peer, []):
                 done(ConnectionError(f"cannot reach service {peer}: {exc}"), *args)
             return
         link = MessageProtocol()
@@ -527,11 +556,11 @@ class PeerLinks:
         def made(made_link: MessageProtocol) -> None:
             self._links[peer] = made_link
             made_link.lost.addCallback(lambda _: self._lost(peer, made_link))
-            for request, done, args in self._connecting.pop(peer, []):
-                self._send(made_link, request, done, args)
+            for request, done, args, again in self._connecting.pop(peer, []):
+                self._send(made_link, request, done, args, (peer, address, again))
 
         def failed(reason: Failure) -> None:
-            for _request, done, args in self._connecting.pop(peer, []):
+            for _request, done, args, _again in self._connecting.pop(peer, []):
                 done(reason.value, *args)
 
         connectProtocol(TCP4ClientEndpoint(reactor, host, port, timeout=REPLICATE_TIMEOUT),

@@ -12,12 +12,32 @@ Either way: one recvfrom and one sendto per datagram, at most
 
 A datagram or reply that is lost (a full socket buffer, an ICMP error from
 an earlier peer) is counted and forgotten: the client retries it.
+
+Bounds (domus.service.limits), the same on both paths:
+- **Overload.** The socket stamps each datagram with its arrival time
+  (SO_TIMESTAMPNS).  The service is *behind* when, for a whole interval
+  (SHED_INTERVAL, 0.1 s), every datagram it read -- at least
+  SHED_MIN_DATAGRAMS of them -- had waited longer than ``shed_after`` (a
+  standing queue, as CoDel tells one from a burst), until
+  an interval in which one waited less than half that; while behind, a
+  datagram that waited longer than ``shed_after`` is answered BUSY without
+  being served (``shed``): the client backs off, and the service spends its
+  time on requests it can answer in time.  A burst, or a pause of the
+  process, that drains within an interval sheds nothing.
+- **Amplification.** A reply to a request that does not parse (MALFORMED,
+  BAD_VERSION, UNKNOWN_OP) is never larger than the request: its message
+  is cut.  On an insecure deployment (where any source address can be
+  spoofed) every reply is at most ``udp_reply_factor`` times the request;
+  a larger one is answered REPLY_TOO_LARGE and the client asks over TCP.
+  A secure deployment answers no datagram whose MAC does not check.
 """
 
 from __future__ import annotations
 
 import errno
 import socket
+import struct
+import time
 from typing import Any
 
 from twisted.internet.interfaces import IReadDescriptor
@@ -33,6 +53,49 @@ log = Logger(namespace="domus.service")
 SOCKET_BUFFER = 8 * 1024 * 1024
 MAX_DATAGRAMS = 256
 RECV_SIZE = 65536       # more than any UDP payload: no datagram is cut
+_TIMESPEC = struct.Struct("@qq")
+_STAMP_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)       # (Linux)
+SHED_INTERVAL = 0.1
+SHED_MIN_DATAGRAMS = 32     # fewer an interval are late (an unscheduled process), not a queue
+RETRY_AFTER_MAX = 2.0
+
+
+class Shedder:
+    """Whether a datagram is shed (see the module; the C path keeps the
+    same state in FastPath)."""
+
+    __slots__ = ("target", "interval_end", "interval_min", "interval_count", "behind",
+                 "streak")
+
+    def __init__(self, target: float) -> None:
+        self.target = target
+        self.interval_end = 0.0
+        self.interval_min = float("inf")
+        self.interval_count = 0
+        self.behind = False
+        self.streak = 0
+
+    def retry_after(self) -> int:
+        """A shed request's retry-after, in milliseconds: one interval,
+        doubling with each interval behind in a row, up to 2 s."""
+        return min(int(SHED_INTERVAL * 1000) << max(self.streak - 1, 0),
+                   int(RETRY_AFTER_MAX * 1000))
+
+    def shed(self, received: float, waited: float) -> bool:
+        if received >= self.interval_end:
+            if self.interval_end:
+                self.behind = (self.interval_count >= SHED_MIN_DATAGRAMS
+                               and self.interval_min > (self.target / 2 if self.behind
+                                                        else self.target))
+                self.streak = min(self.streak + 1, 6) if self.behind else 0
+            self.interval_min = float("inf")
+            self.interval_count = 0
+            self.interval_end = received + SHED_INTERVAL
+        self.interval_count += 1
+        if waited < self.interval_min:
+            self.interval_min = waited
+        return self.behind and waited > self.target
 # Errors a UDP socket reports about an earlier datagram (ICMP) or a passing
 # shortage; the service goes on.
 TRANSIENT_ERRORS = frozenset({
@@ -73,6 +136,16 @@ class UdpServer:
             self.socket.close()
             raise
         enlarge_buffers(self.socket)
+        limits = handler.limits
+        self.shed_after = limits.shed_after
+        self.shedder = Shedder(self.shed_after)
+        self.reply_factor = limits.udp_reply_factor
+        if self.shed_after > 0:
+            self.socket.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        fast = handler.fast
+        if fast is not None:
+            fast.shed_after_ns = int(self.shed_after * 1e9)
+            fast.reply_factor = self.reply_factor
         self.address = self.socket.getsockname()
         self._fd = self.socket.fileno()
         self._reactor: Any = None
@@ -137,24 +210,48 @@ class UdpServer:
                         service=self.handler.service_name)
 
     # ------------------------------------------------------------ the Python path
+    def _limit(self, data: bytes, stamp: bytes | None) -> int:
+        """The largest reply to ``data`` (see the module)."""
+        if stamp is not None:
+            return wire.MAX_UDP_PAYLOAD - auth.REPLY_TRAILER
+        if self.reply_factor > 0:
+            return min(wire.MAX_UDP_PAYLOAD, len(data) * self.reply_factor)
+        return wire.MAX_UDP_PAYLOAD
+
     def _answer_in_python(self, data: bytes, peer: Any, stamp: bytes | None = None) -> None:
         """A datagram the C path left to Python: without its trailer, and
         ``stamp``, its time, on a secure deployment (its MAC checked)."""
-        key = self.handler.data_key
         if stamp is not None and not auth.fresh(stamp):
             self._send_later(self.handler.stale(data), peer, data, stamp)
             return
-        answer = self.handler.handle(data, wire.MAX_UDP_PAYLOAD - (key is not None)
-                                     * auth.REPLY_TRAILER)
+        answer = self.handler.handle(data, self._limit(data, stamp))
         if isinstance(answer, bytes):
             self._send_later(answer, peer, data, stamp)
         elif answer is not None:                # (a replicated change: later)
             answer.addCallback(self._send_later, peer, data, stamp)
 
+    def _bounded(self, answer: bytes, request: bytes, stamp: bytes | None) -> bytes:
+        """``answer`` within the bounds on replies to ``request``."""
+        if len(answer) <= len(request):
+            return answer
+        status = answer[2] if len(answer) > 2 else 0
+        if status in wire.MALFORMED_STATUSES:
+            return trim(answer, len(request))
+        limit = self._limit(request, stamp)
+        if len(answer) <= limit:
+            return answer
+        # (An OK reply a handler made too large, a redirect, a STATS map:
+        # the client asks again over TCP.)
+        return trim(bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_REPLY_TOO_LARGE, answer[3]))
+                    + answer[4:8] + b"the reply is over this datagram's bound; ask over TCP",
+                    limit)
+
     def _send_later(self, answer: bytes | None, peer: Any, request: bytes = b"",
                     stamp: bytes | None = None) -> None:
         if self._fd == -1 or answer is None:
             return
+        if request:
+            answer = self._bounded(answer, request, stamp)
         if stamp is not None:
             answer = auth.seal_reply(self.handler.data_key, answer,  # type: ignore[arg-type]
                                      request[8:16], stamp)
@@ -163,13 +260,20 @@ class UdpServer:
         except OSError:
             self.send_errors += 1  # the client retries
 
+    def _shed(self, ancillary: list[tuple[int, int, bytes]]) -> bool:
+        received = received_at(ancillary)
+        if received is None:
+            return False
+        return self.shedder.shed(received, time.time() - received)
+
     def _drain_in_python(self) -> None:
-        recvfrom = self.socket.recvfrom
+        recvmsg = self.socket.recvmsg
         sendto = self.socket.sendto
         handle = self.handler.handle
+        shed_after = self.shed_after
         for _ in range(MAX_DATAGRAMS):
             try:
-                data, peer = recvfrom(RECV_SIZE)
+                data, ancillary, _flags, peer = recvmsg(RECV_SIZE, _STAMP_SPACE)
             except BlockingIOError:
                 return
             except OSError as exc:
@@ -179,18 +283,51 @@ class UdpServer:
                 continue
             self.bytes_received += len(data)
             key = self.handler.data_key
+            stamp: bytes | None = None
             if key is not None:
                 opened = auth.open_request(key, data)
                 if opened is None:
                     self.handler.counters["unauthenticated"] += 1
                     continue
-                self._answer_in_python(opened[0], peer, opened[1])
+                data, stamp = opened
+            if (shed_after > 0 and len(data) >= wire.REQUEST_HEADER_SIZE
+                    and data[0] == wire.REQUEST_MAGIC
+                    and (stamp is None or auth.fresh(stamp))
+                    and self._shed(ancillary)):
+                self.handler.counters["shed"] += 1
+                self._send_later(bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_BUSY, 0))
+                                 + data[4:8] + wire.U16.pack(self.shedder.retry_after()),
+                                 peer, data, stamp)
                 continue
-            answer = handle(data, wire.MAX_UDP_PAYLOAD)
+            if key is not None:
+                self._answer_in_python(data, peer, stamp)
+                continue
+            answer = handle(data, self._limit(data, None))
             if isinstance(answer, bytes):
                 try:
-                    self.bytes_sent += sendto(answer, peer)
+                    self.bytes_sent += sendto(self._bounded(answer, data, None), peer)
                 except OSError:
                     self.send_errors += 1
             elif answer is not None:
-                answer.addCallback(self._send_later, peer)
+                answer.addCallback(self._send_later, peer, data)
+
+
+def received_at(ancillary: list[tuple[int, int, bytes]]) -> float | None:
+    """A datagram's SO_TIMESTAMPNS arrival time (seconds since the epoch),
+    or None without one."""
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS \
+                and len(payload) >= _TIMESPEC.size:
+            seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
+            return seconds + nanoseconds / 1e9
+    return None
+
+
+def trim(answer: bytes, size: int) -> bytes:
+    """An error reply cut to at most ``size`` bytes (at least its header),
+    its message cut at a character boundary."""
+    if len(answer) <= size:
+        return answer
+    head = answer[:wire.REPLY_HEADER_SIZE]
+    body = answer[wire.REPLY_HEADER_SIZE:max(size, wire.REPLY_HEADER_SIZE)]
+    return head + body.decode("utf-8", "ignore").encode("utf-8")

@@ -76,6 +76,9 @@ class MessageProtocol(Int32StringReceiver):
     # to its backups, which keep their own table): (status, id, frame).
     reply_handler: Callable[[int, int, bytes], None] | None = None
     call_timeout = 10.0
+    # Bounds of a control request's body (domus.wire.protocol.decode_control)
+    max_control_body = wire.MAX_FRAME_BYTES
+    max_control_containers = wire.MAX_CONTROL_CONTAINERS
     clock: Any = None  # IReactorTime for call timeouts; None: the global reactor
 
     def __init__(self) -> None:
@@ -194,11 +197,14 @@ class MessageProtocol(Int32StringReceiver):
             if isinstance(answer, bytes):
                 self.sendString(answer)
             elif answer is not None:            # (answered later)
-                answer.addCallback(self._send_if_connected)
+                self._answer_later(answer)
         else:
             self.sendString(wire.error_reply(
                 wire.ST_UNKNOWN_OP, request_id,
                 f"op 0x{op:02x} is not served on this connection"))
+
+    def _answer_later(self, answer: Any) -> None:
+        answer.addCallback(self._send_if_connected)
 
     def _send_if_connected(self, frame: bytes) -> None:
         if self.transport is not None and self.connected:
@@ -206,7 +212,8 @@ class MessageProtocol(Int32StringReceiver):
 
     def _control_received(self, frame: bytes, request_id: int) -> None:
         try:
-            body = wire.decode_control(frame)
+            body = wire.decode_control(frame, max_body=self.max_control_body,
+                                       max_containers=self.max_control_containers)
         except ProtocolError as exc:
             self.sendString(wire.reply(wire.ST_CONTROL_ERROR, request_id,
                                        wire.pack({"error": "ProtocolError", "message": str(exc)})))

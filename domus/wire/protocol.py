@@ -81,6 +81,7 @@ ST_STALE_REQUEST = 0x1D
 ST_STORAGE_FULL = 0x1E
 ST_INTERNAL = 0x1F
 ST_CONTROL_ERROR = 0x20
+ST_BUSY = 0x21
 
 STATUS_NAMES = {
     ST_OK: "ok", ST_NOT_FOUND: "not found", ST_MALFORMED: "malformed request",
@@ -94,6 +95,7 @@ STATUS_NAMES = {
     ST_DATA_LOST: "every copy of the bucket was lost",
     ST_STALE_REQUEST: "the request's time is too far from the service's clock",
     ST_STORAGE_FULL: "the service's disk is at its reserve (or its cache is full)",
+    ST_BUSY: "the service is overloaded; back off and retry",
     ST_INTERNAL: "internal error", ST_CONTROL_ERROR: "control error",
 }
 
@@ -103,6 +105,26 @@ STATUS_NAMES = {
 # arrives after its reply is forgotten and applies the change again.
 REPLY_CACHE_TTL = 30.0
 MAX_DEADLINE = REPLY_CACHE_TTL / 2
+# Statuses a reply to a request that could not be parsed has: it is never
+# larger than the request (domus.service.udp trims it), so that a spoofed
+# source gains nothing by sending junk.
+MALFORMED_STATUSES = frozenset({ST_MALFORMED, ST_BAD_VERSION, ST_UNKNOWN_OP})
+# BUSY: the service is behind (a full reply cache, too many open scans, or a
+# request that waited too long in its queue) and did nothing; the client
+# backs off (BUSY_BACKOFF, doubling to BUSY_BACKOFF_MAX, with jitter) and
+# sends the same request again, within its deadline.  (The first wait is
+# of the order of the queue a shedding service keeps, --shed-after: sooner
+# would find the same queue.)
+BUSY_BACKOFF = 0.05
+BUSY_BACKOFF_MAX = 1.0
+
+
+def busy_retry_after(reply: bytes) -> float:
+    """The retry-after a BUSY reply carries, in seconds (its body: u16
+    milliseconds, from a service shedding load; 0 without one)."""
+    if len(reply) >= REPLY_HEADER_SIZE + 2:
+        return int.from_bytes(reply[REPLY_HEADER_SIZE:REPLY_HEADER_SIZE + 2], "big") / 1000
+    return 0.0
 
 # Moves.  A frozen bucket is a lease, not a lock: its source thaws it by
 # itself FREEZE_LEASE seconds after freezing it, so a supervisor that dies
@@ -465,8 +487,42 @@ def decode_lookup(data: bytes) -> tuple[int, int, int | None]:
     return dht_id, target, None if current == NO_BUCKET else current
 
 
-def decode_control(data: bytes) -> dict[str, Any]:
-    body = unpack(data[REQUEST_HEADER_SIZE:])
+# A control request's msgpack body is bounded before it costs memory: in
+# bytes (by whoever receives it: MAX_FRAME_BYTES at most), in the length of
+# each array and map (checked by msgpack before it allocates one), in the
+# number of arrays and maps in all (an empty one is one byte on the wire and
+# some 64 bytes in memory), and in depth (msgpack's own stack, 1024).
+MAX_CONTROL_ELEMENTS = 1 << 22      # items of one array (a page of records: 2 per record)
+MAX_CONTROL_MAP = 1 << 20           # entries of one map
+MAX_CONTROL_CONTAINERS = 1 << 20    # arrays and maps in one body
+
+
+def decode_control(data: bytes, *, max_body: int = MAX_FRAME_BYTES,
+                   max_containers: int = MAX_CONTROL_CONTAINERS) -> dict[str, Any]:
+    """A control request's body (a map with a string ``op``), or
+    ProtocolError: malformed, or over ``max_body`` bytes, an array or map
+    too long, more than ``max_containers`` arrays and maps, too deep."""
+    size = len(data) - REQUEST_HEADER_SIZE
+    if size > max_body:
+        raise ProtocolError(f"control request body of {size} bytes is over the {max_body}-"
+                            f"byte limit of this connection")
+    containers = 0
+
+    def count(container: Any) -> Any:
+        nonlocal containers
+        containers += 1
+        if containers > max_containers:
+            raise ValueError(f"more than {max_containers} arrays and maps")
+        return container
+
+    try:
+        body = msgpack.unpackb(data[REQUEST_HEADER_SIZE:], raw=False, strict_map_key=False,
+                               max_array_len=MAX_CONTROL_ELEMENTS,
+                               max_map_len=MAX_CONTROL_MAP, list_hook=count,
+                               object_hook=count)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"bad control request body: {exc or type(exc).__name__}") \
+            from None
     if not isinstance(body, dict) or not isinstance(body.get("op"), str):
         raise ProtocolError("control request body must be a map with a string 'op'")
     return body

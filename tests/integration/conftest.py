@@ -100,6 +100,7 @@ class TrackedDeployment(LocalDeployment):
 
 def start_deployment(data_dir: Path, services: int = SERVICES,
                      supervisor_args: tuple[str, ...] = ("--balance", "manual"),
+                     service_args: tuple[str, ...] = (), insecure: bool = False,
                      metrics: bool = False) -> TrackedDeployment:
     """Start a deployment on a free block of ports, trying another block if
     something grabbed this one before our processes bound it.  Its balancer
@@ -115,6 +116,7 @@ def start_deployment(data_dir: Path, services: int = SERVICES,
             services, port=port, heartbeat=HEARTBEAT, data_dir=str(data_dir / f"run{attempt}"),
             supervisor_args=["--down-after", str(DOWN_AFTER), "--push-timeout", str(PUSH_TIMEOUT),
                              *supervisor_args],
+            service_args=list(service_args), insecure=insecure,
             metrics_port=port + services + 1 if metrics else None)
         try:
             deployment.start(timeout=START_TIMEOUT)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import struct
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from domus.client.blocking import Dht
+from domus.client.transport import ServiceChannel
 from domus.placement import assignment
 from domus.wire import address as addresses
 from domus.wire import auth, secret
@@ -175,11 +177,25 @@ class RawUdp:
                 data = self.opened(data, message, stamps) or b""
                 if (len(data) >= wire.REPLY_HEADER_SIZE and data[0] == wire.REPLY_MAGIC
                         and wire.U32.unpack_from(data, 4)[0] == request_id):
+                    if data[2] == wire.ST_BUSY:
+                        break               # (overloaded: sent again, as clients do)
+                    if data[2] == wire.ST_REPLY_TOO_LARGE:
+                        # (an insecure deployment bounds UDP replies: over TCP)
+                        data = self.over_tcp(message, timeout)
                     return data[2], data[wire.REPLY_HEADER_SIZE:]
             if time.monotonic() >= deadline:
                 raise AssertionError(f"service at {self.address} did not answer op "
                                      f"0x{op:02x} within {timeout}s")
             wait = min(wait * 2, 1.0)
+
+    def over_tcp(self, message: bytes, timeout: float) -> bytes:
+        host, port = self.address
+        channel = ServiceChannel("raw", f"{host}:{port}", deadline=timeout,
+                                 keys=secret.keys() if self.key is not None else None)
+        try:
+            return channel.request_tcp(message)
+        finally:
+            channel.close()
 
     def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         status, body = self.call(wire.OP_STATS, timeout=timeout)
@@ -242,3 +258,107 @@ def chunks(items: Iterable[T], size: int) -> Iterable[list[T]]:
             batch = []
     if batch:
         yield batch
+
+
+class RawControl:
+    """A hand-made control connection over a plain socket, on an insecure
+    deployment (the handshake without a secret), either end: ``connect``
+    to a supervisor, or ``accept`` a service's link (a hand-built
+    supervisor).  ``call`` sends a control request and returns the reply
+    (ok, body); requests the far end sends meanwhile (a service's
+    heartbeats, a supervisor's pings) are kept in ``requests``, and answered
+    with ``answer(op, body)`` if it is set."""
+
+    FRAME = struct.Struct(">I")
+
+    def __init__(self, sock: socket.socket, *, accepting: bool) -> None:
+        self.sock = sock
+        self.sock.settimeout(10)
+        self.requests: list[tuple[int, dict[str, Any]]] = []
+        self.answer: Callable[[str, dict[str, Any]], Any] | None = None
+        self._ids = itertools.count(1)
+        self.client_id = int.from_bytes(os.urandom(8), "big")
+        if accepting:
+            handshake = auth.Accepting(None)
+            self.send_frame(handshake.hello())
+            accept, _session = handshake.proof(self.read_frame())
+            self.send_frame(accept)
+        else:
+            connecting = auth.Connecting(None, "raw peer")
+            self.send_frame(connecting.hello(self.read_frame()))
+            connecting.verdict(self.read_frame())
+
+    @classmethod
+    def connect(cls, address: str) -> RawControl:
+        host, port = addresses.parse(address)
+        return cls(socket.create_connection((host, port), timeout=10), accepting=False)
+
+    def send_frame(self, frame: bytes) -> None:
+        self.sock.sendall(self.FRAME.pack(len(frame)) + frame)
+
+    def read_frame(self) -> bytes:
+        header = self._read(4)
+        return self._read(self.FRAME.unpack(header)[0])
+
+    def _read(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self.sock.recv(size - len(data))
+            if not chunk:
+                raise ConnectionError("the peer closed the connection")
+            data += chunk
+        return data
+
+    def call(self, op: str, **params: Any) -> tuple[bool, Any]:
+        return self.call_body({"op": op, **params})
+
+    def call_body(self, body: Any) -> tuple[bool, Any]:
+        request_id = next(self._ids)
+        self.send_frame(wire.request_header(wire.OP_CONTROL, request_id, self.client_id)
+                        + wire.pack(body))
+        return self.reply_to(request_id)
+
+    def send_raw(self, payload: bytes) -> tuple[bool, Any]:
+        """A control request whose body is ``payload`` as it is."""
+        request_id = next(self._ids)
+        self.send_frame(wire.request_header(wire.OP_CONTROL, request_id, self.client_id)
+                        + payload)
+        return self.reply_to(request_id)
+
+    def reply_to(self, request_id: int) -> tuple[bool, Any]:
+        while True:
+            frame = self.read_frame()
+            if frame[0] == wire.REPLY_MAGIC:
+                status, answered = wire.decode_reply_header(frame)
+                if answered != request_id:
+                    continue
+                body = wire.unpack(frame[wire.REPLY_HEADER_SIZE:]) \
+                    if len(frame) > wire.REPLY_HEADER_SIZE else None
+                return status == wire.ST_OK, body
+            self._request(frame)
+
+    def _request(self, frame: bytes) -> None:
+        _op, request_id, _client = wire.decode_request_header(frame)
+        body = wire.decode_control(frame)
+        self.requests.append((request_id, body))
+        if self.answer is not None:
+            result = self.answer(body["op"], body)
+            self.send_frame(wire.reply(wire.ST_OK, request_id, wire.pack(result)))
+
+    def next_request(self, op: str, timeout: float = 10.0) -> dict[str, Any]:
+        """Wait for the far end's next request ``op`` (its id is then
+        ``last_request_id``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for index, (request_id, body) in enumerate(self.requests):
+                if body["op"] == op:
+                    del self.requests[index]
+                    self.last_request_id = request_id
+                    return body
+            frame = self.read_frame()
+            if frame[0] != wire.REPLY_MAGIC:
+                self._request(frame)
+        raise AssertionError(f"no {op} request within {timeout}s")
+
+    def close(self) -> None:
+        self.sock.close()

@@ -150,7 +150,7 @@ def test_destroying_an_inactive_dht_deletes_its_snapshot(tmp_path):
     handler = handler_with(tmp_path)
     fill(handler, per_bucket=3)
     handler.assign(descriptor(state="inactive"))
-    assert handler.drop(DHT_ID)
+    assert handler.drop({"id": DHT_ID})
     assert not os.path.exists(dht_home(str(tmp_path), DHT_ID))
 
 

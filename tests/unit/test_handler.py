@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from domus.errors import ProtocolError
 from domus.service.handler import SCAN_TTL, RequestHandler
+from domus.service.limits import Limits
 from domus.service.replycache import ReplyCache
 from domus.storage import rbt
 from domus.wire import protocol as wire
@@ -41,8 +42,9 @@ class FakeClock:
         return self.now
 
 
-def make_handler(clock=None, data_dir=None, **changes):
-    handler = RequestHandler("s1", clock=clock or FakeClock(), data_dir=data_dir)
+def make_handler(clock=None, data_dir=None, limits=None, **changes):
+    handler = RequestHandler("s1", clock=clock or FakeClock(), data_dir=data_dir,
+                             **({"limits": limits} if limits is not None else {}))
     handler.assign(descriptor(**changes))
     return handler
 
@@ -241,19 +243,50 @@ def test_reads_are_never_answered_from_the_reply_cache():
     assert call(handler, read) == (wire.ST_OK, b"v")    # a retried read sees the present
 
 
-def test_a_retry_of_a_refused_put_gets_the_same_refusal():
-    # docs/protocol.md: the reply to every changing request is kept, so a
-    # retry is answered as its first try was, even if the service changed
-    # in between (here: the DHT was activated).
+def test_a_retry_of_a_refused_put_is_judged_afresh():
+    # docs/protocol.md: only applied changes are kept in the reply cache (a
+    # refusal changed nothing), so a retry once the DHT is active applies.
     handler = make_handler(state="inactive")
     key = key_in(0)
     request = keyed(wire.OP_PUT, key, b"v")
-    first_reply = handler.handle(request)
-    assert parse(first_reply)[0] == wire.ST_INACTIVE
+    assert parse(handler.handle(request))[0] == wire.ST_INACTIVE
+    assert len(handler.reply_cache) == 0
     handler.assign(descriptor(state="active"))
-    assert handler.handle(request) == first_reply
-    assert get(handler, key)[0] == wire.ST_NOT_FOUND
-    assert put(handler, key, b"v") == (wire.ST_OK, b"\x01")   # a new request is applied
+    assert parse(handler.handle(request)) == (wire.ST_OK, b"\x01")
+    assert get(handler, key) == (wire.ST_OK, b"v")
+
+
+def test_junk_changes_do_not_fill_the_reply_cache():
+    # Issue 15: 466k entries came from junk PUT headers.
+    handler = make_handler()
+    for request_id in range(200):
+        handler.handle(wire.request_header(wire.OP_PUT, request_id, 5) + b"\x00junk")
+    assert handler.counters["malformed"] == 200
+    assert len(handler.reply_cache) == 0
+
+
+def test_another_request_under_a_reused_id_is_not_answered_with_the_first_ones_reply():
+    handler = make_handler()
+    first, second = keys_in(0, 2)
+    put(handler, first, b"a", client=CLIENT_A, request_id=5)
+    # The same client id and request id, another key: applied, and answered
+    # as itself (created), not with the first put's cached reply.
+    assert put(handler, second, b"b", client=CLIENT_A, request_id=5) == (wire.ST_OK, b"\x01")
+    assert get(handler, second) == (wire.ST_OK, b"b")
+    assert put(handler, first, b"a", client=CLIENT_A, request_id=5) == (wire.ST_OK, b"\x01")
+    assert handler.counters["replayed"] == 1
+
+
+def test_a_full_reply_cache_answers_busy_and_applies_nothing():
+    cache = ReplyCache(max_entries=4, clock=FakeClock())
+    handler = RequestHandler("s1", reply_cache=cache, clock=FakeClock())
+    handler.assign(descriptor())
+    keys = keys_in(0, 3)
+    assert [put(handler, key, b"v", request_id=n)[0] for n, key in enumerate(keys)] == \
+        [wire.ST_OK, wire.ST_OK, wire.ST_BUSY]
+    assert get(handler, keys[2])[0] == wire.ST_NOT_FOUND
+    assert put(handler, keys[0], b"v", request_id=0) == (wire.ST_OK, b"\x01")   # a retry
+    assert handler.stats()["busy"] == 1
 
 
 # ------------------------------------------------------------ ownership and DHTs
@@ -323,14 +356,34 @@ def test_reassignment_drops_buckets_no_longer_stored_here():
     assert put(handler, moved, b"again")[0] == wire.ST_NOT_OWNER
 
 
-def test_sync_drops_dhts_the_supervisor_no_longer_lists():
+def test_sync_keeps_dhts_the_supervisor_no_longer_lists_and_reports_them():
     handler = make_handler()
     put(handler, key_in(0), b"v")
     handler.sync([descriptor(id=2, name="other")])
-    assert sorted(handler.dhts) == [2]
-    assert get(handler, key_in(0))[0] == wire.ST_UNKNOWN_DHT
-    assert handler.drop(2) is True
-    assert handler.drop(2) is False
+    assert sorted(handler.dhts) == [DHT_ID, 2]
+    assert get(handler, key_in(0)) == (wire.ST_OK, b"v")
+    unclaimed = handler.holdings(unclaimed=True)
+    assert [(held["id"], held["records"], held["loaded"]) for held in unclaimed] == [
+        (DHT_ID, 1, True)]
+    assert handler.drop({"id": 2}) is True
+    assert handler.drop({"id": 2}) is False
+
+
+def test_a_drop_must_name_the_dhts_deployment_and_stamp():
+    handler = make_handler()
+    stamped = descriptor(id=3, name="stamped", deployment="d" * 32, stamp="5" * 32)
+    handler.assign(stamped)
+    for wrong in ({"id": 3}, {"id": 3, "deployment": "d" * 32, "stamp": "6" * 32},
+                  {"id": 3, "deployment": "e" * 32, "stamp": "5" * 32}):
+        with pytest.raises(ValueError, match="refuses to drop DHT id 3"):
+            handler.drop(wrong)
+        assert 3 in handler.dhts
+    for bad in ({"id": "/home/alice"}, {"id": -1}, {"id": True}, {"id": 2**40},
+                {"id": 3, "deployment": "../x", "stamp": "5" * 32}):
+        with pytest.raises(ValueError, match="not valid"):
+            handler.drop(bad)
+    assert handler.drop({"id": 3, "deployment": "d" * 32, "stamp": "5" * 32}) is True
+    assert 3 not in handler.dhts
 
 
 # ------------------------------------------------------------ malformed requests
@@ -666,6 +719,69 @@ def test_an_idle_scan_is_forgotten_after_its_ttl():
     assert scan_page(handler, 0, scan_id, offset, 100)[0] == wire.ST_MALFORMED
 
 
+def scan_from(handler, bucket, client, limit=100):
+    request = wire.encode_scan(next_id(), client, DHT_ID, bucket, 0, 0)
+    answer = handler.handle(request, limit)
+    return parse(answer, request)[0], answer
+
+
+def test_scans_started_while_the_bucket_is_unchanged_share_one_snapshot():
+    # Issue 15: each first page copied the bucket's key list.
+    handler = make_handler()
+    keys = keys_in(0, 50)
+    for key in keys:
+        put(handler, key, b"v")
+    for client in range(100):
+        assert scan_from(handler, 0, client)[0] == wire.ST_OK
+    assert handler.stats()["scans"] == 100
+    assert handler.stats()["scan_keys"] == 50          # not 100 copies
+    # A change makes the next scan take its own snapshot, which sees it.
+    put(handler, keys_in(0, 51)[-1], b"new")
+    _status, answer = scan_from(handler, 0, 500, limit=wire.MAX_FRAME_BYTES)
+    assert len(wire.decode_scan_reply(answer)[2]) == 51
+    assert handler.stats()["scan_keys"] == 50           # (that scan ended: freed)
+    # Every scan still walks its own snapshot to the end, once each.
+    records, _pages = scan_bucket(handler, 0, limit=150)
+    assert sorted(key for key, _value in records) == sorted(keys_in(0, 51))
+
+
+def test_snapshots_past_the_key_bound_are_refused_busy_and_none_is_dropped():
+    handler = make_handler(limits=Limits(max_scan_keys=100))
+    keys = keys_in(1, 40)
+    for key in keys:
+        put(handler, key, b"v")
+    started = []
+    for client in range(4):
+        status, answer = scan_from(handler, 1, client)
+        started.append((status, answer))
+        put(handler, keys[client], b"changed")      # the next scan needs a snapshot of its own
+    assert [status for status, _answer in started] == [wire.ST_OK] * 2 + [wire.ST_BUSY] * 2
+    assert handler.stats()["scan_keys"] == 80 and handler.counters["busy"] == 2
+    # The open ones go on to the end.
+    scan_id, offset, _entries = wire.decode_scan_reply(started[0][1])
+    while offset != wire.SCAN_END:
+        status, answer = scan_page(handler, 1, scan_id, offset, 100)
+        assert status == wire.ST_OK
+        scan_id, offset, _entries = wire.decode_scan_reply(answer)
+    assert scan_from(handler, 1, 9)[0] == wire.ST_OK       # room again
+
+
+def test_open_scans_are_bounded_in_total_and_per_client():
+    handler = make_handler(limits=Limits(max_scans=5, max_scans_per_client=2))
+    for key in keys_in(2, 30):
+        put(handler, key, b"v")
+    _status, oldest = scan_from(handler, 2, CLIENT_A)
+    scan_from(handler, 2, CLIENT_A)
+    scan_from(handler, 2, CLIENT_A)                     # past 2: A's oldest is forgotten
+    scan_id, offset, _entries = wire.decode_scan_reply(oldest)
+    assert scan_page(handler, 2, scan_id, offset, 100)[0] == wire.ST_MALFORMED
+    assert handler.counters["scans_forgotten"] == 1
+    for client in (7, 8, 9):
+        assert scan_from(handler, 2, client)[0] == wire.ST_OK
+    assert scan_from(handler, 2, 10)[0] == wire.ST_BUSY   # 5 open: others' are kept
+    assert handler.stats()["scans"] == 5
+
+
 def test_scan_of_a_record_bigger_than_the_limit_is_reply_too_large():
     handler = make_handler()
     put(handler, key_in(0), b"x" * 1000)
@@ -845,10 +961,11 @@ def expected_changes(data, seen_tokens):
         return []
     if data[1] != wire.VERSION or data[2] not in wire.CHANGING_OPS:
         return []
-    token = data[4:16]
+    # The reply cache keys a reply by the whole request (its token and a hash
+    # of its bytes) and keeps only changes that were applied.
+    token = bytes(data)
     if token in seen_tokens:            # answered from the reply cache
         return []
-    seen_tokens.add(token)
     op = data[2]
     try:
         if op == wire.OP_PUT_MANY:
@@ -888,6 +1005,7 @@ def expected_changes(data, seen_tokens):
         if value is not None and len(value) > wire.MAX_VALUE_BYTES:
             return []
         local.append((bucket, key, value))
+    seen_tokens.add(token)
     return local
 
 
@@ -1026,7 +1144,9 @@ def test_10000_hostile_requests_never_raise_and_change_only_what_valid_changes_a
     assert handler.counters["malformed"] > dropped + 2000
     assert handler.counters["errors"] > 500
     assert touched & set(targets)
-    assert handler.counters["replayed"] > 100
+    # (Retries of applied changes, byte for byte: the cache keys the whole
+    # request, so a mutated one is a request of its own.)
+    assert handler.counters["replayed"] > 0
     # Every bystander is exactly as it was.
     after = stored(handler)
     assert not touched & set(bystanders)

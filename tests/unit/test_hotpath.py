@@ -36,7 +36,7 @@ if hotpath.PURE_PYTHON:
                 allow_module_level=True)
 
 from domus.service.handler import RequestHandler  # noqa: E402
-from domus.service.replycache import DEFAULT_MAX_ENTRIES, ReplyCache  # noqa: E402
+from domus.service.replycache import DEFAULT_MAX_ENTRIES, ReplyCache, cache_key  # noqa: E402
 from domus.storage import DictRepository, Repository, StorageFault  # noqa: E402
 from domus.wire import protocol as wire  # noqa: E402
 
@@ -134,11 +134,16 @@ def descriptor(dht_id, platform, state="active", storage="ram", durability=None,
 OPEN_HANDLERS = []
 
 
+CACHE_SEED = 0x5EED
+
+
 def make_handler(platform="python-dict", max_entries=DEFAULT_MAX_ENTRIES, version=0):
     platform_name, medium, durability = TECHNOLOGIES[platform]
     clock = FakeClock()
     data_dir = tempfile.mkdtemp(prefix="domus-hotpath-") if medium == "disk" else None
-    handler = RequestHandler("s1", reply_cache=ReplyCache(max_entries=max_entries, clock=clock),
+    # (One seed for every handler: a pair's caches hold the same keys.)
+    handler = RequestHandler("s1", reply_cache=ReplyCache(max_entries=max_entries, clock=clock,
+                                                          seed=CACHE_SEED),
                              clock=clock, data_dir=data_dir)
     OPEN_HANDLERS.append((handler, data_dir))
     for dht_id, dht_state in ((DHT_ID, "active"), (INACTIVE_ID, "inactive"), (ODD_ID, "active")):
@@ -196,14 +201,14 @@ def bucket_records(handler, dht_id, bucket):
 
 def state(handler):
     cache = handler.reply_cache
-    return records(handler), [dict(g) for g in cache.generations], cache.evicted_early
+    return records(handler), [dict(g) for g in cache.generations]
 
 
 def counters(handler):
     stats = handler.stats()
     return {name: stats[name] for name in (
         "requests", "by_op", "by_status", "malformed", "errors", "replayed", "internal_errors",
-        "reply_cache", "reply_cache_evicted_early")}
+        "reply_cache", "busy")}
 
 
 class Pair:
@@ -342,7 +347,7 @@ def test_changes_answered_in_c_are_cached_in_the_current_generation():
     request = keyed(wire.OP_PUT, b"\x03k", b"v", request_id=9)
     reply = handler.fast.handle(request)
     current, previous = handler.reply_cache.generations
-    assert current == {request[4:16]: reply}
+    assert current == {cache_key(request, CACHE_SEED): reply}
     assert previous == {}
 
 
@@ -379,16 +384,18 @@ def test_a_retry_of_a_delete_in_c_does_not_delete_a_later_write():
     assert handler.dhts[DHT_ID].repos[0].get(key) == b"v2"
 
 
-def test_a_retry_of_a_refused_change_gets_the_python_refusal_from_c():
-    # Python cached the refusal; C replays it, even once the change could apply.
+def test_a_refused_change_is_not_cached_so_its_retry_is_judged_afresh():
+    # A refusal changed nothing; the reply cache keeps only what was applied
+    # (issue 15: junk must not fill it), so a retry once the DHT is active
+    # again is applied, by C.
     handler = make_handler()
     request = keyed(wire.OP_PUT, b"\x03k", b"v", dht=INACTIVE_ID)
     assert handler.fast.handle(request) is None
-    refusal = handler.handle(request)
-    assert refusal[2] == wire.ST_INACTIVE
+    assert handler.handle(request)[2] == wire.ST_INACTIVE
+    assert len(handler.reply_cache) == 0
     handler.assign(descriptor(INACTIVE_ID, "python-dict"))
-    assert handler.fast.handle(request) == refusal
-    assert bucket_records(handler, INACTIVE_ID, 0) == {}
+    assert handler.fast.handle(request)[2] == wire.ST_OK
+    assert bucket_records(handler, INACTIVE_ID, 0) == {b"\x03k": b"v"}
 
 
 def test_a_put_many_with_one_bad_entry_changes_nothing_and_python_refuses_it(platform):
@@ -483,15 +490,24 @@ def test_values_that_are_not_bytes_are_left_to_python():
     pair.check()
 
 
-def test_a_full_current_generation_is_left_to_python_which_rotates_early():
+def test_a_full_current_generation_makes_c_answer_busy_as_python_does():
     pair = Pair(max_entries=4)          # the current generation holds 2
-    for request_id in range(1, 8):
-        pair.send(keyed(wire.OP_PUT, b"\x03k%d" % request_id, b"v", request_id=request_id))
-        pair.check()
-    cache = pair.accelerated.reply_cache
-    assert cache.evicted_early == pair.reference.reply_cache.evicted_early > 0
-    assert pair.accelerated.fast.fallbacks >= 2
-    assert pair.handled_in_c >= 4
+    puts = [keyed(wire.OP_PUT, b"\x03k%d" % request_id, b"v", request_id=request_id)
+            for request_id in range(1, 6)]
+    replies = [pair.send(request) for request in puts]
+    pair.check()
+    assert [reply[2] for reply in replies] == [wire.ST_OK] * 2 + [wire.ST_BUSY] * 3
+    assert all(len(reply) == wire.REPLY_HEADER_SIZE for reply in replies[2:])
+    assert pair.handled_in_c == 5 and pair.accelerated.fast.busy == 3
+    # Nothing was dropped to make room: both first puts are still answered
+    # from the cache, and the refused ones applied nothing.
+    assert pair.send(puts[0]) == replies[0]
+    assert b"\x03k3" not in bucket_records(pair.accelerated, DHT_ID, 0)
+    # Once the cache rotates (by time), they go through.
+    for handler in (pair.reference, pair.accelerated):
+        handler.reply_cache.rotate()
+    assert pair.send(puts[2])[2] == wire.ST_OK
+    pair.check()
 
 
 def test_declines_of_every_kind_change_nothing(platform):
@@ -1183,6 +1199,21 @@ def test_c_samples_one_request_in_sample_every_for_the_hot_bucket_report():
     samples, taken = handler.fast.take_samples()             # the ring went round
     assert len(samples) == _hotpath.SAMPLE_RING and taken == _hotpath.SAMPLE_RING + 5
     assert handler.bucket_load(1.0) == {}                    # (taken already)
+
+
+def test_c_counts_each_buckets_changes_for_scans_to_share_snapshots():
+    handler = make_handler()
+    fast = handler.fast
+    before = [fast.generation(DHT_ID, bucket) for bucket in range(4)]
+    assert fast.handle(keyed(wire.OP_PUT, b"\x03k", b"v", request_id=1)) is not None
+    assert fast.handle(keyed(wire.OP_GET, b"\x03k", request_id=2)) is not None
+    after = [fast.generation(DHT_ID, bucket) for bucket in range(4)]
+    assert after[0] == before[0] + 1                    # the put's bucket; the get is no change
+    batch = wire.encode_put_many(3, CLIENT_A, DHT_ID, [(0, b"\x03a", b"1"), (0, b"\x03b", b"2")])
+    assert fast.handle(batch) is not None
+    assert fast.generation(DHT_ID, 0) == before[0] + 3
+    with pytest.raises(OverflowError):
+        fast.generation(2**32, 0)
 
 
 def test_big_batches_on_record_trees_get_identical_replies_and_effects():

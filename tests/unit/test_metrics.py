@@ -30,7 +30,7 @@ from domus.service import hotpath
 from domus.service import metrics as service_metrics
 from domus.service.server import DomusService
 from domus.service.udp import UdpServer
-from domus.wire import auth, secret
+from domus.wire import auth, launch, secret
 from domus.wire import metrics as page
 from domus.wire import protocol as wire
 from domus.wire.control import ControlError
@@ -202,7 +202,7 @@ def test_a_dht_that_goes_takes_its_series_with_it(tmp_path):
     served = service(tmp_path)
     registry = service_metrics.registry_of(served)
     assert ("domus_service_records", (("dht", "t"), ("service", "s1"))) in scrape(registry)
-    served.handler.drop(DHT_ID)
+    served.handler.drop({"id": DHT_ID})
     assert not [key for key in scrape(registry) if ("dht", "t") in key[1]]
 
 
@@ -413,16 +413,16 @@ def test_a_bad_metrics_address_is_refused_before_anything_starts(tmp_path):
 def test_the_flag_is_in_the_launch_record(tmp_path):
     made = DomusService(supervisor="127.0.0.1:1", listen="127.0.0.1:1",
                         data_dir=str(tmp_path), name="s1", metrics="127.0.0.1:9101")
-    arguments = made.launch["arguments"]
+    arguments = launch.arguments(made.launch)
     assert arguments[arguments.index("--metrics") + 1] == "127.0.0.1:9101"
     made.handler.close()
     plain = DomusService(supervisor="127.0.0.1:1", listen="127.0.0.1:1",
                          data_dir=str(tmp_path / "p"), name="s2")
-    assert "--metrics" not in plain.launch["arguments"]
+    assert "--metrics" not in launch.arguments(plain.launch)
     plain.handler.close()
     supervising = SupervisorService(listen="127.0.0.1:1", data_dir=str(tmp_path / "sup"),
                                     metrics="127.0.0.1:9100")
-    arguments = supervising.state.launch["arguments"]
+    arguments = launch.arguments(supervising.state.launch)
     assert arguments[arguments.index("--metrics") + 1] == "127.0.0.1:9100"
 
 

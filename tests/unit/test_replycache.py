@@ -4,7 +4,7 @@ import pytest
 
 from domus.client import transport
 from domus.client import tx as txclient
-from domus.service.replycache import DEFAULT_TTL, ReplyCache
+from domus.service.replycache import DEFAULT_TTL, ReplyCache, cache_key
 
 TTL = DEFAULT_TTL
 HALF = TTL / 2
@@ -155,43 +155,53 @@ def test_an_expired_token_can_be_stored_again():
     assert cache.get(token(1)) == b"new"
 
 
-def test_the_cap_rotates_early_and_counts_what_it_drops():
+def test_a_full_cache_refuses_new_entries_and_drops_none_before_its_time():
+    # Issue 15: past 500k entries in 15 s, entries used to go early, and a
+    # late retry was applied twice.  Now a full current generation refuses
+    # (the handler answers BUSY) and every entry lives at least ttl / 2.
     clock = FakeClock()
     cache = ReplyCache(max_entries=6, clock=clock)   # the current generation holds 3
     for number in range(3):
-        cache.put(token(number), b"a")
-    assert cache.evicted_early == 0
-    assert len(cache.generations[0]) == 3
-    cache.put(token(3), b"b")                          # past 3: rotate, nothing to drop
-    assert cache.generations[0] == {}
-    assert len(cache.generations[1]) == 4
-    assert cache.evicted_early == 0
-    for number in range(4, 8):
-        cache.put(token(number), b"c")                 # the 4th rotates again
-    assert cache.evicted_early == 4                    # tokens 0..3 went early
-    assert [cache.get(token(n)) for n in range(4)] == [None] * 4
-    assert [cache.get(token(n)) for n in range(4, 8)] == [b"c"] * 4
-    assert len(cache) == 4
+        assert cache.put(token(number), b"a")
+    assert cache.full()
+    assert not cache.put(token(3), b"b")
+    assert cache.refused == 1
+    assert cache.get(token(3)) is None
+    assert cache.put(token(0), b"again")               # there already: fine, kept
+    clock.now += HALF - 0.001
+    assert cache.expire() == 0 and cache.full()        # no rotation before its time
+    assert [cache.get(token(n)) for n in range(3)] == [b"a"] * 3
+    clock.now += 0.001
+    assert cache.expire() == 0                         # rotated: nothing was old enough
+    assert not cache.full() and cache.put(token(3), b"b")
+    clock.now += HALF
+    assert cache.expire() == 3                         # tokens 0..2, after ttl / 2 at least
+    assert cache.get(token(3)) == b"b"
 
 
-def test_an_early_rotation_restarts_the_rotation_clock():
+def test_whatever_the_rate_an_entry_outlives_the_retry_deadline():
     clock = FakeClock()
-    cache = ReplyCache(max_entries=2, clock=clock)
-    clock.now += HALF - 1
-    cache.put(token(1), b"r")
-    cache.put(token(2), b"r")                          # early rotation at +14 s
-    clock.now += 1
-    assert cache.expire() == 0                         # not at +15 s any more
-    assert cache.get(token(1)) == b"r"
-    clock.now += HALF - 1                              # +29 s: 15 s after it
-    assert cache.expire() == 2
+    cache = ReplyCache(max_entries=100, clock=clock)
+    stored_at = {}
+    for step in range(4000):                           # 400 puts a second, far past the cap
+        clock.now += 0.0025 * 10
+        cache.expire()
+        if cache.put(token(step), b"r") and token(step) not in stored_at:
+            stored_at[token(step)] = clock.now
+        for kept, at in stored_at.items():
+            if clock.now - at <= transport.MAX_DEADLINE:
+                assert cache.get(kept) == b"r"
+    assert cache.refused > 0
 
 
-def test_under_the_cap_nothing_is_evicted_early():
-    cache = ReplyCache(max_entries=6, clock=FakeClock())
-    for number in range(3):
-        cache.put(token(number), b"r")
-    cache.put(token(0), b"again")        # already there: not a new entry
-    assert len(cache) == 3
-    assert cache.evicted_early == 0
-    assert cache.generations[1] == {}
+def test_the_key_ties_a_reply_to_the_whole_request():
+    seed = 99
+    request = bytes(range(40))
+    other = request[:-1] + b"\xff"                     # same token, other body
+    assert cache_key(request, seed)[:12] == request[4:16]
+    assert cache_key(request, seed) != cache_key(other, seed)
+    assert cache_key(request, seed) != cache_key(request, seed + 1)
+    assert len(cache_key(request, seed)) == 20
+    cache = ReplyCache(clock=FakeClock(), seed=seed)
+    assert cache.key(request) == cache_key(request, seed)
+    assert ReplyCache().seed != ReplyCache().seed       # drawn at random

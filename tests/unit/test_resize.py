@@ -910,7 +910,7 @@ def test_a_regroup_under_way_stops_when_the_dht_is_dropped_or_synced(
     service, dht, reactor, answer = regrouping_service(technology, data_dir, monkeypatch)
     try:
         if change == "dropped":
-            assert service.handler.drop(DHT_ID)
+            assert service.handler.drop({"id": DHT_ID})
         else:
             service.handler.sync([dht])
         while reactor.turn():

@@ -68,7 +68,7 @@ class Deployment:
             self.handlers[name].assign(copy.deepcopy(dht))
 
     def drop(self, name: str) -> None:
-        self.handlers[name].drop(DHT_ID)
+        self.handlers[name].drop({"id": DHT_ID})
 
     def store(self, records: dict[bytes, bytes]) -> None:
         """Put records straight into the services that hold them now."""

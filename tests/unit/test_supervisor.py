@@ -15,6 +15,7 @@ from twisted.python.failure import Failure
 from domus.service import server as service_server
 from domus.service.server import DomusService
 from domus.storage.base import TrackedRepository
+from domus.wire import launch as launch_record
 from domus.wire import protocol as wire
 from domus.wire.control import ControlError, RemoteControlError
 
@@ -361,10 +362,10 @@ def test_the_supervisors_patience_is_set_and_kept_for_a_restart(tmp_path):
                                    down_after=2.0, push_timeout=4.5)
     assert (supervisor.down_after, supervisor.push_timeout) == (2.0, 4.5)
     # `domus deployment restart` starts it again with the same patience
-    arguments = supervisor.state.launch["arguments"]
+    arguments = launch_record.arguments(supervisor.state.launch)
     assert arguments[-4:] == ["--down-after", "2.0", "--push-timeout", "4.5"]
     default = SupervisorService(listen="127.0.0.1:0", data_dir=str(tmp_path / "default"))
-    assert "--down-after" not in default.state.launch["arguments"]
+    assert "--down-after" not in launch_record.arguments(default.state.launch)
     for bad in ({"down_after": 0}, {"push_timeout": -1.0}):
         with pytest.raises(ValueError, match="must be positive"):
             SupervisorService(listen="127.0.0.1:0", data_dir=str(tmp_path / "bad"), **bad)

@@ -20,6 +20,7 @@ from twisted.internet import defer, task
 
 from domus.placement import layout, replicas
 from domus.service.handler import Later
+from domus.wire import identities
 from domus.wire import protocol as wire
 from domus.wire.control import ControlError
 from domus.wire.keys import bucket_of, encode_key
@@ -95,10 +96,11 @@ class Cluster:
         and takes the DHTs the supervisor tells it of."""
         link = self.links[name]
         if restarted:
-            for dht_id in list(link.handler.dhts):
-                link.handler.drop(dht_id)
+            for hosted in list(link.handler.dhts.values()):
+                link.handler.drop(identities.of(hosted.descriptor))
         link.connected = True
         link.lost = defer.Deferred()
+        link.registered_as = None           # (a new connection)
         held = {str(dht_id): sorted(hosted.repos) for dht_id, hosted in link.handler.dhts.items()}
         answer = self.supervisor.op_register(link, name=name, address=link.service.address,
                                              resources={}, held=held)

@@ -12,7 +12,7 @@ import pytest
 
 from domus.client import transport
 from domus.client.transport import ServiceChannel
-from domus.errors import ServiceUnavailable
+from domus.errors import ServiceBusy, ServiceUnavailable
 from domus.wire import protocol as wire
 
 try:  # directly: the C round trip is tested under DOMUS_PURE_PYTHON=1 too
@@ -166,3 +166,48 @@ def test_the_spin_comes_from_the_environment_in_microseconds():
 def test_a_bad_spin_setting_is_refused_naming_the_variable(text):
     with pytest.raises(ValueError, match="DOMUS_CLIENT_SPIN_US must be a number"):
         transport.spin_from_environment({"DOMUS_CLIENT_SPIN_US": text})
+
+
+def busy(data):
+    return wire.reply_prefix(wire.ST_BUSY) + data[4:8]
+
+
+def test_busy_is_backed_off_and_the_same_bytes_sent_again(first_try, serve):
+    service = serve(lambda number, data: [busy(data)] if number <= 3 else [ok(data, b"v")])
+    channel = ServiceChannel("s1", service.address, deadline=2.0, first_timeout=0.5)
+    try:
+        started = time.monotonic()
+        assert channel.request(request(11)) == ok(request(11), b"v")
+        # Three backoffs of at least half of 50, 100 and 200 ms (jittered).
+        assert time.monotonic() - started >= 0.5 * 0.35
+        assert (channel.busy, channel.timeouts) == (3, 0)
+        assert service.received == [request(11)] * 4
+    finally:
+        channel.close()
+
+
+def test_a_service_busy_until_the_deadline_is_service_busy(first_try, serve):
+    service = serve(lambda number, data: [busy(data)])
+    channel = ServiceChannel("s1", service.address, deadline=0.6, first_timeout=0.2)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ServiceBusy, match="service s1 .* too busy") as raised:
+            channel.request(request(12), "words", 2)
+        assert time.monotonic() - started < 0.6 + 0.3
+        assert (raised.value.dht, raised.value.bucket) == ("words", 2)
+        assert channel.busy >= 2
+        assert all(data == request(12) for data in service.received)
+    finally:
+        channel.close()
+
+
+def test_a_batch_backs_off_busy_entries_and_gets_every_reply(serve):
+    service = serve(lambda number, data: [busy(data)] if number % 3 == 1 else [ok(data)])
+    channel = ServiceChannel("s1", service.address, deadline=2.0, first_timeout=0.5)
+    try:
+        messages = [request(20 + n) for n in range(10)]
+        replies = transport.exchange([(channel, message) for message in messages])
+        assert replies == [ok(message) for message in messages]
+        assert channel.busy >= 3 and channel.timeouts == 0
+    finally:
+        channel.close()

@@ -21,6 +21,7 @@ from domus.errors import (
     DhtInactive,
     DomusError,
     KeyTypeError,
+    ServiceBusy,
     ServiceUnavailable,
     StorageError,
     SupervisorUnreachable,
@@ -521,3 +522,42 @@ def test_a_service_that_does_not_know_the_dht_sends_the_client_to_the_supervisor
     assert calls == [{"op": "open_dht", "name": "words"}]
     assert isinstance(result[0].value, UnknownDht)
     assert "no longer exists" in str(result[0].value)
+
+
+# ---------------------------------------------------------------- overload
+
+def test_busy_is_backed_off_and_the_same_bytes_sent_again(clock, udp) -> None:
+    requests, transport = udp
+    channel = channel_to(requests)
+    message = request(9, b"body")
+    result = outcome(channel.request(message, "words", 3))
+    requests.datagramReceived(reply_to(message, wire.ST_BUSY), S1)
+    assert result == [] and len(transport.sent) == 1
+    # The backoff (jittered: 0.5 to 1.5 times BUSY_BACKOFF) holds the resend.
+    clock.advance(wire.BUSY_BACKOFF * 0.49)
+    assert len(transport.sent) == 1
+    clock.advance(wire.BUSY_BACKOFF * 1.02)
+    assert transport.sent == [(message, S1)] * 2
+    answer = reply_to(message, wire.ST_OK, b"value")
+    requests.datagramReceived(answer, S1)
+    assert result == [answer]
+    assert (channel.busy, channel.timeouts) == (1, 0)
+    assert requests.pending == {} and clock.getDelayedCalls() == []
+
+
+def test_a_service_busy_until_the_deadline_is_service_busy(clock, udp) -> None:
+    requests, transport = udp
+    channel = channel_to(requests, deadline=1.0)
+    message = request(10)
+    result = outcome(channel.request(message, "words", 4))
+    while not result:
+        if len(transport.sent) > channel.busy:
+            requests.datagramReceived(reply_to(message, wire.ST_BUSY), S1)
+        clock.advance(0.01)
+    assert isinstance(result[0].value, ServiceBusy)
+    assert isinstance(result[0].value, ServiceUnavailable)
+    assert "too busy" in str(result[0].value) and "s1" in str(result[0].value)
+    assert (result[0].value.dht, result[0].value.bucket) == ("words", 4)
+    assert clock.seconds() <= 1.0
+    assert channel.busy >= 3           # backed off, doubling, several times
+    assert all(sent == (message, S1) for sent in transport.sent)

@@ -6,8 +6,9 @@ import time
 
 import pytest
 
+from domus.service import limits, udp
 from domus.service.handler import RequestHandler
-from domus.service.udp import UdpServer
+from domus.service.udp import Shedder, UdpServer
 from domus.wire import protocol as wire
 
 DHT_ID = 1
@@ -97,7 +98,11 @@ def test_requests_are_answered_as_the_handler_answers_them(path, family):
                     wire.request_header(wire.OP_PING, 3, 7),         # Python answers
                     request(wire.OP_DELETE, 4), b"junk"]             # junk: no answer
         replies = served(server, client, requests, reactor, expected=4)
-        assert replies == [reference.handle(data) for data in requests[:4]]
+        # (An insecure deployment: a reply is at most UDP_REPLY_FACTOR times
+        # its request; the 3,000-byte value is REPLY_TOO_LARGE.)
+        assert replies == [reference.handle(data, len(data) * limits.UDP_REPLY_FACTOR)
+                           for data in requests[:4]]
+        assert replies[1][2] == wire.ST_REPLY_TOO_LARGE
         assert handler.requests == 5
         # every byte in and out counted once, by whichever path read or
         # sent it (C reads all it serves; the fallback sends the PING's reply)
@@ -105,7 +110,9 @@ def test_requests_are_answered_as_the_handler_answers_them(path, family):
         assert server.bytes_received + (fast.bytes_received if fast else 0) == \
             sum(map(len, requests))
         assert server.bytes_sent + (fast.bytes_sent if fast else 0) == sum(map(len, replies))
-        assert server.bytes_sent == (len(replies[2]) if fast else sum(map(len, replies)))
+        # (Python answers the PING, and the GET whose value is over the bound)
+        assert server.bytes_sent == (len(replies[1]) + len(replies[2]) if fast
+                                     else sum(map(len, replies)))
     finally:
         client.close()
         server.stop()
@@ -193,4 +200,98 @@ def test_errors_left_by_icmp_do_not_stop_the_python_loop():
         assert server.recv_errors == 1
         client.close()
     finally:
+        server.stop()
+
+
+# ------------------------------------------------------------ overload
+
+def test_the_shedder_tells_a_standing_queue_from_a_burst():
+    shedder = Shedder(0.1)
+    # A burst after a pause: 300 ms old at first, drained within the
+    # interval: nothing is shed.
+    assert not any(shedder.shed(10.0 + n * 0.001, 0.3 - n * 0.003) for n in range(90))
+    # A few late datagrams (a process not scheduled) are not a queue.
+    assert not any(shedder.shed(15.0 + n * 0.01, 0.5) for n in range(30))
+    assert not shedder.shed(15.3, 0.5)
+    # A standing queue: every datagram of a whole interval waited > 0.1 s.
+    assert not any(shedder.shed(20.0 + n * 0.002, 0.15) for n in range(50))
+    assert shedder.shed(20.1, 0.15)                          # behind from the next interval
+    assert not shedder.shed(20.11, 0.06)                     # (what waited less is served)
+    for n in range(40):
+        shedder.shed(20.12 + n * 0.001, 0.12)
+    # It stays behind until an interval where one waited < 0.05 s.
+    assert shedder.shed(20.21, 0.12) and shedder.behind
+    for n in range(40):
+        shedder.shed(20.22 + n * 0.001, 0.12)
+    shedder.shed(20.25, 0.01)
+    assert not shedder.shed(20.32, 0.2) and not shedder.behind
+    assert shedder.retry_after() == 100
+
+
+def test_the_retry_after_doubles_while_the_service_stays_behind():
+    shedder = Shedder(0.1)
+    waits = []
+    for interval in range(8):
+        for n in range(40):
+            shedder.shed(30.0 + interval * 0.1 + n * 0.0025 + 0.0001, 0.5)
+        waits.append(shedder.retry_after())
+    assert waits == [100, 100, 200, 400, 800, 1600, 2000, 2000]
+
+
+@pytest.fixture
+def arrival_stamps():
+    """Linux stamps datagrams on arrival only once some socket asked for it
+    (and turns that on a little later, in the background): until then a
+    datagram is stamped when it is read, and looks fresh.  A socket of
+    ours asks, and a probe datagram shows when arrival stamps are on."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.setsockopt(socket.SOL_SOCKET, udp.SO_TIMESTAMPNS, 1)
+    probe.bind(("127.0.0.1", 0))
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            probe.sendto(b"probe", probe.getsockname())
+            sent = time.time()
+            time.sleep(0.05)            # (the age a stamp on arrival shows)
+            _data, ancillary, _flags, _peer = probe.recvmsg(64, 64)
+            received = udp.received_at(ancillary)
+            if received is not None and received - sent < 0.02:
+                break
+            assert time.monotonic() < deadline, "datagrams are not stamped on arrival"
+        yield
+    finally:
+        probe.close()
+
+
+def test_a_standing_queue_is_shed_with_busy_and_the_rest_served(path, arrival_stamps):
+    handler = make_handler(path)
+    handler.limits = limits.Limits(shed_after=0.05)
+    reactor = FakeReactor()
+    server = UdpServer(handler, "127.0.0.1", 0)
+    server.start(reactor)
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.connect(server.address[:2])
+    client.setblocking(False)
+    try:
+        # Datagrams queue up over 0.6 s while the service reads nothing
+        # (their age is what is tested: the pauses make it).
+        requests = []
+        for step in range(60):
+            for n in range(5):
+                requests.append(request(wire.OP_GET, step * 5 + n))
+                client.send(requests[-1])
+            time.sleep(0.01)
+        replies = served(server, client, [], reactor, expected=len(requests))
+        statuses = [reply[2] for reply in replies]
+        assert len(replies) == len(requests)
+        assert set(statuses) == {wire.ST_BUSY, wire.ST_NOT_FOUND}
+        # Each BUSY carries a retry-after: 100 ms, doubling with each
+        # interval the service stayed behind, at most 2 s.
+        waits = {wire.busy_retry_after(reply) for reply in replies if reply[2] == wire.ST_BUSY}
+        assert all(len(reply) == wire.REPLY_HEADER_SIZE + 2 for reply in replies
+                   if reply[2] == wire.ST_BUSY)
+        assert waits <= {0.1, 0.2, 0.4, 0.8, 1.6, 2.0} and 0.1 in waits
+        assert handler.stats()["shed"] == statuses.count(wire.ST_BUSY)
+    finally:
+        client.close()
         server.stop()
