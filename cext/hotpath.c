@@ -185,10 +185,11 @@ typedef struct {
     unsigned long long requests;
     unsigned long long replayed;
     unsigned long long fallbacks;
-    unsigned long long send_errors;
-    unsigned long long recv_errors;
+    /* (written by the serving thread without the GIL: atomic) */
+    _Atomic unsigned long long send_errors;
+    _Atomic unsigned long long recv_errors;
     unsigned long long bytes_received;  /* datagrams serve() read */
-    unsigned long long bytes_sent;      /* replies serve() sent */
+    _Atomic unsigned long long bytes_sent;  /* replies serve() sent */
     unsigned long long by_op[256];
     unsigned long long by_status[256];  /* replies given, by status byte */
     int keyed;                          /* a secure deployment: datagrams carry MACs */
@@ -257,9 +258,6 @@ typedef struct Batch {
     Reply replies[BATCH_SIZE];
     int pending;                        /* replies in out[0..pending) */
     int sent;                           /* of those, how many batch_send went past */
-    unsigned long long sent_bytes;      /* counted by batch_settle */
-    unsigned long long send_failures;
-    unsigned long long receive_failures;
 } Batch;
 
 static void batch_settle(FastPath *self, Batch *batch);
@@ -1932,10 +1930,11 @@ batch_add_reply(FastPath *self, Batch *batch, Reply *reply,
 }
 
 /* Sends the batch's pending replies, never blocking: a reply the kernel
- * refuses is counted in the batch (the client retries) and the rest still
- * go.  Needs no GIL; batch_settle counts and frees afterwards. */
+ * refuses is counted (the client retries) and the rest still go; so are
+ * the bytes sent (atomically).  Needs no GIL; batch_settle frees the
+ * replies afterwards. */
 static void
-batch_send(int fd, Batch *batch)
+batch_send(FastPath *self, int fd, Batch *batch)
 {
     int from = batch->sent;
     while (from < batch->pending) {
@@ -1946,33 +1945,30 @@ batch_send(int fd, Batch *batch)
             if (errno == EINTR) {
                 continue;
             }
-            batch->send_failures++;     /* this one is lost; go past it */
+            /* this one is lost (the client retries); go past it */
+            atomic_fetch_add_explicit(&self->send_errors, 1, memory_order_relaxed);
             from++;
             continue;
         }
+        unsigned long long sent_bytes = 0;
         for (int i = from; i < from + sent; i++) {
-            batch->sent_bytes += batch->out[i].msg_len;
+            sent_bytes += batch->out[i].msg_len;
         }
+        atomic_fetch_add_explicit(&self->bytes_sent, sent_bytes, memory_order_relaxed);
         from += sent;
     }
     batch->sent = from;
 }
 
-/* Counts what batch_send did and drops the sent replies (needs the GIL). */
+/* Drops the sent replies (needs the GIL). */
 static void
 batch_settle(FastPath *self, Batch *batch)
 {
-    self->bytes_sent += batch->sent_bytes;
-    self->send_errors += batch->send_failures;
-    self->recv_errors += batch->receive_failures;
     for (int i = 0; i < batch->pending; i++) {
         reply_clear(&batch->replies[i]);
     }
     batch->pending = 0;
     batch->sent = 0;
-    batch->sent_bytes = 0;
-    batch->send_failures = 0;
-    batch->receive_failures = 0;
 }
 
 /* Whether to shed the datagram `message` (see SHED_INTERVAL_NS), read at
@@ -2127,7 +2123,7 @@ batch_handle(FastPath *self, Batch *batch, int count,
             declined->queued |= !failed;
         }
         else {
-            batch_send(declined->fd, batch);     /* (in order: see Declined) */
+            batch_send(self, declined->fd, batch);     /* (in order: see Declined) */
             batch_settle(self, batch);
             PyObject *done = PyObject_CallFunctionObjArgs(declined->fallback, request,
                                                           address, stamped, NULL);
@@ -2209,7 +2205,7 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
                 continue;
             }
             if (is_transient(errno)) {
-                self->recv_errors++;
+                atomic_fetch_add_explicit(&self->recv_errors, 1, memory_order_relaxed);
                 attempts++;
                 continue;
             }
@@ -2220,7 +2216,7 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
         struct timespec now;
         clock_gettime(CLOCK_REALTIME, &now);
         failed = batch_handle(self, batch, got, &now, &declined) < 0;
-        batch_send(fd, batch);
+        batch_send(self, fd, batch);
         batch_settle(self, batch);
         if (failed) {
             return NULL;
@@ -2499,7 +2495,7 @@ serve_in_thread(void *argument)
                 continue;
             }
             if (is_transient(errno)) {
-                batch->receive_failures++;
+                atomic_fetch_add_explicit(&self->recv_errors, 1, memory_order_relaxed);
                 empty = 0;
                 continue;
             }
@@ -2524,7 +2520,7 @@ serve_in_thread(void *argument)
         if (declined.queued) {
             thread_wake(self);
         }
-        batch_send(fd, batch);
+        batch_send(self, fd, batch);
     }
     baton_take(baton, 0);
     PyEval_RestoreThread(state);
@@ -2680,6 +2676,24 @@ FastPath_get_by_op(FastPath *self, void *closure)
 }
 
 static PyObject *
+FastPath_get_send_errors(FastPath *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->send_errors));
+}
+
+static PyObject *
+FastPath_get_recv_errors(FastPath *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->recv_errors));
+}
+
+static PyObject *
+FastPath_get_bytes_sent(FastPath *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->bytes_sent));
+}
+
+static PyObject *
 FastPath_get_by_status(FastPath *self, void *closure)
 {
     return count_list(self->by_status);
@@ -2766,14 +2780,8 @@ static PyMemberDef FastPath_members[] = {
      "changes answered from the reply cache in C"},
     {"fallbacks", T_ULONGLONG, offsetof(FastPath, fallbacks), READONLY,
      "requests declined to the Python handler"},
-    {"send_errors", T_ULONGLONG, offsetof(FastPath, send_errors), READONLY,
-     "replies serve() could not send (the client retries)"},
-    {"recv_errors", T_ULONGLONG, offsetof(FastPath, recv_errors), READONLY,
-     "errors serve() read from the socket and went past"},
     {"bytes_received", T_ULONGLONG, offsetof(FastPath, bytes_received),
      READONLY, "bytes of the datagrams serve() read (declined and dropped ones too)"},
-    {"bytes_sent", T_ULONGLONG, offsetof(FastPath, bytes_sent), READONLY,
-     "bytes of the replies serve() sent (not those the fallback sends)"},
     {"unauthenticated", T_ULONGLONG, offsetof(FastPath, unauthenticated), READONLY,
      "datagrams serve() dropped: too short for a MAC, or one that did not check"},
     {"current_limit", T_PYSSIZET, offsetof(FastPath, current_limit),
@@ -2803,6 +2811,12 @@ static PyGetSetDef FastPath_getset[] = {
      "requests answered in C, per op code (a list of 256 counts)", NULL},
     {"by_status", (getter)FastPath_get_by_status, NULL,
      "replies given in C, per status byte (a list of 256 counts)", NULL},
+    {"send_errors", (getter)FastPath_get_send_errors, NULL,
+     "replies C could not send (the client retries)", NULL},
+    {"recv_errors", (getter)FastPath_get_recv_errors, NULL,
+     "errors C read from the socket and went past", NULL},
+    {"bytes_sent", (getter)FastPath_get_bytes_sent, NULL,
+     "bytes of the replies C sent (not those the fallback sends)", NULL},
     {"threaded", (getter)FastPath_get_threaded, NULL,
      "whether a serving thread of this process reads the socket", NULL},
     {NULL, NULL, NULL, NULL, NULL},
