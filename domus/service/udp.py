@@ -57,6 +57,7 @@ from typing import Any
 
 from twisted.internet.interfaces import IReadDescriptor
 from twisted.logger import Logger
+from twisted.python import threadable
 from zope.interface import implementer
 
 from domus.service.handler import RequestHandler
@@ -169,6 +170,8 @@ def reactor_baton(reactor: Any) -> Any:
         return poller.baton
     if not isinstance(poller, select.epoll):
         return None
+    if getattr(reactor, "running", False) and not threadable.isInIOThread():
+        return None     # (the baton must be taken on the reactor's own thread)
     baton = Baton()
     baton.acquire()
     reactor._poller = BatonPoller(poller, baton)
