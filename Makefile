@@ -15,6 +15,7 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
 
 C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_recordtree.py tests/unit/test_hotpath.py \
+  tests/unit/test_udp.py \
   tests/unit/test_codec.py fuzz/test_fuzz.py
 ASAN_DIR := build/asan
 FUZZ_DIR := build/fuzz
@@ -36,10 +37,16 @@ system:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-$(STAMP): setup.py pyproject.toml $(wildcard cext/*.c cext/*.h)
+$(STAMP): setup.py pyproject.toml $(wildcard cext/*.c cext/*.h cext/programs/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	DOMUS_REQUIRE_C=1 $(BIN)/pip install -q -e '.[test]'
+	@# the benchmarks' C programs, domus-bench and domus-udp-echo: setup.py
+	@# builds them into build/bin (again if a source changed); the venv links them
+	DOMUS_REQUIRE_C=1 $(BIN)/python setup.py -q build_ext --inplace
+	@for program in domus-bench domus-udp-echo; do \
+	  ln -sf ../../build/bin/$$program $(BIN)/$$program; \
+	done
 	touch $@
 
 venv: system

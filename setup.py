@@ -12,6 +12,11 @@ pyproject.toml):
   UndefinedBehaviorSanitizer (``make check-c``); ``DOMUS_SANITIZE=fuzz``
   adds libFuzzer's coverage instrumentation (``make fuzz``; it needs clang:
   ``CC=clang LDSHARED="clang -shared"``).
+- two C programs for the benchmarks, built with the extensions into
+  ``build/bin/`` of the source tree (``make`` links them into the venv's
+  ``bin/`` as well): ``domus-bench``, a load generator that speaks the
+  Domus protocol, and ``domus-udp-echo``, the bare UDP loop that is a
+  service's floor.  They are not part of an installed wheel.
 """
 
 import os
@@ -39,9 +44,16 @@ MODULES = {
     "domus._hotpath": ["cext/hotpath.c"],
     "domus._codec": ["cext/codec.c"],
 }
+# program name -> sources: C programs for the benchmarks (not installed).
+PROGRAMS = {
+    "domus-bench": ["cext/programs/bench.c"],
+    "domus-udp-echo": ["cext/programs/udp_echo.c"],
+}
+PROGRAM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "bin")
 EXTENSIONS = [
     Extension(name, sources, depends=["cext/hashes.h", "cext/rbtree_api.h",
-                                      "cext/recordtree_api.h", "cext/siphash.h"],
+                                      "cext/recordtree_api.h", "cext/siphash.h",
+                                      "cext/sha256.h"],
               extra_compile_args=COMPILE_ARGS, extra_link_args=LINK_ARGS)
     for name, sources in MODULES.items()
 ]
@@ -56,6 +68,30 @@ class OptionalBuildExt(build_ext):
             super().run()
         except Exception as error:  # no compiler at all
             self._skip("the C extensions", error)
+            return
+        self._build_programs()
+
+    def _build_programs(self) -> None:
+        """domus-bench and domus-udp-echo into PROGRAM_DIR (they are the
+        benchmarks' tools: a failure to build them only warns, unless
+        REQUIRE_C)."""
+        root = os.path.dirname(os.path.abspath(__file__))
+        for name, sources in PROGRAMS.items():
+            try:
+                objects = self.compiler.compile(
+                    [os.path.join(root, source) for source in sources],
+                    output_dir=os.path.join(self.build_temp, "programs"),
+                    extra_postargs=[*COMPILE_ARGS, "-pthread"],
+                    depends=[os.path.join(root, "cext", header) for header in
+                             ("hashes.h", "sha256.h", "siphash.h")])
+                self.compiler.link_executable(objects, name, output_dir=PROGRAM_DIR,
+                                              libraries=["m"],
+                                              extra_postargs=["-pthread", *LINK_ARGS])
+            except Exception as error:
+                if REQUIRE_C:
+                    raise
+                print(f"WARNING: {name} could not be built ({error}); the benchmarks that "
+                      "need it will say so.", file=sys.stderr)
 
     def build_extension(self, extension: Extension) -> None:
         try:

@@ -8,9 +8,19 @@ client processes, each issuing single put1 requests (a new random 64-bit
 int key and a random 64-bit int value, one request per round trip, no
 batching) for T seconds.  Then the same against a local ``redis-server``
 with redis-py (hiredis parser), one SET per round trip, no pipelining.
-Then, for reference, the floor: a bare Python UDP request/reply loop against
-a minimal server holding a dict (no Domus code), which is as fast as a
-Python client can go here.  Prints each throughput and the ratios.
+Then, for reference, two floors, driven by the same bare Python UDP client
+(no Domus code): a minimal Python server holding a dict (the Python floor,
+as fast as a Python client and a Python server go here), and
+``domus-udp-echo``, a bare C loop doing one ``recvfrom`` and one ``sendto``
+per datagram (the C floor: the real floor of a service, which Domus's C
+hot path competes with).  Prints each throughput and the ratios, and the
+CPU the server process spent per request (psutil) for Domus's service and
+the C floor.
+
+put1 measures *clients* more than servers: one request per round trip from
+Python processes, so redis-py's cost and Domus's client's cost dominate,
+and "Domus / Redis" here mostly compares the two client libraries.  To
+compare the servers, saturate each from C: ``python -m benchmarks.capacity``.
 
 Domus runs as deployed by default: with a deployment secret, so every
 datagram carries a MAC (domus.wire.auth).  ``--insecure`` runs it without
@@ -36,8 +46,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 from domus.ops.deploy import LocalDeployment, free_port_block
 
+from .programs import ProgramMissing, program
 from .provenance import machine
 
 INT64 = 1 << 63
@@ -113,11 +126,11 @@ def _floor_worker(port: int, seconds: float, seed: int, barrier: Any, results: A
 
 
 def _run_clients(worker: Callable[..., None], target: Any, clients: int,
-                 seconds: float, take: Callable[[Any], tuple[int, float]] | None = None
-                 ) -> float:
+                 seconds: float, take: Callable[[Any], tuple[int, float]] | None = None,
+                 totals: list[tuple[int, float]] | None = None) -> float:
     """Run ``clients`` worker processes; their summed ops/s.  A worker puts
     (count, elapsed) on its results queue, or whatever ``take`` turns into
-    that."""
+    that; ``totals`` gets each worker's (count, elapsed)."""
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(clients)
     results = context.Queue()
@@ -126,17 +139,38 @@ def _run_clients(worker: Callable[..., None], target: Any, clients: int,
                  for index in range(clients)]
     for process in processes:
         process.start()
-    totals = [results.get(timeout=seconds + 60) for _ in processes]
+    results_got = [results.get(timeout=seconds + 60) for _ in processes]
     if take is not None:
-        totals = [take(result) for result in totals]
+        results_taken = [take(result) for result in results_got]
+    else:
+        results_taken = results_got
     for process in processes:
         process.join(30)
-    return sum(count / elapsed for count, elapsed in totals)
+    if totals is not None:
+        totals.extend(results_taken)
+    return sum(count / elapsed for count, elapsed in results_taken)
 
 
 # ------------------------------------------------------------------ systems
-def measure_domus(clients: list[int], seconds: float,
-                  insecure: bool = False) -> dict[int, float]:
+def _cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def _counted(worker: Callable[..., None], target: Any, clients: int, seconds: float,
+             server: psutil.Process, cpu: dict[int, float] | None) -> float:
+    """``_run_clients``, and into ``cpu[clients]`` the server process's CPU
+    microseconds per request meanwhile."""
+    totals: list[tuple[int, float]] = []
+    before = _cpu_seconds(server)
+    rate = _run_clients(worker, target, clients, seconds, totals=totals)
+    if cpu is not None:
+        cpu[clients] = 1e6 * (_cpu_seconds(server) - before) / max(1, sum(n for n, _ in totals))
+    return rate
+
+
+def measure_domus(clients: list[int], seconds: float, insecure: bool = False,
+                  cpu: dict[int, float] | None = None) -> dict[int, float]:
     data_dir = tempfile.mkdtemp(prefix="domus-bench-")
     os.environ.pop("DOMUS_SECRET_FILE", None)       # (an earlier deployment's, gone)
     try:
@@ -146,10 +180,26 @@ def measure_domus(clients: list[int], seconds: float,
 
             with deployment.connect() as cluster:
                 cluster.create_dht("put1")
-            return {k: _run_clients(_domus_worker, deployment.supervisor_address, k, seconds)
-                    for k in clients}
+            service = psutil.Process(deployment.services["s1"].pid)
+            return {k: _counted(_domus_worker, deployment.supervisor_address, k, seconds,
+                                service, cpu) for k in clients}
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def wait_for_redis(port: int, timeout: float = 10.0) -> None:
+    """Returns once the redis-server on ``port`` answers PING."""
+    import redis
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            redis.Redis(port=port).ping()
+            return
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def measure_redis(clients: list[int], seconds: float) -> dict[int, float] | None:
@@ -168,17 +218,7 @@ def measure_redis(clients: list[int], seconds: float) -> dict[int, float] | None
                                "--save", "", "--appendonly", "no"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        import redis
-
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=port).ping()
-                break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        wait_for_redis(port)
         return {k: _run_clients(_redis_worker, port, k, seconds) for k in clients}
     finally:
         server.terminate()
@@ -197,6 +237,24 @@ def measure_floor(clients: list[int], seconds: float) -> dict[int, float]:
     finally:
         server.terminate()
         server.join(5)
+
+
+def measure_c_floor(clients: list[int], seconds: float,
+                    cpu: dict[int, float] | None = None) -> dict[int, float] | None:
+    """The Python floor's clients against domus-udp-echo (the bare C loop)."""
+    try:
+        echo = program("domus-udp-echo")
+    except ProgramMissing as missing:
+        print(f"{missing}; skipping the C floor", file=sys.stderr)
+        return None
+    server = subprocess.Popen([echo, "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline().rsplit(":", 1)[1])
+        process = psutil.Process(server.pid)
+        return {k: _counted(_floor_worker, port, k, seconds, process, cpu) for k in clients}
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def mac_cost(clients: list[int], seconds: float, rounds: int, json_path: str | None) -> int:
@@ -232,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", default="1,2,4", help="client process counts (1,2,4)")
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--no-redis", action="store_true")
-    parser.add_argument("--no-floor", action="store_true")
+    parser.add_argument("--no-floor", action="store_true", help="leave out both floors")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--insecure", action="store_true", help="run Domus without a "
                         "deployment secret (no MACs on the wire)")
@@ -246,24 +304,36 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"put1, one service, {args.seconds:.0f} s per point, {os.cpu_count()} cores",
           flush=True)
+    domus_cpu: dict[int, float] = {}
+    c_floor_cpu: dict[int, float] = {}
     results: dict[str, Any] = {"clients": clients, "seconds": args.seconds,
                                "secure": not args.insecure,
-                               "domus": measure_domus(clients, args.seconds, args.insecure)}
+                               "domus": measure_domus(clients, args.seconds, args.insecure,
+                                                      domus_cpu)}
     results["redis"] = None if args.no_redis else measure_redis(clients, args.seconds)
     results["floor"] = None if args.no_floor else measure_floor(clients, args.seconds)
+    results["c_floor"] = None if args.no_floor else measure_c_floor(clients, args.seconds,
+                                                                    c_floor_cpu)
+    results["service_cpu_us_per_request"] = {"domus": domus_cpu, "c_floor": c_floor_cpu}
 
-    header = f"{'K':>3}  {'domus ops/s':>12}  {'redis ops/s':>12}  {'domus/redis':>11}  " \
-             f"{'floor ops/s':>12}  {'domus/floor':>11}"
-    print(header)
+    def cell(value: float | None, form: str) -> str:
+        return format(value, form) if value else "-"
+
+    print(f"{'K':>3}  {'domus ops/s':>12}  {'redis ops/s':>12}  {'domus/redis':>11}  "
+          f"{'floor ops/s':>12}  {'C floor ops/s':>13}  {'domus/C floor':>13}  "
+          f"{'service us/req':>14}  {'C floor us/req':>14}")
     for k in clients:
         domus_rate = results["domus"][k]
         redis_rate = results["redis"][k] if results["redis"] else None
         floor_rate = results["floor"][k] if results["floor"] else None
-        print(f"{k:>3}  {domus_rate:>12,.0f}  "
-              f"{(f'{redis_rate:,.0f}' if redis_rate else '-'):>12}  "
+        c_rate = results["c_floor"][k] if results["c_floor"] else None
+        print(f"{k:>3}  {domus_rate:>12,.0f}  {cell(redis_rate, ',.0f'):>12}  "
               f"{(f'{domus_rate / redis_rate:.2f}x' if redis_rate else '-'):>11}  "
-              f"{(f'{floor_rate:,.0f}' if floor_rate else '-'):>12}  "
-              f"{(f'{domus_rate / floor_rate:.0%}' if floor_rate else '-'):>11}")
+              f"{cell(floor_rate, ',.0f'):>12}  {cell(c_rate, ',.0f'):>13}  "
+              f"{(f'{domus_rate / c_rate:.0%}' if c_rate else '-'):>13}  "
+              f"{cell(domus_cpu.get(k), '.1f'):>14}  {cell(c_floor_cpu.get(k), '.1f'):>14}")
+    print("put1 compares clients (Python, one request per round trip) more than servers: "
+          "see benchmarks.capacity for the servers saturated from C.")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as target:
             json.dump({**machine(), **results}, target, indent=1)

@@ -2,8 +2,10 @@
  *
  * FastPath answers the requests that make up nearly all of a service's
  * traffic -- PUT, GET, DELETE, CONTAINS, PUT_MANY, GET_MANY that succeed --
- * without running Python code, and drains a UDP socket with one recvfrom and
- * one sendmsg per datagram.  It is an accelerator for
+ * without running Python code, and drains a UDP socket in batches (recvmmsg,
+ * sendmmsg), from the reactor (serve()) or from a thread of its own that
+ * takes turns with the reactor thread (start_thread(); see "the serving
+ * thread").  It is an accelerator for
  * domus.service.handler.RequestHandler.handle, which stays the reference:
  *
  *   - A reply FastPath gives is byte-identical to the one the Python handler
@@ -67,25 +69,16 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <sys/eventfd.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "hashes.h"
 #include "recordtree_api.h"
 #include "siphash.h"
-
-/* The wall clock's seconds, modulo 2^32, read as Python's time.time()
- * reads it (CLOCK_REALTIME): time() may read a coarser clock that lags by a
- * kernel tick after each second begins, and then the C path and the Python
- * path would judge a request at the replay window's edge differently. */
-static uint32_t
-now_seconds(void)
-{
-    struct timespec now;
-    if (clock_gettime(CLOCK_REALTIME, &now) != 0) {
-        return (uint32_t)time(NULL);
-    }
-    return (uint32_t)now.tv_sec;
-}
 
 /* The wire format; domus/wire/protocol.py is the reference (the tests check the
  * constants exported below against it). */
@@ -188,14 +181,15 @@ typedef struct {
     const DomusRecordTreeAPI *tree_api; /* NULL: trees are declined */
     Py_ssize_t current_limit;
     unsigned char layout_tag;           /* the request's DHT's, for its reply */
-    unsigned char *buffer;              /* serve()'s datagram, made lazily */
+    struct Batch *batch;                /* serve()'s and the thread's, made lazily */
     unsigned long long requests;
     unsigned long long replayed;
     unsigned long long fallbacks;
-    unsigned long long send_errors;
-    unsigned long long recv_errors;
+    /* (written by the serving thread without the GIL: atomic) */
+    _Atomic unsigned long long send_errors;
+    _Atomic unsigned long long recv_errors;
     unsigned long long bytes_received;  /* datagrams serve() read */
-    unsigned long long bytes_sent;      /* replies serve() sent */
+    _Atomic unsigned long long bytes_sent;  /* replies serve() sent */
     unsigned long long by_op[256];
     unsigned long long by_status[256];  /* replies given, by status byte */
     int keyed;                          /* a secure deployment: datagrams carry MACs */
@@ -214,6 +208,17 @@ typedef struct {
     int behind_streak;                  /* intervals behind in a row (<= 6) */
     int reply_factor;                   /* insecure: replies <= factor * request; 0: any */
     uint64_t generations_of[GENERATIONS];   /* changes per bucket (hashed) */
+    /* The serving thread (see "the serving thread" below). */
+    pthread_t thread;
+    int thread_running;                 /* started and not yet stopped */
+    unsigned long thread_generation;    /* the fork_generation it was started in */
+    atomic_int thread_stopping;
+    int thread_fd;                      /* the socket */
+    int thread_wake_fd;                 /* the reactor's eventfd */
+    int thread_stop_fd;                 /* the thread's own eventfd */
+    PyObject *thread_queue;             /* list: what C declined, for the reactor */
+    PyObject *thread_baton;             /* Baton */
+    unsigned long long thread_errors;   /* batches the thread failed to handle */
 } FastPath;
 
 typedef enum {
@@ -233,6 +238,36 @@ typedef struct {
     unsigned char head[REPLY_HEADER_SIZE];
     PyObject *value;                        /* new reference or NULL */
 } Reply;
+
+/* Datagrams read (recvmmsg) and replies sent (sendmmsg) at a time. */
+#define BATCH_SIZE 32
+
+/* A batch of datagrams and C's replies to them (see "batches" below). */
+typedef struct Batch {
+    struct mmsghdr in[BATCH_SIZE];
+    struct iovec into[BATCH_SIZE];
+    struct sockaddr_storage peers[BATCH_SIZE];
+    union {
+        struct cmsghdr align;
+        char bytes[CMSG_SPACE(sizeof(struct timespec))];
+    } controls[BATCH_SIZE];
+    unsigned char *buffers;             /* BATCH_SIZE * RECV_BUFFER_SIZE */
+    struct mmsghdr out[BATCH_SIZE];
+    struct iovec parts[BATCH_SIZE][3];
+    unsigned char macs[BATCH_SIZE][REPLY_TRAILER];
+    Reply replies[BATCH_SIZE];
+    int pending;                        /* replies in out[0..pending) */
+    int sent;                           /* of those, how many batch_send went past */
+} Batch;
+
+static void batch_settle(FastPath *self, Batch *batch);
+static void batch_free(Batch *batch);
+
+static inline int
+recvmmsg_count(Py_ssize_t left)
+{
+    return left < BATCH_SIZE ? (int)left : BATCH_SIZE;
+}
 
 /* ------------------------------------------------------------ bytes */
 
@@ -1645,6 +1680,8 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
     Py_VISIT(self->generations);
     Py_VISIT(self->tree_type);
     Py_VISIT(self->dict_type);
+    Py_VISIT(self->thread_queue);
+    Py_VISIT(self->thread_baton);
     return 0;
 }
 
@@ -1655,6 +1692,8 @@ FastPath_clear(FastPath *self)
     Py_CLEAR(self->generations);
     Py_CLEAR(self->tree_type);
     Py_CLEAR(self->dict_type);
+    Py_CLEAR(self->thread_queue);
+    Py_CLEAR(self->thread_baton);
     self->tree_api = NULL;
     return 0;
 }
@@ -1664,7 +1703,10 @@ FastPath_dealloc(FastPath *self)
 {
     PyObject_GC_UnTrack(self);
     FastPath_clear(self);
-    PyMem_Free(self->buffer);
+    if (self->batch != NULL) {
+        batch_settle(self, self->batch);        /* (nothing is pending; to be sure) */
+        batch_free(self->batch);
+    }
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -1772,85 +1814,180 @@ is_transient(int error)
     }
 }
 
-/* Sends a handled reply to `peer`, never blocking; a failure is counted
- * (the client retries), and so are the bytes of a reply sent. */
+/* ------------------------------------------------------------ batches
+ *
+ * A socket is read BATCH_SIZE datagrams at a time (recvmmsg) and the
+ * replies C gives are sent together (sendmmsg): the kernel's per-call cost
+ * and the clock reads (the replay window, shedding) are paid once a batch.
+ * A Batch holds a buffer per datagram and the replies prepared but not yet
+ * sent; each reply owns its bytes (a stored value's bytes object, or a
+ * copy), so it stays valid whatever later requests of the batch change.
+ * Receiving and sending touch no Python object's state and run without
+ * the GIL in the serving thread; preparing and settling (counting what was
+ * sent, dropping the replies' references) need it. */
+
 static void
-send_reply(FastPath *self, int fd, Reply *reply,
-           const struct sockaddr_storage *peer, socklen_t peer_length,
-           const unsigned char *request, const unsigned char *stamp)
+batch_free(Batch *batch)
 {
-    struct iovec parts[3];
-    unsigned char mac[REPLY_TRAILER];
-    struct msghdr message;
-    memset(&message, 0, sizeof(message));
-    message.msg_name = (void *)peer;
-    message.msg_namelen = peer_length;
-    message.msg_iov = parts;
-    if (reply->whole != NULL) {
-        parts[0].iov_base = PyBytes_AS_STRING(reply->whole);
-        parts[0].iov_len = (size_t)PyBytes_GET_SIZE(reply->whole);
-        message.msg_iovlen = 1;
+    if (batch != NULL) {
+        PyMem_RawFree(batch->buffers);
+        PyMem_RawFree(batch);
+    }
+}
+
+/* A new, empty Batch (its buffers allocated but untouched, so only the
+ * pages datagrams fill become resident), or NULL with MemoryError set. */
+static Batch *
+batch_new(void)
+{
+    Batch *batch = PyMem_RawCalloc(1, sizeof(Batch));
+    if (batch == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    batch->buffers = PyMem_RawMalloc((size_t)BATCH_SIZE * RECV_BUFFER_SIZE);
+    if (batch->buffers == NULL) {
+        PyMem_RawFree(batch);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    return batch;
+}
+
+/* Reads up to `count` datagrams from `fd` without blocking: how many
+ * (>= 1), or -1 with errno set (EAGAIN: none waiting).  Needs no GIL. */
+static int
+batch_receive(int fd, Batch *batch, int count)
+{
+    for (int i = 0; i < count; i++) {
+        batch->into[i].iov_base = batch->buffers + (size_t)i * RECV_BUFFER_SIZE;
+        batch->into[i].iov_len = RECV_BUFFER_SIZE;
+        struct msghdr *header = &batch->in[i].msg_hdr;
+        memset(header, 0, sizeof(*header));
+        header->msg_name = &batch->peers[i];
+        header->msg_namelen = sizeof(batch->peers[i]);
+        header->msg_iov = &batch->into[i];
+        header->msg_iovlen = 1;
+        header->msg_control = batch->controls[i].bytes;
+        header->msg_controllen = sizeof(batch->controls[i].bytes);
+        batch->in[i].msg_len = 0;
+    }
+    return recvmmsg(fd, batch->in, (unsigned int)count, MSG_DONTWAIT, NULL);
+}
+
+/* Adds `reply` (taken over: *reply is left empty) to the batch's replies
+ * to send, to `peer`, sealed with a MAC when `stamp` is given (a secure
+ * deployment: the MAC of the reply, the request's client id and its time,
+ * as domus.wire.auth.seal_reply makes it). */
+static void
+batch_add_reply(FastPath *self, Batch *batch, Reply *reply,
+                const struct sockaddr_storage *peer, socklen_t peer_length,
+                const unsigned char *request, const unsigned char *stamp)
+{
+    int index = batch->pending++;
+    Reply *kept = &batch->replies[index];
+    *kept = *reply;
+    reply->whole = NULL;
+    reply->value = NULL;
+    struct iovec *parts = batch->parts[index];
+    struct msghdr *message = &batch->out[index].msg_hdr;
+    memset(message, 0, sizeof(*message));
+    message->msg_name = (void *)peer;
+    message->msg_namelen = peer_length;
+    message->msg_iov = parts;
+    if (kept->whole != NULL) {
+        parts[0].iov_base = PyBytes_AS_STRING(kept->whole);
+        parts[0].iov_len = (size_t)PyBytes_GET_SIZE(kept->whole);
+        message->msg_iovlen = 1;
     }
     else {
-        parts[0].iov_base = reply->head;
+        parts[0].iov_base = kept->head;
         parts[0].iov_len = REPLY_HEADER_SIZE;
-        message.msg_iovlen = 1;
-        if (reply->value != NULL) {
-            parts[1].iov_base = PyBytes_AS_STRING(reply->value);
-            parts[1].iov_len = (size_t)PyBytes_GET_SIZE(reply->value);
-            message.msg_iovlen = 2;
+        message->msg_iovlen = 1;
+        if (kept->value != NULL) {
+            parts[1].iov_base = PyBytes_AS_STRING(kept->value);
+            parts[1].iov_len = (size_t)PyBytes_GET_SIZE(kept->value);
+            message->msg_iovlen = 2;
         }
     }
     if (stamp != NULL) {
-        /* The reply's MAC: of the reply, the request's client id and its
-         * time (domus.wire.auth.seal_reply). */
         DomusSip sip;
         domus_sip_init(&sip, self->key);
-        for (size_t i = 0; i < message.msg_iovlen; i++) {
+        for (size_t i = 0; i < message->msg_iovlen; i++) {
             domus_sip_update(&sip, parts[i].iov_base, parts[i].iov_len);
         }
         domus_sip_update(&sip, request + 8, 8);
         domus_sip_update(&sip, stamp, 4);
         uint64_t tag = domus_sip_final(&sip);
+        unsigned char *mac = batch->macs[index];
         for (int i = 0; i < REPLY_TRAILER; i++) {
             mac[i] = (unsigned char)(tag >> (56 - 8 * i));
         }
-        parts[message.msg_iovlen].iov_base = mac;
-        parts[message.msg_iovlen].iov_len = REPLY_TRAILER;
-        message.msg_iovlen++;
-    }
-    ssize_t sent;
-    do {
-        sent = sendmsg(fd, &message, MSG_DONTWAIT | MSG_NOSIGNAL);
-    } while (sent < 0 && errno == EINTR);
-    if (sent < 0) {
-        self->send_errors++;
-    }
-    else {
-        self->bytes_sent += (unsigned long long)sent;
+        parts[message->msg_iovlen].iov_base = mac;
+        parts[message->msg_iovlen].iov_len = REPLY_TRAILER;
+        message->msg_iovlen++;
     }
 }
 
-/* Whether to shed the datagram `message` (see SHED_INTERVAL_NS): reads its
- * kernel receive time (SO_TIMESTAMPNS, which the caller switches on; a
- * datagram without one is never shed) and keeps the interval's state. */
+/* Sends the batch's pending replies, never blocking: a reply the kernel
+ * refuses is counted (the client retries) and the rest still go; so are
+ * the bytes sent (atomically).  Needs no GIL; batch_settle frees the
+ * replies afterwards. */
+static void
+batch_send(FastPath *self, int fd, Batch *batch)
+{
+    int from = batch->sent;
+    while (from < batch->pending) {
+        int sent = sendmmsg(fd, batch->out + from,
+                            (unsigned int)(batch->pending - from),
+                            MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (sent < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            /* this one is lost (the client retries); go past it */
+            atomic_fetch_add_explicit(&self->send_errors, 1, memory_order_relaxed);
+            from++;
+            continue;
+        }
+        unsigned long long sent_bytes = 0;
+        for (int i = from; i < from + sent; i++) {
+            sent_bytes += batch->out[i].msg_len;
+        }
+        atomic_fetch_add_explicit(&self->bytes_sent, sent_bytes, memory_order_relaxed);
+        from += sent;
+    }
+    batch->sent = from;
+}
+
+/* Drops the sent replies (needs the GIL). */
+static void
+batch_settle(FastPath *self, Batch *batch)
+{
+    for (int i = 0; i < batch->pending; i++) {
+        reply_clear(&batch->replies[i]);
+    }
+    batch->pending = 0;
+    batch->sent = 0;
+}
+
+/* Whether to shed the datagram `message` (see SHED_INTERVAL_NS), read at
+ * `now_ns` (its batch's clock): reads its kernel receive time
+ * (SO_TIMESTAMPNS, which the caller switches on; a datagram without one is
+ * never shed) and keeps the interval's state. */
 static int
-should_shed(FastPath *self, struct msghdr *message)
+should_shed(FastPath *self, struct msghdr *message, long long now_ns)
 {
     for (struct cmsghdr *item = CMSG_FIRSTHDR(message); item != NULL;
          item = CMSG_NXTHDR(message, item)) {
         if (item->cmsg_level != SOL_SOCKET || item->cmsg_type != SCM_TIMESTAMPNS) {
             continue;
         }
-        struct timespec received, now;
+        struct timespec received;
         memcpy(&received, CMSG_DATA(item), sizeof(received));
-        if (clock_gettime(CLOCK_REALTIME, &now) < 0) {
-            return 0;
-        }
         long long received_ns = (long long)received.tv_sec * 1000000000LL
                                 + received.tv_nsec;
-        long long waited = (long long)now.tv_sec * 1000000000LL + now.tv_nsec
-                           - received_ns;
+        long long waited = now_ns - received_ns;
         long long target = self->shed_after_ns;
         if (received_ns >= self->interval_end_ns) {
             if (self->interval_end_ns != 0) {
@@ -1881,12 +2018,136 @@ retry_after_ms(FastPath *self)
     return (uint16_t)(wait < RETRY_AFTER_MAX_MS ? wait : RETRY_AFTER_MAX_MS);
 }
 
+/* What becomes of a datagram C declines: `fallback` is called with it at
+ * once (serve(), on the reactor thread; the batch's earlier replies are
+ * sent first, so replies leave in the order of their requests), or, from
+ * the serving thread, (data, peer, stamp) is appended to `queue` for the
+ * reactor thread, and `queued` set. */
+typedef struct {
+    int fd;
+    PyObject *fallback;         /* borrowed, or NULL */
+    PyObject *queue;            /* borrowed list, or NULL */
+    int queued;
+} Declined;
+
+/* Answers the batch's first `count` datagrams, read at `now` (needs the
+ * GIL): C's replies are added to the batch, the others are declined as
+ * `declined` says.  0, or -1 with an exception set (the batch's pending
+ * replies are still there to send). */
+static int
+batch_handle(FastPath *self, Batch *batch, int count,
+             const struct timespec *now, Declined *declined)
+{
+    /* (`now` is CLOCK_REALTIME, as Python's time.time(): time() may read a
+     * coarser clock that lags by a kernel tick after each second begins, and
+     * then the two paths would judge a request at the replay window's edge
+     * differently) */
+    long long now_ns = (long long)now->tv_sec * 1000000000LL + now->tv_nsec;
+    uint32_t now_s = (uint32_t)now->tv_sec;
+    for (int i = 0; i < count; i++) {
+        unsigned char *data = batch->buffers + (size_t)i * RECV_BUFFER_SIZE;
+        struct msghdr *header = &batch->in[i].msg_hdr;
+        const struct sockaddr_storage *peer = &batch->peers[i];
+        socklen_t peer_length = header->msg_namelen;
+        Py_ssize_t size = (Py_ssize_t)batch->in[i].msg_len;
+        self->bytes_received += (unsigned long long)size;
+        const unsigned char *stamp = NULL;
+        Py_ssize_t length = size;
+        int fresh = 1;
+        if (self->keyed) {
+            /* (a request too short for a header, but sealed, is counted
+             * malformed as any other: only the MAC decides what is dropped) */
+            if (size < REQUEST_TRAILER
+                    || domus_siphash24(self->key, data, (size_t)size - 8)
+                       != read_u64(data + size - 8)) {
+                self->unauthenticated++;      /* dropped: no reply at all */
+                continue;
+            }
+            stamp = data + size - REQUEST_TRAILER;
+            length = size - REQUEST_TRAILER;
+            uint32_t skew = now_s - read_u32(stamp);
+            fresh = skew <= TIME_WINDOW || (uint32_t)-skew <= TIME_WINDOW;
+        }
+        Reply reply = {NULL, {0}, NULL};
+        if (fresh && self->shed_after_ns > 0 && length >= REQUEST_HEADER_SIZE
+                && data[0] == REQUEST_MAGIC && should_shed(self, header, now_ns)) {
+            /* Behind: this request waited too long to be worth serving
+             * (its client may have sent it again already).  BUSY costs no
+             * work and tells the client to back off. */
+            unsigned char busy[REPLY_HEADER_SIZE + 2];
+            write_reply_header(busy, ST_BUSY, data, 0);
+            write_u16(busy + REPLY_HEADER_SIZE, retry_after_ms(self));
+            reply.whole = PyBytes_FromStringAndSize((const char *)busy, sizeof(busy));
+            if (reply.whole == NULL) {
+                return -1;
+            }
+            self->shed++;
+            batch_add_reply(self, batch, &reply, peer, peer_length, data, stamp);
+            continue;
+        }
+        Py_ssize_t limit = MAX_UDP_PAYLOAD - (stamp ? REPLY_TRAILER : 0);
+        if (stamp == NULL && self->reply_factor > 0
+                && (limit + self->reply_factor - 1) / self->reply_factor > length) {
+            limit = length * self->reply_factor;   /* (anyone may spoof a source) */
+        }
+        int result = fresh ? handle_request(self, data, length, limit, &reply)
+                           : DECLINED;
+        if (result < 0) {
+            return -1;
+        }
+        if (result == HANDLED) {
+            batch_add_reply(self, batch, &reply, peer, peer_length, data, stamp);
+            continue;
+        }
+        PyObject *request = PyBytes_FromStringAndSize((const char *)data, length);
+        if (request == NULL) {
+            return -1;
+        }
+        PyObject *address = peer_address(peer);
+        if (address == NULL) {
+            Py_DECREF(request);
+            return -1;
+        }
+        PyObject *stamped = stamp ? PyBytes_FromStringAndSize((const char *)stamp, 4)
+                                  : Py_NewRef(Py_None);
+        if (stamped == NULL) {
+            Py_DECREF(request);
+            Py_DECREF(address);
+            return -1;
+        }
+        int failed;
+        if (declined->queue != NULL) {
+            PyObject *item = PyTuple_Pack(3, request, address, stamped);
+            failed = item == NULL || PyList_Append(declined->queue, item) < 0;
+            Py_XDECREF(item);
+            declined->queued |= !failed;
+        }
+        else {
+            batch_send(self, declined->fd, batch);     /* (in order: see Declined) */
+            batch_settle(self, batch);
+            PyObject *done = PyObject_CallFunctionObjArgs(declined->fallback, request,
+                                                          address, stamped, NULL);
+            failed = done == NULL;
+            Py_XDECREF(done);
+        }
+        Py_DECREF(request);
+        Py_DECREF(address);
+        Py_DECREF(stamped);
+        if (failed) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(FastPath_serve_doc,
 "serve($self, /, fd, fallback, max_datagrams=256)\n--\n\n"
 "Drain the non-blocking UDP socket `fd`: answer each datagram C can handle\n"
 "and call fallback(data, peer, stamp) for the others.  Stops when the\n"
 "socket is empty or after max_datagrams; returns how many datagrams were\n"
-"read.  Errors caused by earlier datagrams (ECONNREFUSED, ...) are counted\n"
+"read.  Datagrams are read BATCH_SIZE at a time (recvmmsg) and C's replies\n"
+"sent together (sendmmsg), those before a fallback's before it is called.\n"
+"Errors caused by earlier datagrams (ECONNREFUSED, ...) are counted\n"
 "in recv_errors / send_errors and do not stop it.\n"
 "With a key (a secure deployment), a datagram whose MAC does not check is\n"
 "dropped and counted (unauthenticated); the others are handled without\n"
@@ -1898,7 +2159,8 @@ PyDoc_STRVAR(FastPath_serve_doc,
 "service is behind (a standing queue: see SHED_INTERVAL_NS) is answered\n"
 "BUSY, unserved (counted: shed).  Without a key and with reply_factor > 0,\n"
 "a reply is at most reply_factor times its request (larger ones go to the\n"
-"fallback, which answers REPLY_TOO_LARGE).");
+"fallback, which answers REPLY_TOO_LARGE).\n"
+"Refused (RuntimeError) while the serving thread runs.");
 
 static PyObject *
 FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
@@ -1915,31 +2177,24 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "fallback must be callable");
         return NULL;
     }
-    if (self->buffer == NULL) {
-        self->buffer = PyMem_Malloc(RECV_BUFFER_SIZE);
-        if (self->buffer == NULL) {
-            return PyErr_NoMemory();
-        }
+    if (self->thread_running) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "serve() while the serving thread reads the socket");
+        return NULL;
     }
+    if (self->batch == NULL && (self->batch = batch_new()) == NULL) {
+        return NULL;
+    }
+    Batch *batch = self->batch;
+    Declined declined = {fd, fallback, NULL, 0};
     Py_ssize_t received = 0;
-    for (Py_ssize_t attempt = 0; attempt < max_datagrams; attempt++) {
-        struct sockaddr_storage peer;
-        union {
-            struct cmsghdr align;
-            char bytes[CMSG_SPACE(sizeof(struct timespec))];
-        } control;
-        struct iovec into = {self->buffer, RECV_BUFFER_SIZE};
-        struct msghdr message;
-        memset(&message, 0, sizeof(message));
-        message.msg_name = &peer;
-        message.msg_namelen = sizeof(peer);
-        message.msg_iov = &into;
-        message.msg_iovlen = 1;
-        message.msg_control = control.bytes;
-        message.msg_controllen = sizeof(control.bytes);
-        ssize_t size = recvmsg(fd, &message, MSG_DONTWAIT);
-        socklen_t peer_length = message.msg_namelen;
-        if (size < 0) {
+    Py_ssize_t attempts = 0;    /* datagrams and errors read: at most max_datagrams */
+    int failed = 0;
+    while (attempts < max_datagrams) {
+        Py_ssize_t left = max_datagrams - attempts;
+        int count = recvmmsg_count(left);
+        int got = batch_receive(fd, batch, count);
+        if (got < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK) {
                 break;
             }
@@ -1950,91 +2205,449 @@ FastPath_serve(FastPath *self, PyObject *args, PyObject *kwds)
                 continue;
             }
             if (is_transient(errno)) {
-                self->recv_errors++;
+                atomic_fetch_add_explicit(&self->recv_errors, 1, memory_order_relaxed);
+                attempts++;
                 continue;
             }
             return PyErr_SetFromErrno(PyExc_OSError);
         }
-        received++;
-        self->bytes_received += (unsigned long long)size;
-        const unsigned char *stamp = NULL;
-        Py_ssize_t length = size;
-        int fresh = 1;
-        if (self->keyed) {
-            /* (a request too short for a header, but sealed, is counted
-             * malformed as any other: only the MAC decides what is dropped) */
-            if (size < REQUEST_TRAILER
-                    || domus_siphash24(self->key, self->buffer, (size_t)size - 8)
-                       != read_u64(self->buffer + size - 8)) {
-                self->unauthenticated++;      /* dropped: no reply at all */
-                continue;
-            }
-            stamp = self->buffer + size - REQUEST_TRAILER;
-            length = size - REQUEST_TRAILER;
-            uint32_t skew = now_seconds() - read_u32(stamp);
-            fresh = skew <= TIME_WINDOW || (uint32_t)-skew <= TIME_WINDOW;
-        }
-        Reply reply = {NULL, {0}, NULL};
-        if (fresh && self->shed_after_ns > 0 && length >= REQUEST_HEADER_SIZE
-                && self->buffer[0] == REQUEST_MAGIC && should_shed(self, &message)) {
-            /* Behind: this request waited too long to be worth serving
-             * (its client may have sent it again already).  BUSY costs no
-             * work and tells the client to back off. */
-            unsigned char busy[REPLY_HEADER_SIZE + 2];
-            write_reply_header(busy, ST_BUSY, self->buffer, 0);
-            write_u16(busy + REPLY_HEADER_SIZE, retry_after_ms(self));
-            reply.whole = PyBytes_FromStringAndSize((const char *)busy, sizeof(busy));
-            if (reply.whole == NULL) {
-                return NULL;
-            }
-            self->shed++;
-            send_reply(self, fd, &reply, &peer, peer_length, self->buffer, stamp);
-            reply_clear(&reply);
-            continue;
-        }
-        Py_ssize_t limit = MAX_UDP_PAYLOAD - (stamp ? REPLY_TRAILER : 0);
-        if (stamp == NULL && self->reply_factor > 0
-                && (limit + self->reply_factor - 1) / self->reply_factor > length) {
-            limit = length * self->reply_factor;   /* (anyone may spoof a source) */
-        }
-        int result = fresh ? handle_request(self, self->buffer, length, limit, &reply)
-                           : DECLINED;
-        if (result < 0) {
+        received += got;
+        attempts += got;
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        failed = batch_handle(self, batch, got, &now, &declined) < 0;
+        batch_send(self, fd, batch);
+        batch_settle(self, batch);
+        if (failed) {
             return NULL;
         }
-        if (result == HANDLED) {
-            send_reply(self, fd, &reply, &peer, peer_length, self->buffer, stamp);
-            reply_clear(&reply);
-            continue;
+        if (got < count) {
+            break;          /* the socket had no more */
         }
-        PyObject *data = PyBytes_FromStringAndSize((const char *)self->buffer,
-                                                   length);
-        if (data == NULL) {
-            return NULL;
-        }
-        PyObject *address = peer_address(&peer);
-        if (address == NULL) {
-            Py_DECREF(data);
-            return NULL;
-        }
-        PyObject *stamped = stamp ? PyBytes_FromStringAndSize((const char *)stamp, 4)
-                                  : Py_NewRef(Py_None);
-        if (stamped == NULL) {
-            Py_DECREF(data);
-            Py_DECREF(address);
-            return NULL;
-        }
-        PyObject *done = PyObject_CallFunctionObjArgs(fallback, data, address,
-                                                      stamped, NULL);
-        Py_DECREF(data);
-        Py_DECREF(address);
-        Py_DECREF(stamped);
-        if (done == NULL) {
-            return NULL;
-        }
-        Py_DECREF(done);
     }
     return PyLong_FromSsize_t(received);
+}
+
+/* ------------------------------------------------------------ the serving thread
+ *
+ * With the serving thread, the UDP socket is not read by the reactor: a C
+ * thread waits for datagrams (poll, then recvmmsg) without the GIL, handles
+ * a batch holding the GIL, and sends its replies without it again.  What
+ * must not change is atomicity: a request served on the reactor thread
+ * never saw Python's state half-updated (a bucket frozen for a move but the
+ * fast table not yet updated, a reply cache mid-rotation), because nothing
+ * else ran while Python code did.  The *baton* keeps that so: the reactor
+ * thread holds it whenever it runs Python code and lets go of it only while
+ * it is blocked in epoll (domus.service.udp wraps the reactor's poller), and
+ * the serving thread handles a batch only while it holds it.  So a batch is
+ * handled either between two of the reactor's turns or not at all, just as
+ * doRead was.  The reactor thread has the right of way: while it waits for
+ * the baton the serving thread does not take it again.  Requests C declines
+ * are appended to a list for the reactor thread (woken through an eventfd),
+ * whose Python handler answers them as before.
+ *
+ * The lock order is baton, then GIL, on both threads (Baton.acquire lets
+ * the GIL go while it waits), so neither waits for what the other holds.
+ * After a fork (services do not fork once serving, but a child must not
+ * inherit a locked baton or a thread that is not there) a baton starts
+ * afresh, and the child's FastPath has no serving thread. */
+
+static unsigned long fork_generation;   /* bumped in every forked child */
+
+static void
+note_fork_in_child(void)
+{
+    fork_generation++;
+}
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+    int held;
+    pthread_t holder;           /* (while held) */
+    int waiting;                /* reactor threads waiting for it */
+    unsigned long generation;   /* fork_generation when lock was made */
+} Baton;
+
+static PyTypeObject BatonType;
+
+/* Makes the baton's lock afresh if this process is a fork's child. */
+static void
+baton_check_fork(Baton *baton)
+{
+    if (baton->generation != fork_generation) {
+        pthread_mutex_init(&baton->lock, NULL);
+        pthread_cond_init(&baton->changed, NULL);
+        baton->held = 0;
+        baton->waiting = 0;
+        baton->generation = fork_generation;
+    }
+}
+
+/* Takes the baton, waiting for it; `first` gives the caller the right of
+ * way over callers that are not first (the reactor thread is first, the
+ * serving thread is not).  Needs no GIL; must not be called with it. */
+static void
+baton_take(Baton *baton, int first)
+{
+    pthread_mutex_lock(&baton->lock);
+    if (first) {
+        baton->waiting++;
+        while (baton->held) {
+            pthread_cond_wait(&baton->changed, &baton->lock);
+        }
+        baton->waiting--;
+    }
+    else {
+        while (baton->held || baton->waiting) {
+            pthread_cond_wait(&baton->changed, &baton->lock);
+        }
+    }
+    baton->held = 1;
+    baton->holder = pthread_self();
+    pthread_mutex_unlock(&baton->lock);
+}
+
+/* Whether the calling thread holds the baton. */
+static int
+baton_mine(Baton *baton)
+{
+    pthread_mutex_lock(&baton->lock);
+    int mine = baton->held && pthread_equal(baton->holder, pthread_self());
+    pthread_mutex_unlock(&baton->lock);
+    return mine;
+}
+
+/* Lets go of the baton (its holder calls this). */
+static void
+baton_give(Baton *baton)
+{
+    pthread_mutex_lock(&baton->lock);
+    baton->held = 0;
+    pthread_cond_broadcast(&baton->changed);
+    pthread_mutex_unlock(&baton->lock);
+}
+
+static PyObject *
+Baton_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "Baton() takes no arguments");
+        return NULL;
+    }
+    Baton *self = (Baton *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    if (pthread_mutex_init(&self->lock, NULL) != 0
+            || pthread_cond_init(&self->changed, NULL) != 0) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_OSError, "cannot make the baton's lock");
+        return NULL;
+    }
+    self->generation = fork_generation;
+    return (PyObject *)self;
+}
+
+static void
+Baton_dealloc(Baton *self)
+{
+    pthread_cond_destroy(&self->changed);
+    pthread_mutex_destroy(&self->lock);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(Baton_acquire_doc,
+"acquire($self, /)\n--\n\n"
+"Take the baton, waiting (without the GIL) while the serving thread holds\n"
+"it; the caller has the right of way over serving threads.");
+
+static PyObject *
+Baton_acquire(Baton *self, PyObject *unused)
+{
+    baton_check_fork(self);
+    Py_BEGIN_ALLOW_THREADS
+    baton_take(self, 1);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Baton_release_doc,
+"release($self, /)\n--\n\n"
+"Let go of the baton (RuntimeError if it is not held).");
+
+static PyObject *
+Baton_release(Baton *self, PyObject *unused)
+{
+    baton_check_fork(self);
+    if (!baton_mine(self)) {
+        PyErr_SetString(PyExc_RuntimeError, "release of a baton this thread does not hold");
+        return NULL;
+    }
+    baton_give(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Baton_get_held(Baton *self, void *closure)
+{
+    baton_check_fork(self);
+    return PyBool_FromLong(baton_mine(self));
+}
+
+static PyMethodDef Baton_methods[] = {
+    {"acquire", (PyCFunction)Baton_acquire, METH_NOARGS, Baton_acquire_doc},
+    {"release", (PyCFunction)Baton_release, METH_NOARGS, Baton_release_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Baton_getset[] = {
+    {"held", (getter)Baton_get_held, NULL, "whether the calling thread holds it", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(Baton_doc,
+"Baton()\n\n"
+"The right to run the service's Python state: the reactor thread holds it\n"
+"except while blocked in epoll, a FastPath's serving thread takes it to\n"
+"handle a batch.  Not reentrant.");
+
+static PyTypeObject BatonType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "domus._hotpath.Baton",
+    .tp_basicsize = sizeof(Baton),
+    .tp_dealloc = (destructor)Baton_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = Baton_doc,
+    .tp_methods = Baton_methods,
+    .tp_getset = Baton_getset,
+    .tp_new = Baton_new,
+};
+
+/* Hands an error that stops the serving thread to the reactor thread: the
+ * OSError is queued in place of a datagram (needs the GIL). */
+static void
+thread_report(FastPath *self, int error)
+{
+    errno = error;
+    PyErr_SetFromErrno(PyExc_OSError);
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (value == NULL || PyList_Append(self->thread_queue, value) < 0) {
+        PyErr_WriteUnraisable((PyObject *)self);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+}
+
+/* Wakes the reactor thread to read the queue (needs no GIL). */
+static void
+thread_wake(FastPath *self)
+{
+    uint64_t one = 1;
+    ssize_t written;
+    do {
+        written = write(self->thread_wake_fd, &one, sizeof(one));
+    } while (written < 0 && errno == EINTR);
+    /* (EAGAIN: the counter is full, so the reactor is woken already) */
+}
+
+/* The serving thread (see above).  Runs until `thread_stopping` is set, or
+ * until the socket fails in a way it cannot go past, which it queues as an
+ * OSError for the reactor thread. */
+static void *
+serve_in_thread(void *argument)
+{
+    FastPath *self = argument;
+    Batch *batch = self->batch;
+    Baton *baton = (Baton *)self->thread_baton;
+    int fd = self->thread_fd;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyThreadState *state = PyEval_SaveThread();
+    int empty = 1;          /* the last read found the socket drained */
+    int error = 0;
+    while (!atomic_load(&self->thread_stopping)) {
+        if (empty) {
+            struct pollfd ready[2] = {{fd, POLLIN, 0},
+                                      {self->thread_stop_fd, POLLIN, 0}};
+            if (poll(ready, 2, -1) < 0 && errno != EINTR) {
+                error = errno;
+                break;
+            }
+            if (ready[1].revents != 0) {
+                continue;                   /* (stopping) */
+            }
+            if (ready[0].revents & (POLLERR | POLLNVAL)) {
+                if (ready[0].revents & POLLNVAL) {
+                    error = EBADF;
+                    break;
+                }
+                /* (POLLERR: an ICMP error; recvmmsg reports and clears it) */
+            }
+        }
+        int got = batch_receive(fd, batch, BATCH_SIZE);
+        if (got < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+                empty = errno != EINTR;
+                continue;
+            }
+            if (is_transient(errno)) {
+                atomic_fetch_add_explicit(&self->recv_errors, 1, memory_order_relaxed);
+                empty = 0;
+                continue;
+            }
+            error = errno;
+            break;
+        }
+        empty = got < BATCH_SIZE;
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        baton_take(baton, 0);
+        PyEval_RestoreThread(state);
+        batch_settle(self, batch);
+        Declined declined = {fd, NULL, self->thread_queue, 0};
+        if (!atomic_load(&self->thread_stopping)
+                && batch_handle(self, batch, got, &now, &declined) < 0) {
+            /* (a MemoryError, say: the datagram is lost, the client retries) */
+            self->thread_errors++;
+            PyErr_WriteUnraisable((PyObject *)self);
+        }
+        state = PyEval_SaveThread();
+        baton_give(baton);
+        if (declined.queued) {
+            thread_wake(self);
+        }
+        batch_send(self, fd, batch);
+    }
+    baton_take(baton, 0);
+    PyEval_RestoreThread(state);
+    batch_settle(self, batch);
+    if (error != 0) {
+        thread_report(self, error);
+    }
+    state = PyEval_SaveThread();
+    baton_give(baton);
+    if (error != 0) {
+        thread_wake(self);
+    }
+    PyEval_RestoreThread(state);
+    PyGILState_Release(gil);
+    return NULL;
+}
+
+PyDoc_STRVAR(FastPath_start_thread_doc,
+"start_thread($self, /, fd, queue, wake_fd, baton)\n--\n\n"
+"Serve the non-blocking UDP socket `fd` from a C thread of its own, in\n"
+"batches, as serve() would, while holding `baton` (a Baton that the\n"
+"reactor thread holds except while it waits in epoll).  What C declines\n"
+"is appended to the list `queue` as (data, peer, stamp), and the eventfd\n"
+"`wake_fd` written, for the reactor thread to answer in Python (holding\n"
+"the baton); an error that stops the thread is appended as an OSError.\n"
+"The caller keeps fd, queue and wake_fd open until stop_thread().");
+
+static PyObject *
+FastPath_start_thread(FastPath *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"fd", "queue", "wake_fd", "baton", NULL};
+    int fd, wake_fd;
+    PyObject *queue, *baton;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iO!iO!:start_thread", kwlist,
+                                     &fd, &PyList_Type, &queue, &wake_fd,
+                                     &BatonType, &baton)) {
+        return NULL;
+    }
+    if (self->thread_running && self->thread_generation == fork_generation) {
+        PyErr_SetString(PyExc_RuntimeError, "the serving thread is running already");
+        return NULL;
+    }
+    if (fd < 0 || wake_fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "fd and wake_fd must be open descriptors");
+        return NULL;
+    }
+    if (self->batch == NULL && (self->batch = batch_new()) == NULL) {
+        return NULL;
+    }
+    int stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (stop_fd < 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_INCREF(queue);
+    Py_XSETREF(self->thread_queue, queue);
+    Py_INCREF(baton);
+    Py_XSETREF(self->thread_baton, baton);
+    self->thread_fd = fd;
+    self->thread_wake_fd = wake_fd;
+    self->thread_stop_fd = stop_fd;
+    atomic_store(&self->thread_stopping, 0);
+    Py_INCREF(self);                /* the thread's own, dropped by stop_thread */
+    int failed = pthread_create(&self->thread, NULL, serve_in_thread, self);
+    if (failed != 0) {
+        Py_DECREF(self);
+        close(stop_fd);
+        self->thread_stop_fd = -1;
+        errno = failed;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    self->thread_running = 1;
+    self->thread_generation = fork_generation;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(FastPath_stop_thread_doc,
+"stop_thread($self, /)\n--\n\n"
+"Stop the serving thread and wait for it to end (a batch it had read but\n"
+"not handled is dropped: its clients retry).  The caller, on the reactor\n"
+"thread, holds the baton; it is let go of while the thread ends and taken\n"
+"again.  Does nothing if no thread runs; in a forked child, forgets the\n"
+"parent's thread.");
+
+static PyObject *
+FastPath_stop_thread(FastPath *self, PyObject *unused)
+{
+    if (!self->thread_running) {
+        Py_RETURN_NONE;
+    }
+    self->thread_running = 0;
+    if (self->thread_generation != fork_generation) {
+        /* (a fork's child: the thread is the parent's; its reference to self
+         * was copied with the rest and is dropped here) */
+        close(self->thread_stop_fd);
+        self->thread_stop_fd = -1;
+        Py_DECREF(self);
+        Py_RETURN_NONE;
+    }
+    Baton *baton = (Baton *)self->thread_baton;
+    atomic_store(&self->thread_stopping, 1);
+    uint64_t one = 1;
+    ssize_t written;
+    do {
+        written = write(self->thread_stop_fd, &one, sizeof(one));
+    } while (written < 0 && errno == EINTR);
+    baton_check_fork(baton);
+    int held = baton_mine(baton);
+    Py_BEGIN_ALLOW_THREADS
+    if (held) {
+        baton_give(baton);
+    }
+    pthread_join(self->thread, NULL);
+    if (held) {
+        baton_take(baton, 1);
+    }
+    Py_END_ALLOW_THREADS
+    close(self->thread_stop_fd);
+    self->thread_stop_fd = -1;
+    Py_DECREF(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+FastPath_get_threaded(FastPath *self, void *closure)
+{
+    return PyBool_FromLong(self->thread_running
+                           && self->thread_generation == fork_generation);
 }
 
 /* A new list of the 256 counts in `table`, or NULL with an exception set. */
@@ -2060,6 +2673,24 @@ static PyObject *
 FastPath_get_by_op(FastPath *self, void *closure)
 {
     return count_list(self->by_op);
+}
+
+static PyObject *
+FastPath_get_send_errors(FastPath *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->send_errors));
+}
+
+static PyObject *
+FastPath_get_recv_errors(FastPath *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->recv_errors));
+}
+
+static PyObject *
+FastPath_get_bytes_sent(FastPath *self, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->bytes_sent));
 }
 
 static PyObject *
@@ -2135,6 +2766,10 @@ static PyMethodDef FastPath_methods[] = {
      METH_VARARGS | METH_KEYWORDS, FastPath_handle_doc},
     {"serve", (PyCFunction)(void (*)(void))FastPath_serve,
      METH_VARARGS | METH_KEYWORDS, FastPath_serve_doc},
+    {"start_thread", (PyCFunction)(void (*)(void))FastPath_start_thread,
+     METH_VARARGS | METH_KEYWORDS, FastPath_start_thread_doc},
+    {"stop_thread", (PyCFunction)FastPath_stop_thread, METH_NOARGS,
+     FastPath_stop_thread_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -2145,14 +2780,8 @@ static PyMemberDef FastPath_members[] = {
      "changes answered from the reply cache in C"},
     {"fallbacks", T_ULONGLONG, offsetof(FastPath, fallbacks), READONLY,
      "requests declined to the Python handler"},
-    {"send_errors", T_ULONGLONG, offsetof(FastPath, send_errors), READONLY,
-     "replies serve() could not send (the client retries)"},
-    {"recv_errors", T_ULONGLONG, offsetof(FastPath, recv_errors), READONLY,
-     "errors serve() read from the socket and went past"},
     {"bytes_received", T_ULONGLONG, offsetof(FastPath, bytes_received),
      READONLY, "bytes of the datagrams serve() read (declined and dropped ones too)"},
-    {"bytes_sent", T_ULONGLONG, offsetof(FastPath, bytes_sent), READONLY,
-     "bytes of the replies serve() sent (not those the fallback sends)"},
     {"unauthenticated", T_ULONGLONG, offsetof(FastPath, unauthenticated), READONLY,
      "datagrams serve() dropped: too short for a MAC, or one that did not check"},
     {"current_limit", T_PYSSIZET, offsetof(FastPath, current_limit),
@@ -2169,6 +2798,9 @@ static PyMemberDef FastPath_members[] = {
     {"behind", T_INT, offsetof(FastPath, behind), READONLY,
      "whether the last interval found a standing queue (datagrams that "
      "waited longer than shed_after_ns are shed)"},
+    {"thread_errors", T_ULONGLONG, offsetof(FastPath, thread_errors), READONLY,
+     "batches the serving thread could not handle (an exception, written "
+     "as unraisable; their datagrams are lost and retried)"},
     {"reply_factor", T_INT, offsetof(FastPath, reply_factor), 0,
      "without a key: a reply is at most this many times its request (0: any)"},
     {NULL, 0, 0, 0, NULL},
@@ -2179,6 +2811,14 @@ static PyGetSetDef FastPath_getset[] = {
      "requests answered in C, per op code (a list of 256 counts)", NULL},
     {"by_status", (getter)FastPath_get_by_status, NULL,
      "replies given in C, per status byte (a list of 256 counts)", NULL},
+    {"send_errors", (getter)FastPath_get_send_errors, NULL,
+     "replies C could not send (the client retries)", NULL},
+    {"recv_errors", (getter)FastPath_get_recv_errors, NULL,
+     "errors C read from the socket and went past", NULL},
+    {"bytes_sent", (getter)FastPath_get_bytes_sent, NULL,
+     "bytes of the replies C sent (not those the fallback sends)", NULL},
+    {"threaded", (getter)FastPath_get_threaded, NULL,
+     "whether a serving thread of this process reads the socket", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -2223,8 +2863,17 @@ PyMODINIT_FUNC
 PyInit__hotpath(void)
 {
     if (PyType_Ready(&FastPathType) < 0
-            || PyType_Ready(&DatabaseRepositoryType) < 0) {
+            || PyType_Ready(&DatabaseRepositoryType) < 0
+            || PyType_Ready(&BatonType) < 0) {
         return NULL;
+    }
+    static int at_fork_noted;
+    if (!at_fork_noted) {
+        if (pthread_atfork(NULL, NULL, note_fork_in_child) != 0) {
+            PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+            return NULL;
+        }
+        at_fork_noted = 1;
     }
     PyObject *module = PyModule_Create(&hotpath_module);
     if (module == NULL) {
@@ -2238,6 +2887,7 @@ PyInit__hotpath(void)
             || PyModule_AddIntConstant(module, "RECV_BUFFER_SIZE",
                                        RECV_BUFFER_SIZE) < 0
             || PyModule_AddIntConstant(module, "SAMPLE_EVERY", SAMPLE_EVERY) < 0
+            || PyModule_AddIntConstant(module, "BATCH_SIZE", BATCH_SIZE) < 0
             || PyModule_AddIntConstant(module, "SAMPLE_RING", SAMPLE_RING) < 0
             || PyModule_AddIntConstant(module, "ST_BUSY", ST_BUSY) < 0
             || PyModule_AddIntConstant(module, "CACHE_KEY_SIZE", CACHE_KEY_SIZE) < 0
@@ -2248,7 +2898,8 @@ PyInit__hotpath(void)
         return NULL;
     }
     if (PyModule_AddType(module, &FastPathType) < 0
-            || PyModule_AddType(module, &DatabaseRepositoryType) < 0) {
+            || PyModule_AddType(module, &DatabaseRepositoryType) < 0
+            || PyModule_AddType(module, &BatonType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

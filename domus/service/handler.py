@@ -1120,6 +1120,7 @@ class RequestHandler:
                           for status, count in enumerate(by_status) if count},
             **counters,
             "hot_path": "c" if fast is not None else "python",
+            "serving_thread": bool(fast is not None and fast.threaded),
             "hot_path_fallbacks": sum(path.fallbacks for path in self._fast_paths()),
             "reply_cache": len(self.reply_cache),
             "reply_cache_limit": self.reply_cache.current_limit,

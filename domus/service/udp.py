@@ -7,8 +7,21 @@ datagram into a buffer, answers it and sends the reply to the peer without
 making a Python object, and calls back into Python only for the datagrams it
 declines (errors, control ops, ...), which the Python handler answers.
 Without it, a Python loop does the same with ``recvfrom``/``sendto``.
-Either way: one recvfrom and one sendto per datagram, at most
-``MAX_DATAGRAMS`` per wake-up so timers and TCP get their turn.
+The C path reads datagrams in batches (recvmmsg) and sends its replies
+together (sendmmsg); the Python path reads one at a time.  Either way at
+most ``MAX_DATAGRAMS`` per wake-up, so timers and TCP get their turn.
+
+**The serving thread.**  With the C hot path and an epoll reactor (the
+default on Linux), the socket is not read by the reactor at all: a C thread
+(``FastPath.start_thread``) waits for datagrams without the GIL and handles
+each batch holding the GIL and the *baton*, which the reactor thread holds
+whenever it runs Python code and lets go of only while blocked in epoll
+(``BatonPoller`` wraps the reactor's poller).  So a request is never served
+while Python's state is half-updated, exactly as when the reactor read the
+socket itself, and a request costs no reactor turn.  What C declines is
+queued for the reactor thread, woken through an eventfd, and answered by
+the Python handler as before.  ``DOMUS_SERVE_THREAD=0`` in the environment
+(or ``UdpServer(..., serve_thread=False)``) keeps the socket on the reactor.
 
 A datagram or reply that is lost (a full socket buffer, an ICMP error from
 an earlier peer) is counted and forgotten: the client retries it.
@@ -35,6 +48,8 @@ Bounds (domus.service.limits), the same on both paths:
 from __future__ import annotations
 
 import errno
+import os
+import select
 import socket
 import struct
 import time
@@ -42,6 +57,7 @@ from typing import Any
 
 from twisted.internet.interfaces import IReadDescriptor
 from twisted.logger import Logger
+from twisted.python import threadable
 from zope.interface import implementer
 
 from domus.service.handler import RequestHandler
@@ -50,6 +66,7 @@ from domus.wire import protocol as wire
 
 log = Logger(namespace="domus.service")
 
+SERVE_THREAD = os.environ.get("DOMUS_SERVE_THREAD", "1") != "0"
 SOCKET_BUFFER = 8 * 1024 * 1024
 MAX_DATAGRAMS = 256
 RECV_SIZE = 65536       # more than any UDP payload: no datagram is cut
@@ -121,12 +138,85 @@ def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
                 pass
 
 
+class BatonPoller:
+    """A reactor's epoll object that lets go of ``baton`` while it waits
+    (see the module): the reactor thread holds the baton at all other
+    times."""
+
+    def __init__(self, poller: Any, baton: Any) -> None:
+        self.poller = poller
+        self.baton = baton
+
+    def poll(self, timeout: float = -1, maxevents: int = -1) -> list[tuple[int, int]]:
+        self.baton.release()
+        try:
+            return self.poller.poll(timeout, maxevents)  # type: ignore[no-any-return]
+        finally:
+            self.baton.acquire()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.poller, name)
+
+
+def reactor_baton(reactor: Any) -> Any:
+    """The baton of ``reactor``, wrapping its poller on first use (called on
+    the reactor thread, which then holds it), or None if the reactor does
+    not wait in an epoll object of its own (only an epoll reactor's waits
+    can be wrapped)."""
+    from domus._hotpath import Baton
+
+    poller = getattr(reactor, "_poller", None)
+    if isinstance(poller, BatonPoller):
+        return poller.baton
+    if not isinstance(poller, select.epoll):
+        return None
+    if getattr(reactor, "running", False) and not threadable.isInIOThread():
+        return None     # (the baton must be taken on the reactor's own thread)
+    baton = Baton()
+    baton.acquire()
+    reactor._poller = BatonPoller(poller, baton)
+    return baton
+
+
+@implementer(IReadDescriptor)
+class _Waker:
+    """The reactor's side of the serving thread: reads the eventfd the
+    thread writes when it queued datagrams, and answers them."""
+
+    def __init__(self, server: UdpServer, fd: int) -> None:
+        self.server = server
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def logPrefix(self) -> str:
+        return f"{self.server.handler.service_name} UDP thread"
+
+    def connectionLost(self, reason: Any) -> None:
+        pass
+
+    def doRead(self) -> None:
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+        self.server._answer_queued()
+
+
 @implementer(IReadDescriptor)
 class UdpServer:
-    """Serves ``handler`` on a UDP socket bound to (host, port)."""
+    """Serves ``handler`` on a UDP socket bound to (host, port); from a C
+    serving thread when ``serve_thread`` (default: unless
+    DOMUS_SERVE_THREAD=0) and the C path and the reactor allow it."""
 
-    def __init__(self, handler: RequestHandler, host: str, port: int) -> None:
+    def __init__(self, handler: RequestHandler, host: str, port: int,
+                 serve_thread: bool | None = None) -> None:
         self.handler = handler
+        self.serve_thread = SERVE_THREAD if serve_thread is None else serve_thread
+        self.threaded = False       # whether a serving thread reads the socket now
+        self._queue: list[Any] = []
+        self._waker: _Waker | None = None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_DGRAM)
         try:
@@ -156,17 +246,72 @@ class UdpServer:
 
     # ------------------------------------------------------------ lifecycle
     def start(self, reactor: Any) -> None:
+        """Serve from ``reactor`` (called on its thread)."""
         self._reactor = reactor
-        reactor.addReader(self)
+        fast = self.handler.fast
+        baton = reactor_baton(reactor) if fast is not None and self.serve_thread else None
+        if baton is None:
+            reactor.addReader(self)
+            return
+        wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._waker = _Waker(self, wake)
+        reactor.addReader(self._waker)
+        try:
+            fast.start_thread(self._fd, self._queue, wake, baton)
+        except BaseException:
+            self._close_waker()
+            raise
+        self.threaded = True
+
+    def _close_waker(self) -> None:
+        if self._waker is not None:
+            if self._reactor is not None:
+                self._reactor.removeReader(self._waker)
+            os.close(self._waker.fd)
+            self._waker = None
+
+    def _stop_thread(self) -> None:
+        """Stop the serving thread and answer what it left queued."""
+        if self.threaded:
+            self.threaded = False
+            self.handler.fast.stop_thread()
+            self._answer_queued()
+        self._close_waker()
 
     def stop(self) -> None:
         """Stop reading and close the socket (idempotent)."""
+        self._stop_thread()
         if self._reactor is not None:
             self._reactor.removeReader(self)
             self._reactor = None
         if self._fd != -1:
             self._fd = -1
             self.socket.close()
+
+    def _answer_queued(self) -> None:
+        """Answer the datagrams the serving thread declined (on the reactor
+        thread, holding the baton).  An OSError in the queue stopped the
+        thread: the reactor reads the socket from now on."""
+        queued = self._queue[:]
+        del self._queue[:]
+        for item in queued:
+            if isinstance(item, BaseException):
+                self.handler.counters["internal_errors"] += 1
+                log.error("service {service}: the UDP serving thread stopped ({error}); "
+                          "the reactor reads the socket now",
+                          service=self.handler.service_name, error=item)
+                if self.threaded:
+                    self.threaded = False
+                    self.handler.fast.stop_thread()
+                    if self._reactor is not None and self._fd != -1:
+                        self._reactor.addReader(self)
+                continue
+            try:
+                self._answer_in_python(*item)
+            except Exception:
+                self.handler.counters["internal_errors"] += 1
+                log.failure("service {service}: error serving UDP",
+                            service=self.handler.service_name)
 
     # ------------------------------------------------------------ IReadDescriptor
     def fileno(self) -> int:
@@ -179,7 +324,7 @@ class UdpServer:
         """The reactor gave up on the socket (it reported an error).  Unless
         it was closed on purpose, clear the error and keep serving."""
         reactor = self._reactor
-        if reactor is None or self._fd == -1:
+        if reactor is None or self._fd == -1 or self.threaded:
             return
         try:
             pending = self.socket.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)

@@ -1,7 +1,10 @@
 """domus.service.udp: the UDP data path read straight from the reactor, with
 the C hot path and with the pure-Python loop."""
 
+import os
+import select
 import socket
+import sys
 import time
 
 import pytest
@@ -10,6 +13,11 @@ from domus.service import limits, udp
 from domus.service.handler import RequestHandler
 from domus.service.udp import Shedder, UdpServer
 from domus.wire import protocol as wire
+
+try:
+    from domus._hotpath import Baton
+except ImportError:     # (not built: the thread's tests skip with the C path's)
+    Baton = None
 
 DHT_ID = 1
 
@@ -292,6 +300,161 @@ def test_a_standing_queue_is_shed_with_busy_and_the_rest_served(path, arrival_st
                    if reply[2] == wire.ST_BUSY)
         assert waits <= {0.1, 0.2, 0.4, 0.8, 1.6, 2.0} and 0.1 in waits
         assert handler.stats()["shed"] == statuses.count(wire.ST_BUSY)
+    finally:
+        client.close()
+        server.stop()
+
+
+# ------------------------------------------------------------ the serving thread
+
+def epoll_reactor():
+    epollreactor = pytest.importorskip("twisted.internet.epollreactor")
+    return epollreactor.EPollReactor()
+
+
+def threaded_server(handler, reactor, **options):
+    server = UdpServer(handler, "127.0.0.1", 0, **options)
+    server.start(reactor)
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.connect(server.address)
+    client.setblocking(False)
+    return server, client
+
+
+def iterated(reactor, client, expected, seconds=5.0):
+    """Turn the reactor (which lets the serving thread in while it waits)
+    until ``expected`` replies came; returns them as they came."""
+    replies = []
+    deadline = time.monotonic() + seconds
+    while len(replies) < expected and time.monotonic() < deadline:
+        reactor.iterate(0.01)
+        try:
+            while True:
+                replies.append(client.recv(65536))
+        except BlockingIOError:
+            pass
+    return replies
+
+
+def test_the_serving_thread_answers_as_the_handler_does():
+    reference = make_handler("python")
+    handler = make_handler("c")
+    reactor = epoll_reactor()
+    server, client = threaded_server(handler, reactor)
+    try:
+        assert server.threaded and handler.stats()["serving_thread"]
+        assert server not in reactor.getReaders()          # the thread reads it
+        requests = [request(wire.OP_PUT, 1, value=b"v" * 30), request(wire.OP_GET, 2),
+                    wire.request_header(wire.OP_PING, 3, 7),      # queued for Python
+                    request(wire.OP_DELETE, 4), request(wire.OP_GET, 5), b"junk"]
+        replies = []
+        for data in requests[:5]:    # one at a time: the same state as the reference's
+            client.send(data)
+            replies += iterated(reactor, client, 1)
+        assert replies == [reference.handle(data, len(data) * limits.UDP_REPLY_FACTOR)
+                           for data in requests[:5]]
+        client.send(requests[5])                                  # junk: no answer
+        deadline = time.monotonic() + 5
+        while handler.requests < 6 and time.monotonic() < deadline:
+            reactor.iterate(0.01)
+        assert handler.requests == 6
+        answered = replies
+        assert handler.fast.requests == 4 and handler.fast.fallbacks == 2   # PING, junk
+        # a burst: answered in batches, every one once
+        burst = [request(wire.OP_PUT, 100 + n, key=b"\x03" + bytes([n]), value=b"x")
+                 for n in range(200)]
+        for data in burst:
+            client.send(data)
+        replies = iterated(reactor, client, len(burst))
+        assert sorted(replies) == sorted(wire.reply(wire.ST_OK, 100 + n, b"\x01")
+                                         for n in range(200))
+        # every byte in and out counted once, by whichever side read or sent it
+        assert handler.fast.bytes_received == sum(map(len, requests + burst))
+        assert handler.fast.bytes_sent + server.bytes_sent == sum(map(len, answered + replies))
+        assert server.bytes_sent == len(answered[2])                  # the PING's
+    finally:
+        client.close()
+        server.stop()
+    assert not server.threaded and not handler.fast.threaded
+    assert reactor.getReaders() == [reactor.waker] if hasattr(reactor, "waker") else True
+
+
+def test_no_request_is_served_while_the_reactor_thread_runs_python():
+    # The baton: the reactor thread holds it except while it waits in epoll,
+    # so a request is never served while Python's state is half-updated.
+    handler = make_handler("c")
+    reactor = epoll_reactor()
+    server, client = threaded_server(handler, reactor)
+    try:
+        client.send(request(wire.OP_PUT, 1, value=b"v"))
+        assert iterated(reactor, client, 1) == [wire.reply(wire.ST_OK, 1, b"\x01")]
+        # The reactor thread is busy here (not in epoll): nothing is served.
+        client.send(request(wire.OP_GET, 2))
+        ready, _, _ = select.select([client], [], [], 0.3)
+        assert ready == [] and handler.fast.requests == 1
+        assert iterated(reactor, client, 1) == [wire.reply(wire.ST_OK, 2, b"v")]
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_the_serving_thread_can_be_switched_off():
+    handler = make_handler("c")
+    reactor = epoll_reactor()
+    server, client = threaded_server(handler, reactor, serve_thread=False)
+    try:
+        assert not server.threaded and server in reactor.getReaders()
+        client.send(request(wire.OP_GET, 1))
+        assert iterated(reactor, client, 1) == [wire.reply(wire.ST_NOT_FOUND, 1)]
+        assert not handler.stats()["serving_thread"]
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_without_an_epoll_reactor_the_reactor_reads_the_socket():
+    handler = make_handler("c")
+    reactor = FakeReactor()
+    server = UdpServer(handler, "127.0.0.1", 0, serve_thread=True)
+    server.start(reactor)
+    assert reactor.readers == [server] and not server.threaded
+    server.stop()
+
+
+def test_a_stopped_serving_thread_frees_the_port_and_the_fast_path():
+    handler = make_handler("c")
+    reactor = epoll_reactor()
+    server, client = threaded_server(handler, reactor)
+    address = server.address
+    client.close()
+    server.stop()
+    server.stop()                                        # twice is fine
+    rebound = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rebound.bind(address)
+    rebound.close()
+    assert sys.getrefcount(handler.fast) == sys.getrefcount(make_handler("c").fast)
+    with pytest.raises(RuntimeError):
+        handler.fast.stop_thread() or Baton().release()   # not held here
+
+
+def test_a_forked_child_stops_without_the_parents_thread():
+    handler = make_handler("c")
+    reactor = epoll_reactor()
+    server, client = threaded_server(handler, reactor)
+    try:
+        child = os.fork()
+        if child == 0:                                    # pragma: no cover (the child)
+            code = 1
+            try:       # (a child must not touch the reactor: its epoll is the parent's)
+                assert not handler.fast.threaded          # the thread is the parent's
+                handler.fast.stop_thread()                # must not wait for it
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        client.send(request(wire.OP_GET, 1))              # the parent still serves
+        assert iterated(reactor, client, 1) == [wire.reply(wire.ST_NOT_FOUND, 1)]
     finally:
         client.close()
         server.stop()
