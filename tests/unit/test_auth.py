@@ -525,7 +525,9 @@ def test_the_twisted_client_seals_each_try_afresh_and_takes_only_a_sealed_reply(
     from twisted.internet.task import Clock
 
     seconds = iter(range(int(time.time()), int(time.time()) + 100))
-    monkeypatch.setattr(auth, "now_seconds", lambda: next(seconds))   # (a second per try)
+    monkeypatch.setattr(auth, "seal_request",                          # (a second per try)
+                        lambda key, message: auth.seal_request_reference(key, message,
+                                                                         next(seconds)))
     from domus.client.tx import DatagramRequests, TxChannel
 
     clock = Clock()
