@@ -390,6 +390,5 @@ def value_codec(name: str | None) -> ValueCodec:
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON", "reference", "accelerated", "hasher", "chunks",
            "group", "encode_key", "encode_keys", "bucket_of", "keyed", "put_many_requests",
            "get_many_requests", "decode_get_many_reply", "decode_scan_reply", "get_many_take",
-           "pack_value", "pack_values", "unpack_value", "value_of", "roundtrip", "roundtrip_reference",
-           "ValueCodec",
-           "value_codec"]
+           "pack_value", "pack_values", "unpack_value", "value_of", "roundtrip",
+           "roundtrip_reference", "ValueCodec", "value_codec"]

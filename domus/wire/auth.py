@@ -387,5 +387,6 @@ def is_handshake(frame: Any) -> bool:
 
 __all__ = ["siphash24", "siphash24_reference", "seal_request", "open_request", "fresh",
            "seal_reply", "open_reply", "open_reply_to", "seal_request_reference",
-           "open_reply_reference", "open_reply_to_reference", "Session", "Accepting", "Connecting", "is_handshake",
-           "TIME_WINDOW", "REQUEST_TRAILER", "REPLY_TRAILER", "TAG_BYTES"]
+           "open_reply_reference", "open_reply_to_reference", "Session", "Accepting",
+           "Connecting", "is_handshake", "TIME_WINDOW", "REQUEST_TRAILER", "REPLY_TRAILER",
+           "TAG_BYTES"]
