@@ -12,9 +12,12 @@ reply of its first try was forgotten.  A connected UDP socket also learns at
 once (ECONNREFUSED) when nothing listens on the service's port.
 
 When the C codec is built, a request's first try is ``domus.client.codec.roundtrip``
-(send, spin briefly for the reply, then poll and recv; without the GIL); if
-it times out or is refused, the Python loop below carries on from there
-under the same rule.
+(send, spin briefly for the reply, then poll and recv; without the GIL; on a
+secure deployment it also seals the request and skips any datagram whose
+MAC does not check for it, so that no per-request crypto runs in Python);
+if it times out or is refused, the Python loop below carries on from there
+under the same rule (taking a late reply to that first try too: it is
+given the time the first try was sealed with).
 
 Threads: a ``ServiceChannel`` may be used by any number of threads at once.
 Each thread has its own connected UDP socket (and TCP connection) to the
