@@ -2809,9 +2809,10 @@ codec_roundtrip(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *key = nargs >= 5 ? args[4] : Py_None;
+    PyObject *when = nargs >= 6 ? args[5] : Py_None;
     uint32_t seconds = 0;
     if ((key != Py_None && key_arg(key) < 0)
-        || seconds_arg(nargs >= 6 ? args[5] : Py_None, &seconds) < 0) {
+        || ((key != Py_None || when != Py_None) && seconds_arg(when, &seconds) < 0)) {
         return NULL;
     }
     const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(message);
