@@ -263,8 +263,9 @@ def mac_cost(clients: list[int], seconds: float, rounds: int, json_path: str | N
     import statistics
 
     runs: dict[str, list[dict[int, float]]] = {"secure": [], "insecure": []}
+    load_at_start = [round(load, 2) for load in os.getloadavg()]
     print(f"put1 MAC cost: one service, {rounds} rounds each way, {seconds:.0f} s per point, "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}", flush=True)
+          f"{os.cpu_count()} cores, load average {load_at_start[0]:.1f}", flush=True)
     for round_number in range(rounds):
         for mode in ("secure", "insecure"):
             rates = measure_domus(clients, seconds, insecure=mode == "insecure")
@@ -280,7 +281,8 @@ def mac_cost(clients: list[int], seconds: float, rounds: int, json_path: str | N
               f"the MAC costs {1 - secure / insecure:.1%}")
     if json_path:
         with open(json_path, "w", encoding="utf-8") as target:
-            json.dump({"benchmark": "put1 --mac-cost", **machine(), "rounds": rounds,
+            json.dump({"benchmark": "put1 --mac-cost", **machine(),
+                       "load_average_at_start": load_at_start, "rounds": rounds,
                        "seconds": seconds, "runs": runs, "summary": summary}, target, indent=1)
     return 0
 

@@ -121,6 +121,12 @@ get_u32(const unsigned char *at)
            | ((uint32_t)at[2] << 8) | at[3];
 }
 
+static inline uint64_t
+get_u64(const unsigned char *at)
+{
+    return ((uint64_t)get_u32(at) << 32) | get_u32(at + 4);
+}
+
 /* The 16-byte request header of a request whose buckets are hash >> shift:
  * byte 3 says so (1 + log2 of the bucket count, as the Python reference's
  * numbered()). */
@@ -2276,6 +2282,263 @@ codec_get_many_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLong(count);
 }
 
+/* ------------------------------------------------------------ MAC
+ * The trailers of sealed datagrams (domus/wire/auth.py is the reference,
+ * docs/protocol.md "Sealed datagrams" the format): a request ends with the
+ * client's time (u32) and SipHash-2-4 of the request and that time (u64);
+ * a reply ends with SipHash-2-4 of the reply, the request's client id and
+ * its time.  The client's side of both is here: sealing a request and
+ * opening its reply, in the round trip below and on their own for the
+ * event-driven clients. */
+
+#define REQUEST_TRAILER 12      /* time u32, mac u64 */
+#define REPLY_TRAILER 8         /* mac u64 */
+#define STAMP_SIZE 4
+#define SIP_KEY_SIZE 16
+
+/* The wall clock's seconds, modulo 2^32, read as Python's time.time()
+ * reads it (CLOCK_REALTIME, as the service's C path does), so that a
+ * request sealed here carries the time auth.now_seconds() would give. */
+static uint32_t
+wall_seconds(void)
+{
+    struct timespec now;
+    if (clock_gettime(CLOCK_REALTIME, &now) != 0) {
+        return (uint32_t)time(NULL);
+    }
+    return (uint32_t)now.tv_sec;
+}
+
+/* A SipHash key argument: bytes of 16.  0, or -1 with TypeError/ValueError
+ * set (the messages of siphash24 and its Python twin). */
+static int
+key_arg(PyObject *obj)
+{
+    if (bytes_arg(obj, "key") < 0) {
+        return -1;
+    }
+    if (PyBytes_GET_SIZE(obj) != SIP_KEY_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "a SipHash key is 16 bytes");
+        return -1;
+    }
+    return 0;
+}
+
+/* The time a request is sealed with: `obj` (an int in [0, 2^32)) or, for
+ * None, this clock's.  0, or -1 with TypeError/OverflowError set. */
+static int
+seconds_arg(PyObject *obj, uint32_t *seconds)
+{
+    if (obj == Py_None) {
+        *seconds = wall_seconds();
+        return 0;
+    }
+    uint64_t value;
+    if (unsigned_arg(obj, UINT32_MAX, "seconds", &value) < 0) {
+        return -1;
+    }
+    *seconds = (uint32_t)value;
+    return 0;
+}
+
+/* Writes message (size bytes) and its trailer, time then MAC, to `out`
+ * (size + REQUEST_TRAILER bytes; may be where message already is). */
+static void
+seal_into(unsigned char *out, const unsigned char key[SIP_KEY_SIZE],
+          const unsigned char *message, size_t size, uint32_t seconds)
+{
+    if (out != message) {
+        memcpy(out, message, size);
+    }
+    put_u32(out + size, seconds);
+    put_u64(out + size + STAMP_SIZE, domus_siphash24(key, out, size + STAMP_SIZE));
+}
+
+/* The SipHash state after a reply's bytes and the client id it answers:
+ * what every stamp of the request's tries continues from. */
+static void
+reply_mac_prefix(DomusSip *sip, const unsigned char key[SIP_KEY_SIZE],
+                 const unsigned char *reply, size_t reply_size,
+                 const unsigned char *client_id, size_t client_id_size)
+{
+    domus_sip_init(sip, key);
+    domus_sip_update(sip, reply, reply_size);
+    domus_sip_update(sip, client_id, client_id_size);
+}
+
+/* Whether the sealed reply's MAC (its last 8 bytes) checks for a request
+ * sealed at `stamp`, given the state after its reply and client id. */
+static int
+reply_mac_checks(const DomusSip *prefix, const unsigned char *datagram, size_t size,
+                 const unsigned char *stamp, size_t stamp_size)
+{
+    DomusSip sip = *prefix;
+    domus_sip_update(&sip, stamp, stamp_size);
+    return domus_sip_final(&sip) == get_u64(datagram + size - REPLY_TRAILER);
+}
+
+/* The client id a request carries: its bytes [8, 16), as far as it has
+ * them (as Python's request[8:16]). */
+static void
+client_id_of(const unsigned char *request, size_t size, const unsigned char **client_id,
+             size_t *client_id_size)
+{
+    size_t end = size < REQUEST_HEADER_SIZE ? size : REQUEST_HEADER_SIZE;
+    *client_id = request + (size < 8 ? size : 8);
+    *client_id_size = end > 8 ? end - 8 : 0;
+}
+
+PyDoc_STRVAR(siphash24_doc,
+"siphash24(key, data, /)\n--\n\n"
+"SipHash-2-4 of bytes data under the 16-byte key, an int: the MAC of\n"
+"datagrams (domus.wire.auth; siphash24_reference there is its twin).");
+
+static PyObject *
+codec_siphash24(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("siphash24", nargs, 2) < 0 || bytes_arg(args[0], "key") < 0
+        || bytes_arg(args[1], "data") < 0) {
+        return NULL;
+    }
+    if (PyBytes_GET_SIZE(args[0]) != 16) {
+        PyErr_SetString(PyExc_ValueError, "a SipHash key is 16 bytes");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(domus_siphash24(
+        (const unsigned char *)PyBytes_AS_STRING(args[0]),
+        (const unsigned char *)PyBytes_AS_STRING(args[1]),
+        (size_t)PyBytes_GET_SIZE(args[1])));
+}
+
+PyDoc_STRVAR(seal_request_doc,
+"seal_request(key, message, /, seconds=None)\n--\n\n"
+"message with its trailer: the time (u32; seconds, or this clock's) and\n"
+"SipHash-2-4 under the 16-byte key of the message and that time (u64).\n"
+"The twin of domus.wire.auth.seal_request_reference.");
+
+static PyObject *
+codec_seal_request(PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+                   PyObject *kwnames)
+{
+    /* seconds may be given by name, as the Python twin's may */
+    Py_ssize_t named = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (named > 1 || (named == 1 && PyUnicode_CompareWithASCIIString(
+                                        PyTuple_GET_ITEM(kwnames, 0), "seconds") != 0)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "seal_request() takes only seconds as a keyword argument");
+        return NULL;
+    }
+    if (nargs + named != 2 && nargs + named != 3) {
+        PyErr_Format(PyExc_TypeError, "seal_request() takes 2 or 3 arguments (%zd given)",
+                     nargs + named);
+        return NULL;
+    }
+    if (nargs < 2) {
+        PyErr_SetString(PyExc_TypeError, "seal_request() takes key and message by position");
+        return NULL;
+    }
+    uint32_t seconds;
+    if (key_arg(args[0]) < 0 || bytes_arg(args[1], "message") < 0
+        || seconds_arg(nargs + named == 3 ? args[2] : Py_None, &seconds) < 0) {
+        return NULL;
+    }
+    size_t size = (size_t)PyBytes_GET_SIZE(args[1]);
+    if (size > (size_t)(PY_SSIZE_T_MAX - REQUEST_TRAILER)) {
+        return PyErr_NoMemory();
+    }
+    PyObject *sealed = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(size + REQUEST_TRAILER));
+    if (sealed == NULL) {
+        return NULL;
+    }
+    seal_into((unsigned char *)PyBytes_AS_STRING(sealed),
+              (const unsigned char *)PyBytes_AS_STRING(args[0]),
+              (const unsigned char *)PyBytes_AS_STRING(args[1]), size, seconds);
+    return sealed;
+}
+
+PyDoc_STRVAR(open_reply_doc,
+"open_reply(key, datagram, client_id, stamp, /)\n--\n\n"
+"The reply (datagram without its MAC) if its MAC checks for the request\n"
+"of client_id sealed at stamp, else None.  The twin of\n"
+"domus.wire.auth.open_reply_reference.");
+
+static PyObject *
+codec_open_reply(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("open_reply", nargs, 4) < 0 || key_arg(args[0]) < 0
+        || bytes_arg(args[1], "datagram") < 0 || bytes_arg(args[2], "client_id") < 0
+        || bytes_arg(args[3], "stamp") < 0) {
+        return NULL;
+    }
+    const unsigned char *datagram = (const unsigned char *)PyBytes_AS_STRING(args[1]);
+    size_t size = (size_t)PyBytes_GET_SIZE(args[1]);
+    if (size < REPLY_TRAILER + 1) {
+        Py_RETURN_NONE;
+    }
+    DomusSip prefix;
+    reply_mac_prefix(&prefix, (const unsigned char *)PyBytes_AS_STRING(args[0]), datagram,
+                     size - REPLY_TRAILER, (const unsigned char *)PyBytes_AS_STRING(args[2]),
+                     (size_t)PyBytes_GET_SIZE(args[2]));
+    if (!reply_mac_checks(&prefix, datagram, size,
+                          (const unsigned char *)PyBytes_AS_STRING(args[3]),
+                          (size_t)PyBytes_GET_SIZE(args[3]))) {
+        Py_RETURN_NONE;
+    }
+    return PyBytes_FromStringAndSize((const char *)datagram,
+                                     (Py_ssize_t)(size - REPLY_TRAILER));
+}
+
+PyDoc_STRVAR(open_reply_to_doc,
+"open_reply_to(key, datagram, request, stamps, /)\n--\n\n"
+"The reply to request (unsealed) if its MAC checks for one of the\n"
+"request's tries, sealed at stamps (a list or tuple of bytes, the newest\n"
+"tried first), else None.  The twin of\n"
+"domus.wire.auth.open_reply_to_reference.");
+
+static PyObject *
+codec_open_reply_to(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("open_reply_to", nargs, 4) < 0 || key_arg(args[0]) < 0
+        || bytes_arg(args[1], "datagram") < 0 || bytes_arg(args[2], "request") < 0) {
+        return NULL;
+    }
+    PyObject *stamps = args[3];
+    if (!PyList_Check(stamps) && !PyTuple_Check(stamps)) {
+        PyErr_Format(PyExc_TypeError, "stamps must be a list or a tuple of bytes, not %.100s",
+                     Py_TYPE(stamps)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(stamps);
+    PyObject **items = PySequence_Fast_ITEMS(stamps);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (bytes_arg(items[i], "a stamp") < 0) {
+            return NULL;
+        }
+    }
+    const unsigned char *datagram = (const unsigned char *)PyBytes_AS_STRING(args[1]);
+    size_t size = (size_t)PyBytes_GET_SIZE(args[1]);
+    if (size < REPLY_TRAILER + 1) {
+        Py_RETURN_NONE;
+    }
+    const unsigned char *client_id;
+    size_t client_id_size;
+    client_id_of((const unsigned char *)PyBytes_AS_STRING(args[2]),
+                 (size_t)PyBytes_GET_SIZE(args[2]), &client_id, &client_id_size);
+    DomusSip prefix;
+    reply_mac_prefix(&prefix, (const unsigned char *)PyBytes_AS_STRING(args[0]), datagram,
+                     size - REPLY_TRAILER, client_id, client_id_size);
+    for (Py_ssize_t i = count - 1; i >= 0; i--) {
+        /* (the list cannot change under us: nothing here runs Python) */
+        if (reply_mac_checks(&prefix, datagram, size,
+                             (const unsigned char *)PyBytes_AS_STRING(items[i]),
+                             (size_t)PyBytes_GET_SIZE(items[i]))) {
+            return PyBytes_FromStringAndSize((const char *)datagram,
+                                             (Py_ssize_t)(size - REPLY_TRAILER));
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------ round trips */
 
 enum { IO_REPLY, IO_TIMEOUT, IO_INTERRUPTED, IO_ERROR };
@@ -2283,9 +2546,53 @@ enum { IO_REPLY, IO_TIMEOUT, IO_INTERRUPTED, IO_ERROR };
 /* The longest spin roundtrip() accepts. */
 #define MAX_SPIN_SECONDS 0.01
 
+/* A request sealed in a buffer of this size or less is sealed on the
+ * stack; a larger one in memory of its own. */
+#define SMALL_REQUEST 1024
+
 /* Received datagrams land here; one buffer per thread, since the GIL is
  * released while a round trip waits. */
 static _Thread_local unsigned char recv_buffer[RECV_BUFFER_SIZE];
+
+/* One round trip: what is sent, and what a datagram must be to be its
+ * reply.  Plain: any datagram of REPLY_HEADER_SIZE bytes or more with the
+ * request's id (bytes 4..8).  Keyed (a secure deployment): the same of the
+ * datagram without its MAC, and the MAC checks for the request's client id
+ * and time: what auth.open_reply_to takes, so a forged, unsealed or short
+ * datagram is skipped as a stale one is. */
+typedef struct {
+    const unsigned char *message;       /* as sent (sealed, when keyed) */
+    size_t size;
+    int keyed;
+    const unsigned char *key;           /* SIP_KEY_SIZE bytes, when keyed */
+    const unsigned char *client_id;     /* the request's bytes [8, 16) */
+    size_t client_id_size;
+    const unsigned char *stamp;         /* its time, in its trailer */
+} Exchange;
+
+/* The length of the reply in a received datagram of `length` bytes
+ * (without its MAC, when keyed), or -1 if the datagram is not the reply to
+ * this exchange's request. */
+static ssize_t
+reply_length(const Exchange *exchange, const unsigned char *datagram, ssize_t length)
+{
+    ssize_t reply = exchange->keyed ? length - REPLY_TRAILER : length;
+    if (reply < REPLY_HEADER_SIZE
+        || memcmp(datagram + REQUEST_ID_OFFSET, exchange->message + REQUEST_ID_OFFSET,
+                  4) != 0) {
+        return -1;
+    }
+    if (exchange->keyed) {
+        DomusSip prefix;
+        reply_mac_prefix(&prefix, exchange->key, datagram, (size_t)reply,
+                         exchange->client_id, exchange->client_id_size);
+        if (!reply_mac_checks(&prefix, datagram, (size_t)length, exchange->stamp,
+                              STAMP_SIZE)) {
+            return -1;
+        }
+    }
+    return reply;
+}
 
 static double
 monotonic_seconds(void)
@@ -2315,9 +2622,10 @@ poll_timeout(double deadline)
  * service the work of waking it, which on virtual machines is a large part
  * of a round trip (see docs/architecture.md, "Waiting for a reply").
  * IO_REPLY, IO_INTERRUPTED, IO_ERROR, or IO_TIMEOUT when the spin ran out
- * (stale replies read meanwhile are skipped, as in roundtrip_io). */
+ * (datagrams that are not the reply, read meanwhile, are skipped, as in
+ * roundtrip_io). */
 static int
-spin_for_reply(int fd, const unsigned char *message, double deadline, double spin,
+spin_for_reply(int fd, const Exchange *exchange, double deadline, double spin,
                ssize_t *received, int *error)
 {
     double until = monotonic_seconds() + spin;
@@ -2327,13 +2635,12 @@ spin_for_reply(int fd, const unsigned char *message, double deadline, double spi
     do {
         ssize_t length = recv(fd, recv_buffer, RECV_BUFFER_SIZE, MSG_DONTWAIT);
         if (length >= 0) {
-            if (length >= REPLY_HEADER_SIZE
-                && memcmp(recv_buffer + REQUEST_ID_OFFSET,
-                          message + REQUEST_ID_OFFSET, 4) == 0) {
-                *received = length;
+            ssize_t reply = reply_length(exchange, recv_buffer, length);
+            if (reply >= 0) {
+                *received = reply;
                 return IO_REPLY;
             }
-            continue;   /* a stale reply: look again at once */
+            continue;   /* not the reply: look again at once */
         }
         if (errno == EINTR) {
             return IO_INTERRUPTED;
@@ -2347,23 +2654,25 @@ spin_for_reply(int fd, const unsigned char *message, double deadline, double spi
     return IO_TIMEOUT;
 }
 
-/* Send the message (unless *sent) and receive datagrams until one carries
- * its request id (bytes 4..8; shorter ones and other ids are stale replies
- * to earlier requests, skipped) or the deadline passes.  Runs without the
- * GIL: touches no Python object.  Returns IO_REPLY (*received set),
+/* Send the exchange's message (unless *sent) and receive datagrams until
+ * one is its reply (reply_length: the others are stale replies to earlier
+ * requests, or not the service's, and are skipped) or the deadline passes.
+ * Runs without the GIL: touches no Python object.  Returns IO_REPLY
+ * (*received set to the reply's length, at the start of recv_buffer),
  * IO_TIMEOUT, IO_INTERRUPTED (EINTR: the caller runs signal handlers and
  * calls again) or IO_ERROR (*error set). */
 static int
-roundtrip_io(int fd, const unsigned char *message, size_t size, double deadline,
-             double spin, int *sent, ssize_t *received, int *error)
+roundtrip_io(int fd, const Exchange *exchange, double deadline, double spin, int *sent,
+             ssize_t *received, int *error)
 {
     for (;;) {
         if (!*sent) {
-            ssize_t written = send(fd, message, size, MSG_DONTWAIT);
+            ssize_t written = send(fd, exchange->message, exchange->size, MSG_DONTWAIT);
             if (written >= 0) {
                 *sent = 1;
                 if (spin > 0) {
-                    int outcome = spin_for_reply(fd, message, deadline, spin, received, error);
+                    int outcome = spin_for_reply(fd, exchange, deadline, spin, received,
+                                                 error);
                     if (outcome != IO_TIMEOUT) {
                         return outcome;
                     }
@@ -2394,10 +2703,9 @@ roundtrip_io(int fd, const unsigned char *message, size_t size, double deadline,
                     *error = errno;
                     return IO_ERROR;
                 }
-                if (length >= REPLY_HEADER_SIZE
-                    && memcmp(recv_buffer + REQUEST_ID_OFFSET,
-                              message + REQUEST_ID_OFFSET, 4) == 0) {
-                    *received = length;
+                ssize_t reply = reply_length(exchange, recv_buffer, length);
+                if (reply >= 0) {
+                    *received = reply;
                     return IO_REPLY;
                 }
                 if (monotonic_seconds() >= deadline) {
@@ -2421,24 +2729,59 @@ roundtrip_io(int fd, const unsigned char *message, size_t size, double deadline,
     }
 }
 
+/* Runs the exchange: the reply (a new reference), Py_None on timeout, or
+ * NULL with OSError (or a signal handler's exception) set. */
+static PyObject *
+run_exchange(int fd, const Exchange *exchange, double timeout, double spin)
+{
+    double deadline = monotonic_seconds() + timeout;
+    int sent = 0;
+    for (;;) {
+        ssize_t received = 0;
+        int error = 0, outcome;
+        Py_BEGIN_ALLOW_THREADS
+        outcome = roundtrip_io(fd, exchange, deadline, sent ? 0.0 : spin, &sent, &received,
+                               &error);
+        Py_END_ALLOW_THREADS
+        switch (outcome) {
+        case IO_REPLY:
+            return PyBytes_FromStringAndSize((const char *)recv_buffer, received);
+        case IO_TIMEOUT:
+            Py_RETURN_NONE;
+        case IO_INTERRUPTED:
+            if (PyErr_CheckSignals() < 0) {
+                return NULL;
+            }
+            continue;
+        default:
+            errno = error;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+    }
+}
+
 PyDoc_STRVAR(roundtrip_doc,
-"roundtrip(fd, message, timeout, spin=0.0, /)\n--\n\n"
+"roundtrip(fd, message, timeout, spin=0.0, key=None, seconds=None, /)\n--\n\n"
 "Send message on the connected UDP socket fd and wait up to timeout\n"
 "seconds (the GIL released) for the reply with its request id, skipping\n"
 "stale replies.  For the first spin seconds (at most 0.01) it polls the\n"
-"socket, yielding the CPU between polls, before it sleeps.  The reply, or\n"
-"None on timeout; OSError (e.g. ConnectionRefusedError) if the socket\n"
-"reports one.");
+"socket, yielding the CPU between polls, before it sleeps.  With key (a\n"
+"secure deployment's 16-byte data key) the message is sent sealed at\n"
+"seconds (None: this clock's), as domus.wire.auth.seal_request seals it,\n"
+"and only a reply whose MAC checks for it is taken (a forged, unsealed or\n"
+"short one is skipped), returned without its MAC.  The reply, or None on\n"
+"timeout; OSError (e.g. ConnectionRefusedError) if the socket reports\n"
+"one.  domus.client.codec.roundtrip_reference is its twin.");
 
 static PyObject *
 codec_roundtrip(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3 && nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "roundtrip() takes 3 or 4 arguments (%zd given)", nargs);
+    if (nargs < 3 || nargs > 6) {
+        PyErr_Format(PyExc_TypeError, "roundtrip() takes 3 to 6 arguments (%zd given)", nargs);
         return NULL;
     }
     double spin = 0.0;
-    if (nargs == 4) {
+    if (nargs >= 4) {
         spin = PyFloat_AsDouble(args[3]);
         if (spin == -1.0 && PyErr_Occurred()) {
             return NULL;
@@ -2465,56 +2808,45 @@ codec_roundtrip(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "a request has at least 8 bytes");
         return NULL;
     }
+    PyObject *key = nargs >= 5 ? args[4] : Py_None;
+    PyObject *when = nargs >= 6 ? args[5] : Py_None;
+    uint32_t seconds = 0;
+    if ((key != Py_None && key_arg(key) < 0)
+        || ((key != Py_None || when != Py_None) && seconds_arg(when, &seconds) < 0)) {
+        return NULL;
+    }
     const unsigned char *data = (const unsigned char *)PyBytes_AS_STRING(message);
     size_t size = (size_t)PyBytes_GET_SIZE(message);
-    double deadline = monotonic_seconds() + timeout;
-    int sent = 0;
-    for (;;) {
-        ssize_t received = 0;
-        int error = 0, outcome;
-        Py_BEGIN_ALLOW_THREADS
-        outcome = roundtrip_io((int)fd, data, size, deadline, sent ? 0.0 : spin, &sent,
-                               &received, &error);
-        Py_END_ALLOW_THREADS
-        switch (outcome) {
-        case IO_REPLY:
-            return PyBytes_FromStringAndSize((const char *)recv_buffer, received);
-        case IO_TIMEOUT:
-            Py_RETURN_NONE;
-        case IO_INTERRUPTED:
-            if (PyErr_CheckSignals() < 0) {
-                return NULL;
-            }
-            continue;
-        default:
-            errno = error;
-            return PyErr_SetFromErrno(PyExc_OSError);
+    Exchange exchange = {data, size, 0, NULL, NULL, 0, NULL};
+    if (key == Py_None) {
+        return run_exchange((int)fd, &exchange, timeout, spin);
+    }
+    /* Sealed here, then sent: the request with its time and MAC. */
+    unsigned char small[SMALL_REQUEST];
+    unsigned char *sealed = small;
+    if (size > SMALL_REQUEST - REQUEST_TRAILER) {
+        if (size > (size_t)(PY_SSIZE_T_MAX - REQUEST_TRAILER)) {
+            return PyErr_NoMemory();
+        }
+        sealed = PyMem_Malloc(size + REQUEST_TRAILER);
+        if (sealed == NULL) {
+            return PyErr_NoMemory();
         }
     }
-}
-
-/* ------------------------------------------------------------ MAC */
-
-PyDoc_STRVAR(siphash24_doc,
-"siphash24(key, data, /)\n--\n\n"
-"SipHash-2-4 of bytes data under the 16-byte key, an int: the MAC of\n"
-"datagrams (domus.wire.auth; siphash24_reference there is its twin).");
-
-static PyObject *
-codec_siphash24(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (check_nargs("siphash24", nargs, 2) < 0 || bytes_arg(args[0], "key") < 0
-        || bytes_arg(args[1], "data") < 0) {
-        return NULL;
+    const unsigned char *key_bytes = (const unsigned char *)PyBytes_AS_STRING(key);
+    seal_into(sealed, key_bytes, data, size, seconds);
+    exchange.message = sealed;
+    exchange.size = size + REQUEST_TRAILER;
+    exchange.keyed = 1;
+    exchange.key = key_bytes;
+    client_id_of(data, size, &exchange.client_id, &exchange.client_id_size);
+    exchange.stamp = sealed + size;
+    /* (message and key stay alive meanwhile: the caller holds them) */
+    PyObject *reply = run_exchange((int)fd, &exchange, timeout, spin);
+    if (sealed != small) {
+        PyMem_Free(sealed);
     }
-    if (PyBytes_GET_SIZE(args[0]) != 16) {
-        PyErr_SetString(PyExc_ValueError, "a SipHash key is 16 bytes");
-        return NULL;
-    }
-    return PyLong_FromUnsignedLongLong(domus_siphash24(
-        (const unsigned char *)PyBytes_AS_STRING(args[0]),
-        (const unsigned char *)PyBytes_AS_STRING(args[1]),
-        (size_t)PyBytes_GET_SIZE(args[1])));
+    return reply;
 }
 
 /* ------------------------------------------------------------ the module */
@@ -2540,6 +2872,12 @@ static PyMethodDef codec_methods[] = {
      get_many_take_doc},
     {"roundtrip", (PyCFunction)(void (*)(void))codec_roundtrip, METH_FASTCALL, roundtrip_doc},
     {"siphash24", (PyCFunction)(void (*)(void))codec_siphash24, METH_FASTCALL, siphash24_doc},
+    {"seal_request", (PyCFunction)(void (*)(void))codec_seal_request,
+     METH_FASTCALL | METH_KEYWORDS, seal_request_doc},
+    {"open_reply", (PyCFunction)(void (*)(void))codec_open_reply, METH_FASTCALL,
+     open_reply_doc},
+    {"open_reply_to", (PyCFunction)(void (*)(void))codec_open_reply_to, METH_FASTCALL,
+     open_reply_to_doc},
     {NULL, NULL, 0, NULL}
 };
 

@@ -30,8 +30,10 @@ reply opens with ``auth.open_reply`` for the request's client id and time.
 ``open_datagram``: ``auth.open_request`` and ``auth.open_reply`` (what a
 service and a client apply to every datagram from a peer) on any bytes,
 with the C SipHash (domus._codec.siphash24, fenced) and its Python twin
-(``siphash24_reference``): the same answer, never an exception, and what
-opens is exactly what ``seal_request``/``seal_reply`` make of it.  An input
+(``siphash24_reference``), and the client's C ``seal_request``,
+``open_reply`` and ``open_reply_to`` (domus._codec, fenced) against their
+Python twins (``auth.*_reference``): the same answer, never an exception,
+and what opens is exactly what ``seal_request``/``seal_reply`` make of it.  An input
 is a mode byte (a request or a reply; as it is, or re-sealed by the harness
 so that the opening path is taken), then the datagram (a reply's: after the
 client id and time it answers, 12 bytes).
@@ -333,6 +335,11 @@ def _c_siphash() -> Any:
     return _codec.siphash24
 
 
+def _c_codec() -> Any:
+    from domus import _codec
+    return _codec
+
+
 def open_seeds() -> list[bytes]:
     request = wire.encode_keyed(wire.OP_PUT, 5, 0xA, MAIN, 0, APPLE, b"v")
     reply = wire.reply(wire.ST_OK, 5, b"\x01")
@@ -362,11 +369,15 @@ def fuzz_open_datagram(data: bytes) -> None:
     for key in (KEY, body[:16]) if len(body) >= 16 else (KEY,):
         same(f"siphash24 of {len(body)} bytes", c_outcome(c_siphash, key, body),
              outcome(auth.siphash24_reference, key, body))
+    c_codec = _c_codec()
     if mode in (REQUEST_AS_IS, REQUEST_SEALED):
         datagram = body
         if mode == REQUEST_SEALED:
             stamp = int.from_bytes(body[-4:].rjust(4, b"\0"), "big")
             datagram = auth.seal_request(KEY, body[:-4], stamp)
+            same("seal_request", c_outcome(c_codec.seal_request, KEY, body[:-4], stamp),
+                 _with(auth.siphash24_reference, auth.seal_request_reference, KEY, body[:-4],
+                       stamp))
         c_result = _with(c_siphash, auth.open_request, KEY, datagram)
         same("open_request", c_result, _with(auth.siphash24_reference, auth.open_request, KEY,
                                              datagram))
@@ -389,11 +400,21 @@ def fuzz_open_datagram(data: bytes) -> None:
     datagram = body[12:]
     if mode == REPLY_SEALED:
         datagram = auth.seal_reply(KEY, datagram, client_id, stamp_bytes)
-    c_result = _with(c_siphash, auth.open_reply, KEY, datagram, client_id, stamp_bytes)
-    same("open_reply", c_result, _with(auth.siphash24_reference, auth.open_reply, KEY,
-                                       datagram, client_id, stamp_bytes))
+    c_result = c_outcome(c_codec.open_reply, KEY, datagram, client_id, stamp_bytes)
+    same("open_reply", c_result, _with(auth.siphash24_reference, auth.open_reply_reference,
+                                       KEY, datagram, client_id, stamp_bytes))
     check(c_result[0] == "ok", f"open_reply raised {describe(c_result)}")
     opened = c_result[1]
+    # The same reply to a request of that client id tried at two times (the
+    # other one first), as every client opens what comes back.
+    request = bytes(8) + client_id
+    tries = [bytes((stamp_bytes[0] ^ 0x80,)) + stamp_bytes[1:], stamp_bytes]
+    to_result = c_outcome(c_codec.open_reply_to, KEY, datagram, request, tries)
+    same("open_reply_to", to_result, _with(auth.siphash24_reference,
+                                           auth.open_reply_to_reference, KEY, datagram,
+                                           request, tries))
+    check(to_result == c_result, f"open_reply_to gave {describe(to_result)} where open_reply "
+                                 f"gave {describe(c_result)}")
     if mode == REPLY_SEALED and datagram[:-8]:
         check(opened == datagram[:-8], f"a sealed reply does not open: {datagram[:80]!r}")
     if opened is not None:
@@ -404,4 +425,156 @@ def fuzz_open_datagram(data: bytes) -> None:
               "a reply opens for another client id")
 
 
-__all__ = ["fuzz_sealed_udp", "fuzz_open_datagram", "SealedServices", "KEY"]
+# ------------------------------------------------------------ the sealed round trip
+
+ROUNDTRIP_ID = 0x5EA1ED
+ROUNDTRIP_SECONDS = 0x6000_0000
+ROUNDTRIP_MESSAGE = wire.encode_keyed(wire.OP_GET, ROUNDTRIP_ID, 0xC11E, MAIN, 0, APPLE)
+AS_IS, FOR_THE_REQUEST, FOR_ANOTHER_TIME, FOR_ANOTHER_KEY = range(4)
+
+
+def sealed_as(mode: int, body: bytes) -> bytes:
+    """One datagram of a sealed round trip's input: ``body`` as it is, or
+    sealed as a reply to ROUNDTRIP_MESSAGE (for its time, for another time,
+    or under another deployment's key)."""
+    client_id = ROUNDTRIP_MESSAGE[8:16]
+    stamp = ROUNDTRIP_SECONDS.to_bytes(4, "big")
+    if mode == FOR_THE_REQUEST:
+        return auth.seal_reply(KEY, body, client_id, stamp)
+    if mode == FOR_ANOTHER_TIME:
+        return auth.seal_reply(KEY, body, client_id, (ROUNDTRIP_SECONDS - 1).to_bytes(4, "big"))
+    if mode == FOR_ANOTHER_KEY:
+        return auth.seal_reply(OTHER_KEY, body, client_id, stamp)
+    return body
+
+
+def sealed_datagrams(data: bytes) -> list[bytes]:
+    """The input as datagrams: a mode byte (sealed_as), a u16 length and
+    that many bytes, again and again; 16 at most."""
+    found = []
+    while len(data) >= 3 and len(found) < 16:
+        mode, length = data[0] % 4, int.from_bytes(data[1:3], "big")
+        found.append(sealed_as(mode, data[3:3 + length])[:wire.MAX_UDP_PAYLOAD])
+        data = data[3 + length:]
+    return found
+
+
+def the_sealed_reply(datagrams: list[bytes]) -> bytes | None:
+    """The reply the round trip must take: the first datagram that opens
+    for the request (auth.open_reply_to) and has its id, opened."""
+    for datagram in datagrams:
+        opened = auth.open_reply_to_reference(KEY, datagram, ROUNDTRIP_MESSAGE,
+                                              [ROUNDTRIP_SECONDS.to_bytes(4, "big")])
+        if opened is not None and len(opened) >= wire.REPLY_HEADER_SIZE \
+                and opened[4:8] == ROUNDTRIP_MESSAGE[4:8]:
+            return opened
+    return None
+
+
+class SealedRoundtrip:
+    """A "service" that is a bare UDP socket and a client socket connected
+    to it, for domus._codec.roundtrip with key= and its Python twin
+    (domus.client.codec.roundtrip_reference)."""
+
+    def __init__(self) -> None:
+        self.service = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.service.bind(("127.0.0.1", 0))
+        self.service.setblocking(False)
+        self.client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 21)
+        self.client.connect(self.service.getsockname())
+        self.client.settimeout(0.25)        # (as a ServiceChannel leaves it)
+
+    def run(self, roundtrip: Any, datagrams: list[bytes], fence: bool) -> tuple[Any, bytes]:
+        """(what the round trip returned, the bytes the service got)."""
+        _drain(self.client)
+        _drain(self.service)
+        for datagram in datagrams:
+            self.service.sendto(datagram, self.client.getsockname())
+        # Patient when a datagram answers (a loaded machine may be slow to
+        # deliver it), milliseconds when none does.
+        timeout = 5.0 if the_sealed_reply(datagrams) is not None else 0.002
+        arguments = (self.client.fileno(), ROUNDTRIP_MESSAGE, timeout, 0.0, KEY,
+                     ROUNDTRIP_SECONDS)
+        got = c_outcome(roundtrip, *arguments) if fence else outcome(roundtrip, *arguments)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                sent = self.service.recv(65536)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise Finding("the round trip sent nothing") from None
+                select.select([self.service], [], [], 0.05)
+        return got, sent
+
+    def close(self) -> None:
+        self.client.close()
+        self.service.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    timeout = sock.gettimeout()
+    sock.setblocking(False)
+    try:
+        while True:
+            try:
+                sock.recv(65536)
+            except (BlockingIOError, ConnectionRefusedError):
+                return
+    finally:
+        sock.settimeout(timeout)
+
+
+def sealed_roundtrip_seeds() -> list[bytes]:
+    reply = wire.reply(wire.ST_OK, ROUNDTRIP_ID, b"\xa5value")
+    stale = wire.reply(wire.ST_OK, ROUNDTRIP_ID - 1, b"\xa5stale")
+
+    def pieces(*parts: tuple[int, bytes]) -> bytes:
+        return b"".join(bytes((mode,)) + len(body).to_bytes(2, "big") + body
+                        for mode, body in parts)
+
+    return [pieces((FOR_THE_REQUEST, reply)),
+            pieces((AS_IS, reply), (FOR_THE_REQUEST, reply)),
+            pieces((FOR_ANOTHER_TIME, reply), (FOR_ANOTHER_KEY, reply),
+                   (FOR_THE_REQUEST, stale), (FOR_THE_REQUEST, reply)),
+            pieces((FOR_THE_REQUEST, reply[:7]), (FOR_THE_REQUEST, reply[:8])),
+            pieces((AS_IS, sealed_as(FOR_THE_REQUEST, reply)[:-1])),
+            pieces((FOR_ANOTHER_TIME, reply))]                      # no answer
+
+
+_roundtrips: list[SealedRoundtrip] = []
+
+
+@target("sealed_roundtrip", seeds=sealed_roundtrip_seeds, smoke=250, max_len=8192,
+        c_sources=("cext/codec.c",))
+def fuzz_sealed_roundtrip(data: bytes) -> None:
+    """A secure client's round trip (domus._codec.roundtrip with key=)
+    meeting the fuzzer's datagrams (a mode byte: as they are, or sealed by
+    the harness for the request, for another time or under another key;
+    a u16 length; the bytes) as its replies, over real UDP sockets: the C
+    round trip and its Python twin send the same sealed request, take the
+    same reply (the first one that opens for the request, opened) or time
+    out alike, and neither raises."""
+    from domus import _codec
+    from domus.client.codec import roundtrip_reference
+
+    if not _roundtrips:
+        _roundtrips.append(SealedRoundtrip())
+        atexit.register(_roundtrips[0].close)
+    pair = _roundtrips[0]
+    datagrams = sealed_datagrams(data)
+    got_c, sent_c = pair.run(_codec.roundtrip, datagrams, fence=True)
+    got_python, sent_python = pair.run(roundtrip_reference, datagrams, fence=False)
+    expected_request = auth.seal_request_reference(KEY, ROUNDTRIP_MESSAGE, ROUNDTRIP_SECONDS)
+    check(sent_c == sent_python == expected_request,
+          f"the round trips sent {shown(sent_c)} (C) and {shown(sent_python)} (Python), not "
+          f"{shown(expected_request)}")
+    check(got_c[0] == "ok", f"the C round trip raised {describe(got_c)}")
+    same("the sealed round trip", got_c, got_python)
+    check(got_c[1] == the_sealed_reply(datagrams),
+          f"the round trip took {shown(got_c[1])}, not {shown(the_sealed_reply(datagrams))}")
+
+
+__all__ = ["fuzz_sealed_udp", "fuzz_open_datagram", "fuzz_sealed_roundtrip", "SealedServices",
+           "KEY"]

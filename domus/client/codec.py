@@ -4,7 +4,8 @@ Everything a client does for one request between its caller and the socket
 is here: encode the key, hash it to a bucket, build the message (one call
 for a single-key request), group the keys of a batch by service and cut
 them into datagrams, decode GET_MANY and SCAN replies, pack and unpack
-values (msgpack, as domus.wire.values), and (in C only) the UDP round trip.
+values (msgpack, as domus.wire.values), and the UDP round trip (sealed and
+opened on a secure deployment).
 
 Each function has a pure-Python reference below, built on
 ``domus.wire.keys`` and ``domus.wire.protocol``.  ``domus._codec`` (cext/codec.c)
@@ -22,11 +23,15 @@ function itself, or (C only) a code for a hash the C module computes
 from __future__ import annotations
 
 import os
+import select
+import socket
+import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any, NamedTuple, TypeVar
 
 from domus.errors import ValueDecodeError
+from domus.wire import auth as _auth
 from domus.wire import keys as _keys
 from domus.wire import protocol as wire
 from domus.wire import values as _values
@@ -214,9 +219,91 @@ def unpack_value(data: bytes, offset: int) -> Any:
 
 # ------------------------------------------------------------ round trips
 
-# roundtrip(fd, message, timeout) -> reply | None exists in C only; the
-# Python transport does its round trips with socket methods.
-roundtrip: Callable[[int, bytes, float], bytes | None] | None = None
+MAX_SPIN = 0.01                 # seconds a round trip may spin for its reply
+
+
+def _real(value: Any) -> float:
+    """A number as C's PyFloat_AsDouble takes it (not a str)."""
+    if isinstance(value, (str, bytes, bytearray)):
+        raise TypeError(f"must be real number, not {type(value).__name__}")
+    return float(value)
+
+
+def roundtrip_reference(fd: int, message: bytes, timeout: float, spin: float = 0.0,
+                        key: bytes | None = None, seconds: int | None = None) -> bytes | None:
+    """Send ``message`` on the connected UDP socket ``fd`` and wait up to
+    ``timeout`` seconds for its reply: the first datagram of
+    REPLY_HEADER_SIZE bytes or more with the request's id (bytes 4..8);
+    others (stale replies to earlier requests) are skipped.  With ``key`` (a
+    secure deployment's data key) the message goes sealed at ``seconds``
+    (None: this clock's) by ``auth.seal_request``, and a datagram is the
+    reply only if it opens with ``auth.open_reply_to`` for that try: a
+    forged, unsealed or short one is skipped; the reply is returned opened.
+    None on timeout; OSError (e.g. ConnectionRefusedError) as the socket
+    reports it.  ``spin`` (at most 0.01 s) is how long the C twin polls
+    before it sleeps; it changes no outcome, and this one sleeps at once.
+
+    The reference of domus._codec.roundtrip (which does all of this without
+    the GIL); the Python transport does its own round trips with socket
+    methods (domus.client.transport), so this serves the tests."""
+    spin = _real(spin)
+    if not 0.0 <= spin <= MAX_SPIN:
+        raise ValueError("spin must be in [0, 0.01] seconds")
+    if not isinstance(fd, int):
+        raise TypeError(f"fd must be an int, not {type(fd).__name__}")
+    if not 0 <= fd <= 0x7FFFFFFF:
+        raise OverflowError("fd must be in [0, 2147483647]")
+    if not isinstance(message, bytes):
+        raise TypeError(f"message must be bytes, not {type(message).__name__}")
+    timeout = _real(timeout)
+    if not 0.0 <= timeout <= 1e6:
+        raise ValueError("timeout must be in [0, 1e6] seconds")
+    if len(message) < 8:
+        raise ValueError("a request has at least 8 bytes")
+    if key is not None:
+        _auth.seal_request_reference(key, b"", seconds)      # (its checks: key, seconds)
+    elif seconds is not None:
+        _auth.seal_request_reference(bytes(16), b"", seconds)
+    deadline = time.monotonic() + timeout
+    sent = message
+    stamps: list[bytes] = []
+    if key is not None:
+        sent = _auth.seal_request_reference(key, message, seconds)
+        stamps.append(sent[-12:-8])
+    request_id = message[4:8]
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLOUT)
+        while True:
+            try:
+                sock.send(sent, socket.MSG_DONTWAIT)
+                break
+            except (BlockingIOError, InterruptedError):
+                poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
+                if time.monotonic() >= deadline:
+                    return None
+        poller.modify(sock.fileno(), select.POLLIN)
+        while True:
+            try:
+                data = sock.recv(65536, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                left = deadline - time.monotonic()
+                if not poller.poll(max(0.0, left) * 1000 + 1) and \
+                        time.monotonic() >= deadline:
+                    return None
+                continue
+            if key is not None:
+                data = _auth.open_reply_to_reference(key, data, message, stamps) or b""
+            if len(data) >= wire.REPLY_HEADER_SIZE and data[4:8] == request_id:
+                return data
+            if time.monotonic() >= deadline:
+                return None
+
+
+# roundtrip(fd, message, timeout[, spin, key, seconds]) -> reply | None: the
+# transport uses it when it is C (None here: the Python transport does its
+# round trips with socket methods); roundtrip_reference is its twin.
+roundtrip: Callable[..., bytes | None] | None = None
 
 
 # ------------------------------------------------------------ selection
@@ -226,6 +313,7 @@ _ACCELERATED_NAMES = ("encode_key", "encode_keys", "bucket_of", "keyed", "put_ma
                       "get_many_take", "pack_value", "pack_values", "unpack_value", "roundtrip")
 reference = SimpleNamespace(hasher=_keys.HASH_FUNCTIONS.__getitem__,
                             **{name: globals()[name] for name in _ACCELERATED_NAMES})
+reference.roundtrip = roundtrip_reference
 
 PURE_PYTHON = os.environ.get("DOMUS_PURE_PYTHON") == "1"
 IMPLEMENTATION = "python"
@@ -302,5 +390,5 @@ def value_codec(name: str | None) -> ValueCodec:
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON", "reference", "accelerated", "hasher", "chunks",
            "group", "encode_key", "encode_keys", "bucket_of", "keyed", "put_many_requests",
            "get_many_requests", "decode_get_many_reply", "decode_scan_reply", "get_many_take",
-           "pack_value", "pack_values", "unpack_value", "value_of", "roundtrip", "ValueCodec",
-           "value_codec"]
+           "pack_value", "pack_values", "unpack_value", "value_of", "roundtrip",
+           "roundtrip_reference", "ValueCodec", "value_codec"]

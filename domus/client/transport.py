@@ -12,9 +12,12 @@ reply of its first try was forgotten.  A connected UDP socket also learns at
 once (ECONNREFUSED) when nothing listens on the service's port.
 
 When the C codec is built, a request's first try is ``domus.client.codec.roundtrip``
-(send, spin briefly for the reply, then poll and recv; without the GIL); if
-it times out or is refused, the Python loop below carries on from there
-under the same rule.
+(send, spin briefly for the reply, then poll and recv; without the GIL; on a
+secure deployment it also seals the request and skips any datagram whose
+MAC does not check for it, so that no per-request crypto runs in Python);
+if it times out or is refused, the Python loop below carries on from there
+under the same rule (taking a late reply to that first try too: it is
+given the time the first try was sealed with).
 
 Threads: a ``ServiceChannel`` may be used by any number of threads at once.
 Each thread has its own connected UDP socket (and TCP connection) to the
@@ -99,6 +102,8 @@ def spin_from_environment(environ: Any = os.environ) -> float:
 
 
 SPIN = spin_from_environment()
+_wall_clock = time.time
+_STAMP = struct.Struct(">I")   # a sealed request's time (domus.wire.auth)
 _TIMED_OUT = "timed out"       # how a first try made in C ended
 _REFUSED = "refused"
 
@@ -541,20 +546,22 @@ class ServiceChannel:
         if _roundtrip is None:
             return self._request_udp(message, dht, bucket, None)
         key = self._key
-        sealed = message if key is None else auth.seal_request(key, message)
-        # The first try in C: send, poll, recv, without the GIL.
+        # The first try in C: (on a secure deployment, seal it,) send, poll,
+        # recv (skipping any datagram whose MAC does not check, and opening
+        # the reply), all without the GIL.
         try:
-            reply = _roundtrip(self._fd, sealed, min(self.first_timeout, deadline), SPIN)
+            if key is None:
+                reply = _roundtrip(self._fd, message, min(self.first_timeout, deadline), SPIN)
+            else:
+                seconds = int(_wall_clock()) & 0xFFFFFFFF     # (auth.now_seconds)
+                reply = _roundtrip(self._fd, message, min(self.first_timeout, deadline), SPIN,
+                                   key, seconds)
         except ConnectionRefusedError:
             return self._request_udp(message, dht, bucket, _REFUSED, deadline=deadline)
-        if reply is None:
-            return self._request_udp(message, dht, bucket, _TIMED_OUT, deadline=deadline)
-        if key is not None:
-            opened = auth.open_reply(key, reply, message[8:16], sealed[-12:-8])
-            if opened is None:          # not the service's: wait on for its own
-                return self._request_udp(message, dht, bucket, _TIMED_OUT,
-                                         [sealed[-12:-8]], deadline=deadline)
-            reply = opened
+        if reply is None:               # (a late reply to this try is still taken)
+            return self._request_udp(message, dht, bucket, _TIMED_OUT,
+                                     None if key is None else [_STAMP.pack(seconds)],
+                                     deadline=deadline)
         if reply[2] == wire.ST_REPLY_TOO_LARGE:
             return self._request_tcp(message, dht, bucket)
         return reply

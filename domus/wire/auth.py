@@ -122,14 +122,48 @@ siphash24 = _c_siphash24 if _c_siphash24 is not None else siphash24_reference
 
 
 # ------------------------------------------------------------------ datagrams
+#
+# The client's side (seal_request, open_reply, open_reply_to) is done in C
+# when domus._codec is built (cext/codec.c; its round trip seals and opens
+# too): the functions named ``..._reference`` below are their pure-Python
+# twins, which tests/unit/test_auth.py holds them to, byte for byte and
+# error for error.  The service's side (open_request, fresh, seal_reply) is
+# done in C by its hot path (cext/hotpath.c), and here for what it leaves to
+# Python.
 
 def now_seconds() -> int:
     return int(time.time()) & 0xFFFFFFFF
 
 
-def seal_request(key: bytes, message: bytes, seconds: int | None = None) -> bytes:
-    """``message`` with its trailer (time and MAC)."""
-    stamp = _U32.pack(now_seconds() if seconds is None else seconds)
+def _check_key(key: Any) -> None:
+    if not isinstance(key, bytes):
+        raise TypeError(f"key must be bytes, not {type(key).__name__}")
+    if len(key) != 16:
+        raise ValueError("a SipHash key is 16 bytes")
+
+
+def _check_bytes(value: Any, what: str) -> None:
+    if not isinstance(value, bytes):
+        raise TypeError(f"{what} must be bytes, not {type(value).__name__}")
+
+
+def _check_seconds(seconds: Any) -> int:
+    if seconds is None:
+        return now_seconds()
+    if not isinstance(seconds, int):
+        raise TypeError(f"seconds must be an int, not {type(seconds).__name__}")
+    if not 0 <= seconds <= 0xFFFFFFFF:
+        raise OverflowError("seconds must be in [0, 4294967295]")
+    return seconds
+
+
+def seal_request_reference(key: bytes, message: bytes, /,
+                           seconds: int | None = None) -> bytes:
+    """``message`` with its trailer: the time (``seconds``, or this
+    clock's) and the MAC of the message and that time."""
+    _check_key(key)
+    _check_bytes(message, "message")
+    stamp = _U32.pack(_check_seconds(seconds))
     return message + stamp + _U64.pack(siphash24(key, message + stamp))
 
 
@@ -155,8 +189,14 @@ def seal_reply(key: bytes, reply: bytes, client_id: bytes, stamp: bytes) -> byte
     return reply + _U64.pack(siphash24(key, reply + client_id + stamp))
 
 
-def open_reply(key: bytes, datagram: bytes, client_id: bytes, stamp: bytes) -> bytes | None:
-    """The reply if its MAC checks for this request, else None."""
+def open_reply_reference(key: bytes, datagram: bytes, client_id: bytes,
+                         stamp: bytes) -> bytes | None:
+    """The reply if its MAC checks for the request of ``client_id`` sealed
+    at ``stamp``, else None."""
+    _check_key(key)
+    _check_bytes(datagram, "datagram")
+    _check_bytes(client_id, "client_id")
+    _check_bytes(stamp, "stamp")
     if len(datagram) < REPLY_TRAILER + 1:
         return None
     reply = datagram[:-8]
@@ -166,18 +206,34 @@ def open_reply(key: bytes, datagram: bytes, client_id: bytes, stamp: bytes) -> b
     return reply
 
 
-def open_reply_to(key: bytes, datagram: bytes, request: bytes,
-                  stamps: list[bytes]) -> bytes | None:
+def open_reply_to_reference(key: bytes, datagram: bytes, request: bytes,
+                            stamps: list[bytes] | tuple[bytes, ...]) -> bytes | None:
     """The reply to ``request`` (unsealed, as the client built it) if its
     MAC checks for one of the request's tries, sealed at ``stamps`` (the
     newest tried first), else None: what every client does with a datagram
     that comes back."""
+    _check_key(key)
+    _check_bytes(datagram, "datagram")
+    _check_bytes(request, "request")
+    if not isinstance(stamps, (list, tuple)):
+        raise TypeError(f"stamps must be a list or a tuple of bytes, not "
+                        f"{type(stamps).__name__}")
+    for stamp in stamps:
+        _check_bytes(stamp, "a stamp")
     client_id = request[8:16]
     for stamp in reversed(stamps):
-        opened = open_reply(key, datagram, client_id, stamp)
+        opened = open_reply_reference(key, datagram, client_id, stamp)
         if opened is not None:
             return opened
     return None
+
+
+if _c_siphash24 is not None:
+    from domus._codec import open_reply, open_reply_to, seal_request
+else:
+    seal_request = seal_request_reference
+    open_reply = open_reply_reference
+    open_reply_to = open_reply_to_reference
 
 
 # ------------------------------------------------------------------ connections
@@ -330,5 +386,7 @@ def is_handshake(frame: Any) -> bool:
 
 
 __all__ = ["siphash24", "siphash24_reference", "seal_request", "open_request", "fresh",
-           "seal_reply", "open_reply", "Session", "Accepting", "Connecting", "is_handshake",
-           "TIME_WINDOW", "REQUEST_TRAILER", "REPLY_TRAILER", "TAG_BYTES"]
+           "seal_reply", "open_reply", "open_reply_to", "seal_request_reference",
+           "open_reply_reference", "open_reply_to_reference", "Session", "Accepting",
+           "Connecting", "is_handshake", "TIME_WINDOW", "REQUEST_TRAILER", "REPLY_TRAILER",
+           "TAG_BYTES"]

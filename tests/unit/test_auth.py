@@ -6,6 +6,7 @@ must not be able to do)."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import stat
 import struct
@@ -137,6 +138,153 @@ def test_a_reply_opens_only_for_the_request_it_answers():
     assert auth.open_reply(KEYS.data, sealed, CLIENT, struct.pack(">I", 1235)) is None
     assert auth.open_reply(OTHER.data, sealed, CLIENT, stamp) is None
     assert auth.open_reply(KEYS.data, reply, CLIENT, stamp) is None
+
+
+# ------------------------------------------------------------ the client's side in C
+
+try:  # directly: the twins are compared under DOMUS_PURE_PYTHON=1 too
+    from domus import _codec as C
+except ImportError:
+    C = None
+needs_c = pytest.mark.skipif(C is None, reason="domus._codec is not built")
+
+
+def outcome(function, *args, **named):
+    """("ok", result) or ("error", exception type, message)."""
+    try:
+        return ("ok", function(*args, **named))
+    except Exception as exc:  # noqa: BLE001 - every exception is compared
+        return ("error", type(exc), str(exc))
+
+
+@needs_c
+def test_the_process_uses_the_c_seal_and_open_unless_told_not_to():
+    if os.environ.get("DOMUS_PURE_PYTHON") == "1":
+        assert auth.seal_request is auth.seal_request_reference
+        assert auth.open_reply_to is auth.open_reply_to_reference
+    else:
+        assert (auth.seal_request, auth.open_reply, auth.open_reply_to) == (
+            C.seal_request, C.open_reply, C.open_reply_to)
+
+
+@needs_c
+def test_c_seals_requests_byte_for_byte_as_the_reference():
+    generator = random.Random(15)
+    for length in list(range(0, 40)) + [1000, 1012, 1013, 60000]:
+        key, message = generator.randbytes(16), generator.randbytes(length)
+        for seconds in (0, 1, generator.getrandbits(32), 0xFFFFFFFF):
+            sealed = C.seal_request(key, message, seconds)
+            assert sealed == auth.seal_request_reference(key, message, seconds), length
+            assert C.seal_request(key, message, seconds=seconds) == sealed
+            assert auth.open_request(key, sealed) == (message, seconds.to_bytes(4, "big"))
+
+
+@needs_c
+def test_c_seals_with_the_clock_python_reads():
+    message = get(1)
+    for _attempt in range(5):
+        before = auth.now_seconds()
+        sealed = C.seal_request(KEYS.data, message)
+        if auth.now_seconds() == before:          # (no second began meanwhile)
+            assert sealed == auth.seal_request_reference(KEYS.data, message, before)
+            assert C.seal_request(KEYS.data, message, None) == sealed
+            return
+    raise AssertionError("the clock ticked during every attempt")
+
+
+@needs_c
+@pytest.mark.parametrize("arguments, named", [
+    ((b"k" * 15, b"m"), {}), ((b"k" * 17, b"m"), {}), (("k" * 16, b"m"), {}),
+    ((b"k" * 16, bytearray(b"m")), {}), ((b"k" * 16, "m"), {}),
+    ((b"k" * 16, b"m", -1), {}), ((b"k" * 16, b"m", 1 << 32), {}),
+    ((b"k" * 16, b"m", 1.0), {}), ((b"k" * 16, b"m", "1"), {}),
+    ((b"k" * 16, b"m"), {"seconds": -1}),
+])
+def test_c_refuses_what_the_reference_refuses_when_sealing(arguments, named):
+    assert outcome(C.seal_request, *arguments, **named) == \
+        outcome(auth.seal_request_reference, *arguments, **named)
+
+
+@needs_c
+def test_c_seal_request_takes_only_seconds_by_name():
+    for call in (lambda: C.seal_request(KEYS.data), lambda: C.seal_request(KEYS.data, b"m", 1, 2),
+                 lambda: C.seal_request(KEYS.data, b"m", when=1),
+                 lambda: C.seal_request(KEYS.data, message=b"m"),
+                 lambda: C.seal_request(KEYS.data, b"m", 1, seconds=1)):
+        with pytest.raises(TypeError):
+            call()
+
+
+def sealed_replies(generator, client_id, stamp):
+    """Datagrams a client may receive for a request of ``client_id`` sealed
+    at ``stamp``: the service's reply, and each way of getting it wrong."""
+    reply = wire.reply(wire.ST_OK, generator.getrandbits(32), generator.randbytes(
+        generator.choice((0, 1, 7, 30))))
+    honest = auth.seal_reply(KEYS.data, reply, client_id, stamp)
+    flipped = bytearray(honest)
+    flipped[generator.randrange(len(flipped))] ^= 1 << generator.randrange(8)
+    return [honest, reply, bytes(flipped), honest[:-1], honest[:9], honest[:8], b"",
+            auth.seal_reply(OTHER.data, reply, client_id, stamp),
+            auth.seal_reply(KEYS.data, reply, client_id[::-1] + b"x", stamp),
+            auth.seal_reply(KEYS.data, reply, client_id, b"\0\0\0\0"),
+            auth.seal_reply(KEYS.data, b"", client_id, stamp),
+            auth.seal_reply(KEYS.data, b"x", client_id, stamp),
+            generator.randbytes(generator.randrange(0, 40))]
+
+
+@needs_c
+def test_c_opens_replies_exactly_as_the_reference():
+    generator = random.Random(16)
+    for _round in range(300):
+        request = put(generator.getrandbits(32))[:generator.choice((3, 8, 12, 16, 40))]
+        client_id = request[8:16]
+        stamps = [generator.randbytes(4) for _try in range(generator.randrange(0, 4))]
+        for stamp in stamps or [b"\0\0\0\0"]:
+            for datagram in sealed_replies(generator, client_id, stamp):
+                assert C.open_reply(KEYS.data, datagram, client_id, stamp) == \
+                    auth.open_reply_reference(KEYS.data, datagram, client_id, stamp)
+                for tries in (stamps, tuple(stamps), stamps[:1], stamps[::-1]):
+                    assert C.open_reply_to(KEYS.data, datagram, request, tries) == \
+                        auth.open_reply_to_reference(KEYS.data, datagram, request, tries)
+
+
+@needs_c
+def test_a_reply_opens_for_any_try_of_its_request_and_no_other():
+    request = get(21)
+    stamps = [(1000 + index).to_bytes(4, "big") for index in range(3)]
+    answer = wire.reply(wire.ST_OK, 21, b"\xa5value")
+    for open_reply_to in (C.open_reply_to, auth.open_reply_to_reference):
+        for stamp in stamps:
+            sealed = auth.seal_reply(KEYS.data, answer, request[8:16], stamp)
+            assert open_reply_to(KEYS.data, sealed, request, stamps) == answer
+            assert open_reply_to(KEYS.data, sealed, request, [s for s in stamps
+                                                              if s != stamp]) is None
+            assert open_reply_to(KEYS.data, sealed, get(21)[:8] + b"other id", stamps) is None
+            assert open_reply_to(OTHER.data, sealed, request, stamps) is None
+        assert open_reply_to(KEYS.data, answer + bytes(8), request, stamps) is None
+        assert open_reply_to(KEYS.data, answer, request, []) is None
+
+
+@needs_c
+@pytest.mark.parametrize("function, reference, arguments", [
+    ("open_reply", "open_reply_reference", (b"k" * 15, b"d" * 20, b"c" * 8, b"s" * 4)),
+    ("open_reply", "open_reply_reference", (None, b"d" * 20, b"c" * 8, b"s" * 4)),
+    ("open_reply", "open_reply_reference", (b"k" * 16, bytearray(20), b"c" * 8, b"s" * 4)),
+    ("open_reply", "open_reply_reference", (b"k" * 16, b"d", "c" * 8, b"s" * 4)),
+    ("open_reply", "open_reply_reference", (b"k" * 16, b"d", b"c" * 8, 1234)),
+    ("open_reply_to", "open_reply_to_reference", (b"k" * 16, b"d" * 20, b"r" * 16, None)),
+    ("open_reply_to", "open_reply_to_reference", (b"k" * 16, b"d" * 20, b"r" * 16,
+                                                 iter([b"s" * 4]))),
+    ("open_reply_to", "open_reply_to_reference", (b"k" * 16, b"d" * 20, b"r" * 16,
+                                                 [b"s" * 4, "s" * 4])),
+    ("open_reply_to", "open_reply_to_reference", (b"k" * 16, b"d", b"r" * 16, [None])),
+    ("open_reply_to", "open_reply_to_reference", (b"k" * 16, b"d" * 20, "r" * 16, [])),
+    ("open_reply_to", "open_reply_to_reference", (b"k" * 16, None, b"r" * 16, [])),
+    ("open_reply_to", "open_reply_to_reference", (b"k", b"d" * 20, b"r" * 16, [])),
+])
+def test_c_refuses_what_the_reference_refuses_when_opening(function, reference, arguments):
+    assert outcome(getattr(C, function), *arguments) == \
+        outcome(getattr(auth, reference), *arguments)
 
 
 # ------------------------------------------------------------ the handshake
@@ -525,7 +673,9 @@ def test_the_twisted_client_seals_each_try_afresh_and_takes_only_a_sealed_reply(
     from twisted.internet.task import Clock
 
     seconds = iter(range(int(time.time()), int(time.time()) + 100))
-    monkeypatch.setattr(auth, "now_seconds", lambda: next(seconds))   # (a second per try)
+    monkeypatch.setattr(auth, "seal_request",                          # (a second per try)
+                        lambda key, message: auth.seal_request_reference(key, message,
+                                                                         next(seconds)))
     from domus.client.tx import DatagramRequests, TxChannel
 
     clock = Clock()

@@ -34,7 +34,7 @@ from domus.errors import (
     ValueTypeError,
 )
 from domus.placement.bucketmap import BucketMap
-from domus.wire import keys
+from domus.wire import auth, keys
 from domus.wire import protocol as wire
 
 try:  # directly: the comparisons run under DOMUS_PURE_PYTHON=1 too
@@ -924,7 +924,7 @@ def test_roundtrip_spin_must_be_a_short_time():
         with pytest.raises(TypeError):
             C.roundtrip(client.fileno(), request(1), 1.0, "fast")
         with pytest.raises(TypeError):
-            C.roundtrip(client.fileno(), request(1), 1.0, 0.0, "extra")
+            C.roundtrip(client.fileno(), request(1), 1.0, 0.0, None, None, "extra")
         service.settimeout(0.05)
         with pytest.raises(OSError):
             service.recv(100)                          # nothing was sent
@@ -991,6 +991,123 @@ def test_other_threads_run_while_a_roundtrip_waits():
         assert len(ticks) >= 5  # the GIL was released while waiting
 
 
+# ------------------------------------------------------------ sealed round trips
+#
+# A secure deployment's round trip: C seals the request and opens the reply
+# (roundtrip's key and seconds); codec.roundtrip_reference is its twin.
+# Both are given the same datagrams back, and must put the same bytes on the
+# wire and take the same reply, skipping the same forgeries.
+
+DATA_KEY = bytes(range(16))
+OTHER_KEY = bytes(range(1, 17))
+STAMP_SECONDS = 0x5EED0000
+
+
+def sealed_answer(request_id, body=b"value", key=DATA_KEY, client_id=None, seconds=None):
+    """What a secure service sends back for request(request_id) sealed at
+    STAMP_SECONDS (or as told otherwise)."""
+    reply = wire.reply(wire.ST_OK, request_id, body)
+    client = request(request_id)[8:16] if client_id is None else client_id
+    stamp = (STAMP_SECONDS if seconds is None else seconds).to_bytes(4, "big")
+    return auth.seal_reply(key, reply, client, stamp)
+
+
+def forgeries(request_id):
+    """Datagrams with the request's id that are not its reply."""
+    honest = sealed_answer(request_id)
+    flipped = bytearray(honest)
+    flipped[-3] ^= 0x10
+    return [wire.reply(wire.ST_OK, request_id, b"unsealed"),         # no MAC at all
+            sealed_answer(request_id, key=OTHER_KEY),                 # another deployment's
+            sealed_answer(request_id, seconds=STAMP_SECONDS - 1),     # another try's time
+            sealed_answer(request_id, client_id=b"\0" * 8),           # another client's
+            bytes(flipped), honest[:-1], honest[:15],                 # changed, cut short
+            auth.seal_reply(DATA_KEY, wire.reply(wire.ST_OK, request_id)[:7],
+                            request(request_id)[8:16],
+                            STAMP_SECONDS.to_bytes(4, "big")),        # sealed, but too short
+            sealed_answer(request_id + 1)]                            # a stale reply, sealed
+
+
+def sealed_exchange(function, request_id, replies, timeout=2.0, spin=0.0):
+    """(what function's round trip returned, the bytes the service got)."""
+    service, client = udp_pair()
+    received = []
+    with service, client:
+        thread = answer(service, lambda data: (received.append(data), replies)[1])
+        result = outcome(function, client.fileno(), request(request_id), timeout, spin,
+                         DATA_KEY, STAMP_SECONDS)
+        thread.join(5)
+        return result, received
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.002])
+def test_a_sealed_roundtrip_sends_the_bytes_python_seals_and_takes_the_reply(spin):
+    for function in (C.roundtrip, P.roundtrip):
+        result, received = sealed_exchange(function, 31, [sealed_answer(31)], spin=spin)
+        assert received == [auth.seal_request_reference(DATA_KEY, request(31), STAMP_SECONDS)]
+        assert result == ("ok", wire.reply(wire.ST_OK, 31, b"value"))    # (opened)
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.002])
+def test_a_sealed_roundtrip_skips_every_forgery_as_the_reference_does(spin):
+    for forged in forgeries(32):
+        replies = [forged, sealed_answer(32, b"mine")]
+        c_result, c_sent = sealed_exchange(C.roundtrip, 32, replies, spin=spin)
+        p_result, p_sent = sealed_exchange(P.roundtrip, 32, replies, spin=spin)
+        assert c_sent == p_sent
+        assert c_result == p_result == ("ok", wire.reply(wire.ST_OK, 32, b"mine")), forged
+
+
+def test_a_sealed_roundtrip_given_only_forgeries_times_out_with_none():
+    for function in (C.roundtrip, P.roundtrip):
+        started = time.monotonic()
+        result, _sent = sealed_exchange(function, 33, forgeries(33), timeout=0.2)
+        assert result == ("ok", None)
+        assert 0.2 <= time.monotonic() - started < 2.0
+
+
+def test_a_sealed_roundtrip_seals_with_this_clock_when_not_given_a_time():
+    service, client = udp_pair()
+    with service, client:
+        for _attempt in range(5):
+            before = int(time.time())
+            assert C.roundtrip(client.fileno(), request(34), 0, 0.0, DATA_KEY) is None
+            if int(time.time()) == before:
+                assert service.recv(100) == auth.seal_request_reference(DATA_KEY, request(34),
+                                                                        before)
+                return
+            service.recv(100)
+    raise AssertionError("the clock ticked during every attempt")
+
+
+def test_a_large_request_is_sealed_whole():
+    # (past the C round trip's stack buffer: sealed in memory of its own)
+    message = request(35) + os.urandom(5000)
+    service, client = udp_pair()
+    with service, client:
+        assert C.roundtrip(client.fileno(), message, 0, 0.0, DATA_KEY, 7) is None
+        assert service.recv(65536) == auth.seal_request_reference(DATA_KEY, message, 7)
+
+
+@pytest.mark.parametrize("arguments", [
+    (request(1), 1.0, 0.0, b"short key"), (request(1), 1.0, 0.0, "k" * 16),
+    (request(1), 1.0, 0.0, DATA_KEY, -1), (request(1), 1.0, 0.0, DATA_KEY, 1 << 32),
+    (request(1), 1.0, 0.0, DATA_KEY, 1.5), (request(1), 1.0, 0.0, None, -1),
+    (b"short", 1.0, 0.0, DATA_KEY), (request(1), -1.0, 0.0, DATA_KEY),
+    (request(1), 1.0, 0.5, DATA_KEY), (request(1), 1.0, "fast", DATA_KEY),
+    (bytearray(request(1)), 1.0, 0.0, DATA_KEY),
+])
+def test_a_sealed_roundtrip_refuses_what_the_reference_refuses(arguments):
+    service, client = udp_pair()
+    with service, client:
+        c_result = outcome(C.roundtrip, client.fileno(), *arguments)
+        assert c_result[0] == "error"
+        assert c_result[:2] == outcome(P.roundtrip, client.fileno(), *arguments)[:2]
+        service.settimeout(0.05)
+        with pytest.raises(OSError):
+            service.recv(100)                          # nothing was sent
+
+
 # ------------------------------------------------------------ leaks
 
 def _blocks_after(function, rounds):
@@ -1055,6 +1172,17 @@ def test_no_references_leak():
         lambda: catch(C.unpack_value, b"\x82\x90\x01\x01\x01", 0),
         lambda: catch(C.unpack_value, b"\xa2\xff\xfe", 0),
         lambda: C.roundtrip(client.fileno(), request(1), 0),
+        lambda: C.roundtrip(client.fileno(), request(1), 0, 0.0, DATA_KEY, 5),
+        lambda: C.roundtrip(client.fileno(), request(1) + bytes(2000), 0, 0.0, DATA_KEY, 5),
+        lambda: catch(C.roundtrip, client.fileno(), request(1), 0, 0.0, b"bad key"),
+        lambda: C.seal_request(DATA_KEY, request(1), 5),
+        lambda: C.seal_request(DATA_KEY, request(1), seconds=5),
+        lambda: catch(C.seal_request, DATA_KEY, request(1), -5),
+        lambda: C.open_reply(DATA_KEY, sealed_answer(1), request(1)[8:16], b"\x5e\xed\0\0"),
+        lambda: C.open_reply(DATA_KEY, sealed_answer(2), request(1)[8:16], b"\x5e\xed\0\0"),
+        lambda: C.open_reply_to(DATA_KEY, sealed_answer(1), request(1),
+                                [b"\0\0\0\0", b"\x5e\xed\0\0"]),
+        lambda: catch(C.open_reply_to, DATA_KEY, sealed_answer(1), request(1), [None]),
     ]
     with service, client:
         service.setblocking(False)

@@ -13,7 +13,9 @@ import pytest
 from domus.client import transport
 from domus.client.transport import ServiceChannel
 from domus.errors import ServiceBusy, ServiceUnavailable
+from domus.wire import auth
 from domus.wire import protocol as wire
+from domus.wire.secret import Keys
 
 try:  # directly: the C round trip is tested under DOMUS_PURE_PYTHON=1 too
     from domus._codec import roundtrip
@@ -148,6 +150,94 @@ def test_nothing_listening_is_refused_three_times(first_try):
         with pytest.raises(ServiceUnavailable, match="refused the request"):
             channel.request(request(9))
         assert time.monotonic() - started < 2.0  # 3 refusals, not the deadline
+    finally:
+        channel.close()
+
+
+# ------------------------------------------------------------ a secure deployment
+
+KEYS = Keys.from_secret(bytes(range(32)), "test secret")
+OTHER = Keys.from_secret(bytes(range(1, 33)), "another deployment's")
+
+
+def sealed_ok(data, body=b"", key=KEYS.data, stamp=None):
+    """The reply to the sealed request ``data``, sealed as a secure service
+    seals it (for the request's own time, unless ``stamp`` says otherwise)."""
+    request, its_stamp = auth.open_request(KEYS.data, data)
+    return auth.seal_reply(key, ok(request, body), request[8:16],
+                           its_stamp if stamp is None else stamp)
+
+
+def test_a_secure_request_goes_sealed_and_its_reply_comes_back_opened(first_try, serve):
+    service = serve(lambda number, data: [sealed_ok(data, b"value")])
+    channel = ServiceChannel("s1", service.address, deadline=2.0, first_timeout=0.5, keys=KEYS)
+    try:
+        before = auth.now_seconds()
+        assert channel.request(request(5)) == ok(request(5), b"value")
+        opened = auth.open_request(KEYS.data, service.received[0])
+        assert opened is not None and opened[0] == request(5)
+        assert before <= int.from_bytes(opened[1], "big") <= auth.now_seconds()
+        assert (channel.timeouts, channel.retries) == (0, 0)
+    finally:
+        channel.close()
+
+
+def test_a_secure_channel_skips_forged_replies_without_a_retry(first_try, serve):
+    def forge(number, data):
+        request_, stamp = auth.open_request(KEYS.data, data)
+        honest = sealed_ok(data, b"mine")
+        return [ok(request_, b"unsealed"), sealed_ok(data, b"evil", key=OTHER.data),
+                sealed_ok(data, b"evil", stamp=b"\0\0\0\0"), honest[:-1], honest[:12],
+                auth.seal_reply(KEYS.data, ok(request_, b"evil"), b"\0" * 8, stamp), honest]
+
+    service = serve(forge)
+    channel = ServiceChannel("s1", service.address, deadline=2.0, first_timeout=0.5, keys=KEYS)
+    try:
+        assert channel.request(request(6)) == ok(request(6), b"mine")
+        assert (channel.timeouts, channel.retries) == (0, 0)
+        assert len(service.received) == 1
+    finally:
+        channel.close()
+
+
+def test_a_late_reply_to_the_first_try_is_taken_after_a_retry(first_try, serve,
+                                                              monkeypatch):
+    # The service answers the first try only once the retry has come (and
+    # the retry not at all): the reply, sealed for the first try's time,
+    # must still open, whichever round trip made that first try.  (Each try
+    # is sealed a second after the one before, so that only the first try's
+    # time opens that reply.)
+    seconds = iter(range(auth.now_seconds() - 3, auth.now_seconds() + 100))
+    monkeypatch.setattr(transport, "_wall_clock", lambda: next(seconds))
+    monkeypatch.setattr(auth, "seal_request", lambda key, message: auth.seal_request_reference(
+        key, message, next(seconds)))
+    first = []
+
+    def late(number, data):
+        first.append(data)
+        return [sealed_ok(first[0], b"late")] if number == 2 else []
+
+    service = serve(late)
+    channel = ServiceChannel("s1", service.address, deadline=2.0, first_timeout=0.05,
+                             keys=KEYS)
+    try:
+        assert channel.request(request(7)) == ok(request(7), b"late")
+        assert (channel.timeouts, channel.retries) == (1, 1)
+        opened = [auth.open_request(KEYS.data, data) for data in service.received]
+        assert [request_ for request_, _stamp in opened] == [request(7)] * 2
+        assert opened[0][1] != opened[1][1]
+    finally:
+        channel.close()
+
+
+def test_a_secure_channel_given_only_forgeries_is_unavailable_after_the_deadline(
+        first_try, serve):
+    service = serve(lambda number, data: [sealed_ok(data, key=OTHER.data)])
+    channel = ServiceChannel("s1", service.address, deadline=0.3, first_timeout=0.05,
+                             keys=KEYS)
+    try:
+        with pytest.raises(ServiceUnavailable, match="did not answer within 0.3s"):
+            channel.request(request(8))
     finally:
         channel.close()
 
