@@ -92,7 +92,8 @@ def free_ports(count: int, seed: int, host: str = "0.0.0.0") -> int:
 def _own(cluster: Any, job_id: str) -> dict[str, Any]:
     status = cluster.status()
     data_dir = status["supervisor"]["data_dir"]
-    if job_directory(job_id) not in data_dir.split(os.sep):
+    mine = job_directory(job_id)
+    if not any(part == mine or part.startswith(mine + ".") for part in data_dir.split(os.sep)):
         raise SystemExit(f"domus job: the supervisor at {cluster.address} is not job "
                          f"{job_id}'s (its data dir is {data_dir}); not touching it")
     return status

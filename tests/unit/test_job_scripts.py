@@ -42,7 +42,7 @@ def test_each_node_gets_a_private_unguessable_data_dir(kind, tmp_path):
     made = {make_on_a_node(kind, {"DOMUS_DATA": str(parent)}) for _ in range(2)}
     assert len(made) == 2                            # (a fresh name each time)
     for path in made:
-        assert path.parent == parent and path.name.startswith("domus-job.")
+        assert path.parent == parent and path.name.startswith("domus-job")
         info = path.stat()
         assert info.st_mode & 0o777 == 0o700 and info.st_uid == os.getuid()
     elsewhere = make_on_a_node(kind, {"TMPDIR": str(tmp_path)})
