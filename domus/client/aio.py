@@ -404,6 +404,8 @@ class DatagramRequests:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
+                if self.closed:
+                    return
                 self.send_errors += 1   # (an ICMP error: the retry rule covers it)
                 continue
             received(data, peer)
@@ -463,10 +465,11 @@ class DatagramRequests:
                 entry.future.set_exception(DomusError(
                     f"the asyncio Domus client was closed before service {entry.channel.name} "
                     f"answered"))
-        if self.sock is not None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
             if not self.loop.is_closed():
-                self.loop.remove_reader(self.sock.fileno())
-            self.sock.close()
+                self.loop.remove_reader(sock.fileno())
+            sock.close()
 
 
 class AioChannel:
