@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Generator, Iterable, Mapping
 from typing import Any
 
+from domus.client import codec
 from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target
 from domus.client.evented import WINDOW, EventedDht
 from domus.client.transport import (
@@ -65,6 +66,7 @@ from domus.errors import (
     ServiceUnavailable,
     SupervisorUnreachable,
     UnknownDht,
+    ValueDecodeError,
 )
 from domus.wire import address as addresses
 from domus.wire import auth, secret
@@ -926,15 +928,56 @@ class AioDht(EventedDht[AioChannel]):
     async def items(self) -> AsyncIterator[tuple[Any, Any]]:
         """Every (key, value), bucket by bucket."""
         async for key, value in self._scan():
-            yield decode_key(key), self._unpack_stored(value)
+            key = decode_key(key)
+            yield key, self._value_of(key, value)
 
     async def values(self) -> AsyncIterator[Any]:
-        async for _key, value in self._scan():
-            yield self._unpack_stored(value)
+        """Every value, bucket by bucket."""
+        async for key, value in self._scan():
+            try:
+                yield self._values.unpack_at(value, 0)
+            except ValueDecodeError as exc:
+                raise exc.with_key(decode_key(key)).with_dht(self.name) from None
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self.keys()
 
-    def _unpack_stored(self, value: bytes) -> Any:
-        return self._values.unpack_at(value, 0)
+    # -- key ranges
+    def irange(self, lo: Any = None, hi: Any = None, *,
+               inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
+               items: bool = False) -> AsyncIterator[Any]:
+        """An asynchronous iterator over the keys from ``lo`` to ``hi``
+        (None: unbounded) in key order, or over (key, value) pairs if
+        ``items``; descending if ``reverse``; ``inclusive`` says whether
+        each bound belongs to the range::
+
+            async for key, value in dht.irange("a", "b", items=True):
+                ...
+
+        As the blocking client's ``Dht.irange`` in every respect: key order
+        (every int before every str before every bytes), a DHT on an
+        ordered platform (``domus-rbt``, else the first step raises
+        RemoteError saying so), pages asked for one service at a time as
+        they are used up (the first of every service at once), not a
+        snapshot (a key present throughout is yielded once, in order).
+        Argument errors (a bound that is not a key) are raised here, at
+        once, before anything is sent."""
+        query = codec.range_query(self.id, lo, hi, inclusive, reverse, items)
+        return self._irange(query, bool(items))
+
+    async def _irange(self, query: wire.RangeQuery, items: bool) -> AsyncIterator[Any]:
+        async for key, value in self._range(query):
+            if items:
+                key = decode_key(key)
+                yield key, self._value_of(key, value)
+            else:
+                yield decode_key(key)
+
+    def _value_of(self, key: Any, data: bytes) -> Any:
+        """The value of ``key`` stored as ``data``, by this DHT's codec; a
+        ValueDecodeError names the DHT and the key."""
+        try:
+            return self._values.unpack_at(data, 0)
+        except ValueDecodeError as exc:
+            raise exc.with_key(key).with_dht(self.name) from None
 
