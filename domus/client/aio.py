@@ -334,7 +334,7 @@ class DatagramRequests:
         now = self.loop.time() + 0.001
         due: list[_Pending] = []
         earliest = math.inf
-        for fifo in self._fifos.values():
+        for fifo in list(self._fifos.values()):
             while fifo:
                 expires, entry, tries = fifo[0]
                 if entry.state == _SENT and entry.tries == tries:
