@@ -36,12 +36,16 @@ dropped); a change it had sent may or may not have been applied.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import ipaddress
+import itertools
+import math
 import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Generator, Iterable, Mapping
 from typing import Any
 
+from domus.client import codec
 from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target
 from domus.client.evented import WINDOW, EventedDht
 from domus.client.transport import (
@@ -62,6 +66,7 @@ from domus.errors import (
     ServiceUnavailable,
     SupervisorUnreachable,
     UnknownDht,
+    ValueDecodeError,
 )
 from domus.wire import address as addresses
 from domus.wire import auth, secret
@@ -152,12 +157,30 @@ class _Link:
 
 # ------------------------------------------------------------ datagrams
 
+READ_BATCH = 256    # datagrams read at most each time the socket is readable
+_QUEUED, _SENT, _OVER = 0, 1, 2     # a request's course: waiting, in flight, done
+
+
+class _Reply(asyncio.Future):
+    """The future of one UDP request's reply.  Cancelling it (as a task
+    awaiting it does when it is cancelled, or a ``gather`` of it) takes the
+    request out of the table or the queue at once and frees its slot."""
+
+    __slots__ = ("entry",)
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        self.entry.channel.requests.forget(self.entry)
+        return True
+
+
 class _Pending:
     """One UDP request, from when it is queued until its reply, its deadline,
     its cancellation or the client's close."""
 
     __slots__ = ("future", "message", "request_id", "channel", "dht", "bucket", "started",
-                 "timeout", "timer", "stamps")
+                 "timeout", "tries", "state", "stamps")
 
     def __init__(self, channel: AioChannel, message: bytes, dht: str, bucket: int | None,
                  future: asyncio.Future) -> None:
@@ -169,92 +192,172 @@ class _Pending:
         self.future = future
         self.started = 0.0
         self.timeout = channel.first_timeout
-        self.timer: asyncio.TimerHandle | None = None
+        self.tries = 0                  # sends so far (a retry clock counts for one)
+        self.state = _QUEUED
         self.stamps: list[bytes] = []   # (secure) the times its tries were sealed with
 
 
-class DatagramRequests(asyncio.DatagramProtocol):
+class DatagramRequests:
     """The client's one UDP socket: requests out, replies matched back by id.
 
     The same invariants as the Twisted client's (domus.client.tx): an id is
     in ``pending`` from its first send until its reply, its deadline, its
     cancellation or the close, then never again (a late reply is dropped);
     a retry resends the same request id, so a service's reply cache answers
-    a change it applied already; every pending entry has one live timer."""
+    a change it applied already; every request in flight has one live retry
+    clock, for its latest try.
+
+    What a request costs the loop is kept small, so that thousands
+    outstanding run as fast on asyncio's default loop as on Twisted's:
+    - the socket is read until it is empty (at most READ_BATCH datagrams)
+      each time it is readable, not one datagram per turn of the loop (as
+      Twisted's doRead);
+    - datagrams go out on the socket itself (as the Twisted client's);
+    - retry clocks are not one loop timer each.  A first try's clock goes
+      to the FIFO of its timeout (``_fifos``, in practice one: every
+      channel of a cluster has the same first timeout), where expiries
+      come in the order they were sent; a retry's, whose timeouts vary, to
+      a heap (``_retries``).  One loop timer is armed for the earliest.  A
+      clock is (expiry, request, try); it counts only while the request is
+      in flight at that try, and one that no longer counts (answered,
+      retried, cancelled) is dropped when the sweep passes it;
+    - a request needs no callback of its own: its future (``_Reply``)
+      frees its slot when it is cancelled."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, window: int = WINDOW) -> None:
         self.loop = loop
         self.window = window
         self.pending: dict[bytes, _Pending] = {}
         self.channels: set[AioChannel] = set()
-        self.transport: asyncio.DatagramTransport | None = None
+        self.sock: socket.socket | None = None
         self.late_replies = 0
         self.stray = 0
         self.unauthenticated = 0
         self.send_errors = 0
         self.closed = False
+        self._sendto: Any = None
+        self._fifos: dict[float, deque[tuple[float, _Pending, int]]] = {}
+        self._retries: list[tuple[float, int, _Pending, int]] = []
+        self._order = itertools.count()     # (ties in the heap: requests are not ordered)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
 
     async def open(self) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
-        except OSError:
-            pass
-        sock.bind(("0.0.0.0", 0))
-        sock.setblocking(False)
-        await self.loop.create_datagram_endpoint(lambda: self, sock=sock)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
+            except OSError:
+                pass
+            sock.bind(("0.0.0.0", 0))
+            sock.setblocking(False)
+            self.loop.add_reader(sock.fileno(), self._readable)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self._sendto = sock.sendto
 
     # -- requests
     def request(self, channel: AioChannel, message: bytes, dht: str,
                 bucket: int | None) -> asyncio.Future:
-        future = self.loop.create_future()
-        if self.closed or self.transport is None:
+        future = _Reply(loop=self.loop)
+        if self.closed or self.sock is None:
             future.set_exception(DomusError("this asyncio Domus client is closed; "
                                             "connect again"))
             return future
-        entry = _Pending(channel, message, dht, bucket, future)
-        future.add_done_callback(lambda done: self._done(entry, done))
+        entry = future.entry = _Pending(channel, message, dht, bucket, future)
         self.channels.add(channel)
         channel.waiting.append(entry)
-        self._pump(channel)
+        if channel.in_flight < self.window:
+            self._pump(channel)
         return future
-
-    def _done(self, entry: _Pending, future: asyncio.Future) -> None:
-        if future.cancelled():          # (its caller gave up: free its slot)
-            self.forget(entry)
 
     def _pump(self, channel: AioChannel) -> None:
         """Send what waits for ``channel`` while its window has room."""
         if channel.ip is None:
             channel.resolve()
             return
-        while channel.waiting and channel.in_flight < self.window:
-            entry = channel.waiting.popleft()
+        waiting = channel.waiting
+        while waiting and channel.in_flight < self.window:
+            entry = waiting.popleft()
             if entry.future.done():
+                entry.state = _OVER
                 continue
             channel.in_flight += 1
+            entry.state = _SENT
             entry.started = self.loop.time()
             self.pending[entry.request_id] = entry
             self._send(entry)
 
     def _send(self, entry: _Pending) -> None:
-        entry.timer = self.loop.call_later(entry.timeout, self._expired, entry)
+        entry.tries += 1
+        expires = self.loop.time() + entry.timeout
+        if entry.tries == 1:
+            fifo = self._fifos.get(entry.timeout)
+            if fifo is None:
+                fifo = self._fifos[entry.timeout] = deque()
+            fifo.append((expires, entry, 1))
+        else:
+            heapq.heappush(self._retries, (expires, next(self._order), entry, entry.tries))
+        if expires < self._timer_at:
+            self._arm(expires)
         message, key = entry.message, entry.channel.key
         if key is not None:
             message = auth.seal_request(key, message)   # (each try sealed afresh)
             entry.stamps.append(message[-12:-8])
         try:
-            self.transport.sendto(message, (entry.channel.ip, entry.channel.port))  # type: ignore[union-attr]
+            self._sendto(message, (entry.channel.ip, entry.channel.port))
         except OSError:
-            self.send_errors += 1       # the retry timer sends it again
+            self.send_errors += 1       # (a full send buffer: the retry clock sends it again)
+
+    # -- retry clocks
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self.loop.call_at(when, self._sweep)
+
+    def _sweep(self) -> None:
+        """Every clock that has run out: its request's next try, or its
+        failure (domus.client.transport's retry rule).  Replies already
+        waiting in the socket are read first: a job that kept the loop busy
+        must not see retries, or a ServiceUnavailable, for replies that did
+        arrive in time."""
+        self._timer = None
+        self._timer_at = math.inf
+        if self.closed:
+            return
+        self._readable()
+        # (A loop may run a timer a little before its time: within a
+        # millisecond counts as run out, or the sweep would spin.)
+        now = self.loop.time() + 0.001
+        due: list[_Pending] = []
+        earliest = math.inf
+        for fifo in list(self._fifos.values()):
+            while fifo:
+                expires, entry, tries = fifo[0]
+                if entry.state == _SENT and entry.tries == tries:
+                    if expires > now:
+                        earliest = min(earliest, expires)
+                        break
+                    due.append(entry)
+                fifo.popleft()
+        retries = self._retries
+        while retries and retries[0][0] <= now:
+            _expires, _order, entry, tries = heapq.heappop(retries)
+            if entry.state == _SENT and entry.tries == tries:
+                due.append(entry)
+        for entry in due:
+            if entry.state == _SENT:    # (not failed with another meanwhile)
+                self._expired(entry)
+        if retries:
+            earliest = min(earliest, retries[0][0])
+        if earliest < self._timer_at:   # (_expired's retries may have armed it)
+            self._arm(earliest)
 
     def _expired(self, entry: _Pending) -> None:
         """domus.client.transport's retry rule (next_timeout)."""
-        if self.pending.get(entry.request_id) is not entry:
-            return
         channel = entry.channel
         channel.timeouts += 1
         elapsed = self.loop.time() - entry.started
@@ -268,6 +371,7 @@ class DatagramRequests(asyncio.DatagramProtocol):
             what = (f"did not answer within {channel.deadline:.1f}s ({channel.retries} retries "
                     f"so far)")
             for request in doomed:
+                request.state = _OVER
                 if not request.future.done():
                     request.future.set_exception(
                         channel.unavailable(what, request.dht, request.bucket))
@@ -278,15 +382,35 @@ class DatagramRequests(asyncio.DatagramProtocol):
 
     def forget(self, entry: _Pending) -> None:
         """Take ``entry`` out of the table (or the queue) and free its slot."""
-        channel = entry.channel
-        if self.pending.get(entry.request_id) is entry:
+        state, entry.state = entry.state, _OVER
+        if state == _SENT:
             del self.pending[entry.request_id]
-            if entry.timer is not None:
-                entry.timer.cancel()
+            channel = entry.channel
             channel.in_flight -= 1
-            self._pump(channel)
-        elif entry in channel.waiting:
-            channel.waiting.remove(entry)
+            if channel.waiting:
+                self._pump(channel)
+        elif state == _QUEUED:
+            try:
+                entry.channel.waiting.remove(entry)
+            except ValueError:
+                pass
+
+    # -- replies
+    def _readable(self) -> None:
+        """Read what the socket holds (at most READ_BATCH datagrams)."""
+        recvfrom = self.sock.recvfrom   # type: ignore[union-attr]
+        received = self.datagram_received
+        for _ in range(READ_BATCH):
+            try:
+                data, peer = recvfrom(MAX_PACKET)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                if self.closed:
+                    return
+                self.send_errors += 1   # (an ICMP error: the retry rule covers it)
+                continue
+            received(data, peer)
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         if len(data) < wire.REPLY_HEADER_SIZE or data[0] != wire.REPLY_MAGIC:
@@ -323,12 +447,14 @@ class DatagramRequests(asyncio.DatagramProtocol):
             if not entry.future.done():
                 entry.future.set_result(reply)
 
-    def error_received(self, exc: Exception) -> None:
-        self.send_errors += 1           # (ICMP errors: the retry rule covers them)
-
     def close(self) -> None:
         """Fail what is outstanding and close the socket."""
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._fifos.clear()
+        self._retries.clear()
         entries = list(self.pending.values())
         self.pending.clear()
         for channel in self.channels:
@@ -336,14 +462,16 @@ class DatagramRequests(asyncio.DatagramProtocol):
             channel.waiting.clear()
             channel.in_flight = 0
         for entry in entries:
-            if entry.timer is not None:
-                entry.timer.cancel()
+            entry.state = _OVER
             if not entry.future.done():
                 entry.future.set_exception(DomusError(
                     f"the asyncio Domus client was closed before service {entry.channel.name} "
                     f"answered"))
-        if self.transport is not None:
-            self.transport.close()
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            if not self.loop.is_closed():
+                self.loop.remove_reader(sock.fileno())
+            sock.close()
 
 
 class AioChannel:
@@ -803,15 +931,56 @@ class AioDht(EventedDht[AioChannel]):
     async def items(self) -> AsyncIterator[tuple[Any, Any]]:
         """Every (key, value), bucket by bucket."""
         async for key, value in self._scan():
-            yield decode_key(key), self._unpack_stored(value)
+            key = decode_key(key)
+            yield key, self._value_of(key, value)
 
     async def values(self) -> AsyncIterator[Any]:
-        async for _key, value in self._scan():
-            yield self._unpack_stored(value)
+        """Every value, bucket by bucket."""
+        async for key, value in self._scan():
+            try:
+                yield self._values.unpack_at(value, 0)
+            except ValueDecodeError as exc:
+                raise exc.with_key(decode_key(key)).with_dht(self.name) from None
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self.keys()
 
-    def _unpack_stored(self, value: bytes) -> Any:
-        return self._values.unpack_at(value, 0)
+    # -- key ranges
+    def irange(self, lo: Any = None, hi: Any = None, *,
+               inclusive: tuple[bool, bool] = (True, True), reverse: bool = False,
+               items: bool = False) -> AsyncIterator[Any]:
+        """An asynchronous iterator over the keys from ``lo`` to ``hi``
+        (None: unbounded) in key order, or over (key, value) pairs if
+        ``items``; descending if ``reverse``; ``inclusive`` says whether
+        each bound belongs to the range::
+
+            async for key, value in dht.irange("a", "b", items=True):
+                ...
+
+        As the blocking client's ``Dht.irange`` in every respect: key order
+        (every int before every str before every bytes), a DHT on an
+        ordered platform (``domus-rbt``, else the first step raises
+        RemoteError saying so), pages asked for one service at a time as
+        they are used up (the first of every service at once), not a
+        snapshot (a key present throughout is yielded once, in order).
+        Argument errors (a bound that is not a key) are raised here, at
+        once, before anything is sent."""
+        query = codec.range_query(self.id, lo, hi, inclusive, reverse, items)
+        return self._irange(query, bool(items))
+
+    async def _irange(self, query: wire.RangeQuery, items: bool) -> AsyncIterator[Any]:
+        async for key, value in self._range(query):
+            if items:
+                key = decode_key(key)
+                yield key, self._value_of(key, value)
+            else:
+                yield decode_key(key)
+
+    def _value_of(self, key: Any, data: bytes) -> Any:
+        """The value of ``key`` stored as ``data``, by this DHT's codec; a
+        ValueDecodeError names the DHT and the key."""
+        try:
+            return self._values.unpack_at(data, 0)
+        except ValueDecodeError as exc:
+            raise exc.with_key(key).with_dht(self.name) from None
 

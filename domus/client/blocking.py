@@ -812,13 +812,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         order (each service continues after the last key it sent); a key
         written or deleted meanwhile may or may not be seen.  Argument errors
         (a bound that is not a key) are raised here, at once."""
-        low = None if lo is None else codec.encode_key(lo)
-        high = None if hi is None else codec.encode_key(hi)
-        if not (isinstance(inclusive, tuple) and len(inclusive) == 2):
-            raise TypeError("irange(): inclusive must be a tuple of two bools, "
-                            "e.g. (True, False)")
-        query = wire.RangeQuery(self.id, low, high, bool(inclusive[0]), bool(inclusive[1]),
-                                bool(reverse), not items)
+        query = codec.range_query(self.id, lo, hi, inclusive, reverse, items)
         return self._irange(query, bool(items))
 
     def _irange(self, query: wire.RangeQuery, items: bool) -> Iterator[Any]:
@@ -838,11 +832,6 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             for key, _value in merged:
                 yield decode_key(key)
 
-    def _range_channels(self) -> list[ServiceChannel]:
-        """Each service that stores at least one bucket of the DHT now
-        (moved buckets included), once."""
-        return list(dict.fromkeys(channel for _first, _end, channel in self.layout.ranges()))
-
     def _range_pages(self, channel: ServiceChannel, query: wire.RangeQuery,
                      reply: bytes) -> Iterator[tuple[bytes, bytes]]:
         """One service's part of a range, as raw (key, value) entries in
@@ -856,11 +845,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             yield from entries
             if not more:
                 return
-            last = entries[-1][0]
-            if query.reverse:
-                query = query._replace(high=last, high_inclusive=False)
-            else:
-                query = query._replace(low=last, low_inclusive=False)
+            query = codec.next_range_page(query, entries[-1][0])
             reply = channel.request(wire.encode_range(ids.next(), ids.client_id, query),
                                     self.name)
 

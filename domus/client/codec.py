@@ -66,6 +66,31 @@ def bucket_of(hasher: Hasher, shift: int, encoded_key: bytes) -> int:
     return hasher(encoded_key) >> shift
 
 
+# ------------------------------------------------------------ key ranges
+
+def range_query(dht_id: int, lo: Any, hi: Any, inclusive: Any, reverse: bool,
+                items: bool) -> wire.RangeQuery:
+    """The RANGE query of ``irange(lo, hi, inclusive=, reverse=, items=)``
+    (every client's): bounds encoded as keys (None: unbounded), values asked
+    for only with ``items``.  KeyTypeError for a bound that is not a key,
+    TypeError for an ``inclusive`` that is not a tuple of two bools."""
+    low = None if lo is None else _keys.encode_key(lo)
+    high = None if hi is None else _keys.encode_key(hi)
+    if not (isinstance(inclusive, tuple) and len(inclusive) == 2):
+        raise TypeError("irange(): inclusive must be a tuple of two bools, "
+                        "e.g. (True, False)")
+    return wire.RangeQuery(dht_id, low, high, bool(inclusive[0]), bool(inclusive[1]),
+                           bool(reverse), not items)
+
+
+def next_range_page(query: wire.RangeQuery, last: bytes) -> wire.RangeQuery:
+    """The query of a service's next page of a range, whose page before
+    ended at key ``last``: it starts just after ``last``."""
+    if query.reverse:
+        return query._replace(high=last, high_inclusive=False)
+    return query._replace(low=last, low_inclusive=False)
+
+
 # ------------------------------------------------------------ single keys
 
 def keyed(op: int, request_id: int, client_id: int, dht_id: int, hasher: Hasher, shift: int,

@@ -24,6 +24,7 @@ result (Deferreds; coroutines).
 from __future__ import annotations
 
 import functools
+import heapq
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -300,15 +301,20 @@ class EventedDht(DirectLookup[Channel]):
         return reply_error(self.name, reply, channel, None)
 
     # ------------------------------------------------------------ whole DHT
-    async def _records_by_service(self) -> dict[str, int]:
-        # The layout as the supervisor knows it now (a service buckets moved
-        # to since is counted); the one this handle has if it cannot say.
+    async def _whole_dht(self) -> None:
+        """Before an operation on the whole DHT (length, scans, key ranges):
+        the layout as the supervisor knows it now, so that a service buckets
+        moved to since is not left out; the one this handle has if the
+        supervisor cannot say."""
         try:
             await self.refresh()
         except UnknownDht:
             raise
         except DomusError:
             pass
+
+    async def _records_by_service(self) -> dict[str, int]:
+        await self._whole_dht()
         ids = self.cluster.ids
         requests = [(channel, wire.encode_length(ids.next(), ids.client_id, self.id))
                     for channel in self._storage_channels]
@@ -324,12 +330,7 @@ class EventedDht(DirectLookup[Channel]):
         blocking client's scan: a bucket being moved is waited for; one that
         has moved is scanned at its new owner; after a resize the scan goes
         on from the same point of the hash range."""
-        try:
-            await self.refresh()        # (the layout as the supervisor knows it now)
-        except UnknownDht:
-            raise
-        except DomusError:
-            pass
+        await self._whole_dht()
         ids = self.cluster.ids
         bucket, floor, count = 0, 0, self.bucket_count
         while True:
@@ -365,3 +366,65 @@ class EventedDht(DirectLookup[Channel]):
                                                                self.id, bucket, scan_id, offset),
                                               self.name, bucket)
             bucket += 1
+
+    async def _range(self, query: wire.RangeQuery) -> AsyncIterator[tuple[bytes, bytes]]:
+        """A key range's raw (key, value) entries in range order, as the
+        blocking client's irange: each service that stores a bucket of the
+        DHT walks its own buckets in order and sends a page at a time, the
+        first pages of all asked for at once; this merges them, asking a
+        service for its next page (starting after the last key of the one
+        before) only when its page before is used up."""
+        await self._whole_dht()
+        ids = self.cluster.ids
+        channels = self._range_channels()
+        replies = await self._exchange([(channel, wire.encode_range(ids.next(), ids.client_id,
+                                                                    query))
+                                        for channel in channels])
+        order = _Descending if query.reverse else _ascending
+        pages: list[tuple[wire.RangeQuery, list[tuple[bytes, bytes]], bool]] = []
+        heads: list[tuple[Any, int, int]] = []      # (key order, service, position)
+        for index, (channel, reply) in enumerate(zip(channels, replies)):
+            entries, more = self._range_page(channel, reply)
+            pages.append((query, entries, more))
+            if entries:
+                heads.append((order(entries[0][0]), index, 0))
+        heapq.heapify(heads)
+        while heads:
+            _key, index, position = heapq.heappop(heads)
+            page_query, entries, more = pages[index]
+            yield entries[position]
+            position += 1
+            if position == len(entries):
+                if not more:
+                    continue
+                page_query = codec.next_range_page(page_query, entries[-1][0])
+                reply = await channels[index].request(
+                    wire.encode_range(ids.next(), ids.client_id, page_query), self.name)
+                entries, more = self._range_page(channels[index], reply)
+                pages[index] = (page_query, entries, more)
+                position = 0
+                if not entries:
+                    continue
+            heapq.heappush(heads, (order(entries[position][0]), index, position))
+
+    def _range_page(self, channel: Channel, reply: bytes
+                    ) -> tuple[list[tuple[bytes, bytes]], bool]:
+        if reply[2] != wire.ST_OK:
+            raise self._error(reply, channel, None)
+        return wire.decode_range_reply(reply)
+
+
+def _ascending(key: bytes) -> bytes:
+    return key
+
+
+class _Descending:
+    """A key ordered backwards, for a descending range's heap."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def __lt__(self, other: _Descending) -> bool:
+        return other.key < self.key

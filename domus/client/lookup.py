@@ -760,6 +760,11 @@ class DirectLookup(Generic[Channel]):
         floor = max(floor, bucket << (32 - (count.bit_length() - 1)))
         return floor >> (32 - (self.bucket_count.bit_length() - 1)), floor
 
+    def _range_channels(self) -> list[Channel]:
+        """Each service that stores at least one bucket of the DHT now
+        (moved buckets included), once: those a key range asks."""
+        return list(dict.fromkeys(channel for _first, _end, channel in self.layout.ranges()))
+
     # ------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """This client's lookup counters for the DHT, per method of its

@@ -126,3 +126,18 @@ class SyncAioDht(MutableMapping):
 
     def get_many(self, keys: Any) -> dict[Any, Any]:
         return self.bridge.run(self.aio.get_many(keys))
+
+    def irange(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        # (called here: argument errors are raised at once, as the blocking
+        # client's; each step is then one step of the asyncio iterator)
+        return self._stepwise(self.aio.irange(*args, **kwargs))
+
+    def _stepwise(self, iterator: Any) -> Iterator[Any]:
+        try:
+            while True:
+                try:
+                    yield self.bridge.run(iterator.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self.bridge.run(iterator.aclose())

@@ -195,6 +195,22 @@ def shared_client(shared_deployment: TrackedDeployment) -> Iterator[domus.Cluste
         yield connected
 
 
+@pytest.fixture(scope="module")
+def shared_aio_client(shared_deployment: TrackedDeployment) -> Iterator[SyncAioCluster]:
+    """The asyncio client on the module's shared deployment, behind the
+    blocking client's interface (tests/integration/clients.py)."""
+    bridge = LoopThread()
+    try:
+        cluster = SyncAioCluster.connect(bridge, shared_deployment.supervisor_address,
+                                         timeout=CLIENT_TIMEOUT)
+        try:
+            yield cluster
+        finally:
+            cluster.close()
+    finally:
+        bridge.close()
+
+
 @pytest.fixture
 def shared_cluster(request: pytest.FixtureRequest, shared_deployment: TrackedDeployment,
                    shared_client: domus.Cluster) -> Iterator[domus.Cluster]:

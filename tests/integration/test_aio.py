@@ -14,6 +14,7 @@ import domus.aio
 from domus.client.evented import WINDOW
 from domus.errors import (
     KeyTypeError,
+    RemoteError,
     ServiceUnavailable,
     SupervisorUnreachable,
     UnknownDht,
@@ -67,6 +68,37 @@ def test_thousands_outstanding_on_either_loop(shared_cluster, shared_deployment,
     stats = run(loop, job())
     assert stats["retries"] == 0 or stats["timeouts"] >= stats["retries"]
     assert len(shared_cluster.open_dht(f"aio-{loop}")) == 2500
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_key_ranges_are_async_iterators_on_either_loop(shared_cluster, shared_deployment, loop):
+    """(Every case of irange is test_range.py's, through this client too.)"""
+    shared_cluster.create_dht(f"aio-range-{loop}", platform="domus-rbt")
+    shared_cluster.create_dht(f"aio-unordered-{loop}", platform="python-dict")
+
+    async def job() -> None:
+        async with domus.aio.connect(shared_deployment.supervisor_address,
+                                     timeout=CLIENT_TIMEOUT) as cluster:
+            dht = await cluster.open_dht(f"aio-range-{loop}")
+            await dht.put_many({n: -n for n in range(-300, 300)} | {"a": 1, b"b": 2})
+            assert [key async for key in dht.irange(-5, 5, inclusive=(False, True))] == list(
+                range(-4, 6))
+            assert [pair async for pair in dht.irange(290, "z", reverse=True, items=True)] == [
+                ("a", 1), *((n, -n) for n in range(299, 289, -1))]
+            with pytest.raises(KeyTypeError):
+                dht.irange(1.5)         # (at once: nothing is sent)
+            first = []
+            async for key in dht.irange():
+                first.append(key)
+                if len(first) == 3:
+                    break
+            assert first == [-300, -299, -298]
+            unordered = await cluster.open_dht(f"aio-unordered-{loop}")
+            keys = unordered.irange()
+            with pytest.raises(RemoteError, match="keeps no key order"):
+                await anext(keys)
+
+    run(loop, job())
 
 
 def test_the_window_bounds_what_is_in_flight(shared_cluster, shared_deployment):
