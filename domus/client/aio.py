@@ -48,6 +48,7 @@ from typing import Any
 from domus.client import codec
 from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target
 from domus.client.evented import WINDOW, EventedDht
+from domus.client.throttle import Throttle
 from domus.client.transport import (
     FIRST_TIMEOUT,
     FRAME,
@@ -55,8 +56,11 @@ from domus.client.transport import (
     READ_ONLY_CONTROL,
     RECV_BUFFER,
     RequestIds,
+    busy_backoff,
     control_result,
+    held_back,
     next_timeout,
+    service_busy,
     service_unavailable,
 )
 from domus.errors import (
@@ -159,6 +163,7 @@ class _Link:
 
 READ_BATCH = 256    # datagrams read at most each time the socket is readable
 _QUEUED, _SENT, _OVER = 0, 1, 2     # a request's course: waiting, in flight, done
+_BACKING = 3                        # (in flight) waiting out a BUSY backoff
 
 
 class _Reply(asyncio.Future):
@@ -180,7 +185,7 @@ class _Pending:
     its cancellation or the client's close."""
 
     __slots__ = ("future", "message", "request_id", "channel", "dht", "bucket", "started",
-                 "timeout", "tries", "state", "stamps")
+                 "timeout", "tries", "state", "stamps", "busy")
 
     def __init__(self, channel: AioChannel, message: bytes, dht: str, bucket: int | None,
                  future: asyncio.Future) -> None:
@@ -195,6 +200,7 @@ class _Pending:
         self.tries = 0                  # sends so far (a retry clock counts for one)
         self.state = _QUEUED
         self.stamps: list[bytes] = []   # (secure) the times its tries were sealed with
+        self.busy = 0                   # BUSY answers so far (and holds of the throttle)
 
 
 class DatagramRequests:
@@ -288,7 +294,10 @@ class DatagramRequests:
             entry.state = _SENT
             entry.started = self.loop.time()
             self.pending[entry.request_id] = entry
-            self._send(entry)
+            if channel.throttle.allow():
+                self._send(entry)
+            else:
+                self._busy(entry, held_back(entry.message))
 
     def _send(self, entry: _Pending) -> None:
         entry.tries += 1
@@ -344,13 +353,25 @@ class DatagramRequests:
                     due.append(entry)
                 fifo.popleft()
         retries = self._retries
+        backed_off: list[_Pending] = []
         while retries and retries[0][0] <= now:
             _expires, _order, entry, tries = heapq.heappop(retries)
-            if entry.state == _SENT and entry.tries == tries:
-                due.append(entry)
+            if entry.tries == tries:
+                if entry.state == _SENT:
+                    due.append(entry)
+                elif entry.state == _BACKING:
+                    backed_off.append(entry)
         for entry in due:
             if entry.state == _SENT:    # (not failed with another meanwhile)
                 self._expired(entry)
+        for entry in backed_off:
+            if entry.state == _BACKING:
+                entry.state = _SENT
+                if entry.channel.throttle.allow():
+                    entry.timeout = entry.channel.first_timeout
+                    self._send(entry)
+                else:
+                    self._busy(entry, held_back(entry.message))
         if retries:
             earliest = min(earliest, retries[0][0])
         if earliest < self._timer_at:   # (_expired's retries may have armed it)
@@ -374,16 +395,43 @@ class DatagramRequests:
                 request.state = _OVER
                 if not request.future.done():
                     request.future.set_exception(
+                        service_busy(channel.name, channel.address, channel.deadline,
+                                     request.busy, request.dht, request.bucket)
+                        if request.busy else
                         channel.unavailable(what, request.dht, request.bucket))
             return
         channel.retries += 1
         entry.timeout = timeout
         self._send(entry)
 
+    def _busy(self, entry: _Pending, reply: bytes) -> None:
+        """The service answered BUSY (or the client's throttle held the
+        request back, domus.client.throttle): send the same request again
+        after a backoff, keeping its window slot (so the channel slows
+        down), or fail with ServiceBusy if that would pass the deadline."""
+        channel = entry.channel
+        entry.busy += 1
+        channel.busy += 1
+        pause = busy_backoff(entry.busy, reply)
+        now = self.loop.time()
+        if now - entry.started + pause >= channel.deadline:
+            self.forget(entry)
+            if not entry.future.done():
+                entry.future.set_exception(service_busy(
+                    channel.name, channel.address, channel.deadline, entry.busy, entry.dht,
+                    entry.bucket))
+            return
+        entry.state = _BACKING
+        entry.tries += 1                # (the clock of the try it answered no longer counts)
+        expires = now + pause
+        heapq.heappush(self._retries, (expires, next(self._order), entry, entry.tries))
+        if expires < self._timer_at:
+            self._arm(expires)
+
     def forget(self, entry: _Pending) -> None:
         """Take ``entry`` out of the table (or the queue) and free its slot."""
         state, entry.state = entry.state, _OVER
-        if state == _SENT:
+        if state in (_SENT, _BACKING):
             del self.pending[entry.request_id]
             channel = entry.channel
             channel.in_flight -= 1
@@ -427,6 +475,12 @@ class DatagramRequests:
                 self.unauthenticated += 1   # not the service's: wait on for its own
                 return
             data = opened
+        if data[2] == wire.ST_BUSY:
+            entry.channel.throttle.answered(True)
+            if entry.state == _SENT:    # (a BUSY for an earlier try while backing off: one wait)
+                self._busy(entry, data)
+            return
+        entry.channel.throttle.taken += 1.0
         self.forget(entry)
         if entry.future.done():
             return
@@ -491,6 +545,8 @@ class AioChannel:
         self.requests = requests
         self.retries = 0
         self.timeouts = 0
+        self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
+        self.throttle = Throttle()  # (domus.client.throttle)
         self.in_flight = 0
         self.waiting: deque[_Pending] = deque()
         try:
@@ -546,7 +602,7 @@ class AioChannel:
             link = None
             try:
                 link = await self._connect()
-                return await link.exchange(message, self.deadline)
+                return await self._exchange_while_busy(link, message, dht, bucket)
             except AuthenticationError:
                 raise
             except TimeoutError as exc:
@@ -561,6 +617,24 @@ class AioChannel:
                 if attempt == 2:
                     raise self.unavailable(f"failed over TCP ({exc})", dht, bucket) from None
         raise AssertionError("unreachable")
+
+    async def _exchange_while_busy(self, link: _Link, message: bytes, dht: str,
+                                   bucket: int | None) -> bytes:
+        """One TCP request, sent again after a backoff while the service
+        answers BUSY, within the deadline; then ServiceBusy."""
+        loop = self.requests.loop
+        started = loop.time()
+        tries = 0
+        while True:
+            frame = await link.exchange(message, self.deadline)
+            if frame[2] != wire.ST_BUSY:
+                return frame
+            tries += 1
+            self.busy += 1
+            pause = busy_backoff(tries, frame)
+            if loop.time() - started + pause >= self.deadline:
+                raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
+            await asyncio.sleep(pause)
 
     async def _connect(self) -> _Link:
         if self._tcp is not None and not self._tcp.closed:

@@ -342,3 +342,66 @@ def test_close_fails_what_is_outstanding(service_with, run) -> None:
         requests.close()             # (twice is harmless)
 
     run(job, window=2)
+
+
+# ---------------------------------------------------------------- BUSY
+
+def busy_reply(message: bytes, retry_after_ms: int | None = None) -> bytes:
+    body = b"" if retry_after_ms is None else retry_after_ms.to_bytes(2, "big")
+    return wire.reply_prefix(wire.ST_BUSY) + message[4:8] + body
+
+
+def test_busy_is_backed_off_and_the_same_bytes_sent_again(service_with, run) -> None:
+    """A service that answers BUSY twice, then serves: the request is sent
+    again after each backoff (at least half of 50 then 100 ms, jittered),
+    never counted as a timeout, and gets its reply."""
+    service = service_with(lambda datagram, tries: [busy_reply(datagram)] if tries <= 2
+                           else answering(datagram, tries))
+
+    async def job(requests: DatagramRequests) -> None:
+        channel = channel_to(requests, service, first_timeout=1.0)
+        message = request(21, b"x")
+        started = time.monotonic()
+        assert await channel.request(message) == reply_to(message, message[4:8])
+        assert time.monotonic() - started >= 0.5 * (0.05 + 0.1) - SLACK
+        assert (channel.busy, channel.timeouts, channel.retries) == (2, 0, 0)
+        assert [datagram for _when, datagram in service.received] == [message] * 3
+        assert not requests.pending and channel.in_flight == 0
+
+    run(job)
+
+
+def test_a_service_busy_until_the_deadline_is_service_busy(service_with, run) -> None:
+    from domus.errors import ServiceBusy
+
+    service = service_with(lambda datagram, tries: [busy_reply(datagram, 100)])
+
+    async def job(requests: DatagramRequests) -> None:
+        channel = channel_to(requests, service, deadline=0.6, first_timeout=0.2)
+        with pytest.raises(ServiceBusy, match="service s1 .* too busy") as raised:
+            await channel.request(request(22), "words", 3)
+        assert (raised.value.dht, raised.value.bucket) == ("words", 3)
+        assert channel.busy >= 2 and channel.timeouts == 0
+        # (the retry-after of 100 ms is waited at least half of, each time)
+        times = [when for when, _datagram in service.received]
+        assert all(later - earlier >= 0.05 - SLACK for earlier, later in zip(times, times[1:]))
+        assert not requests.pending and channel.in_flight == 0
+
+    run(job)
+
+
+def test_a_request_backing_off_keeps_its_window_slot(service_with, run) -> None:
+    """With a window of one, a request waiting out a BUSY backoff holds the
+    slot: the next request is sent only after the first is answered."""
+    service = service_with(lambda datagram, tries: [busy_reply(datagram)]
+                           if datagram[4:8] == (31).to_bytes(4, "big") and tries == 1
+                           else answering(datagram, tries))
+
+    async def job(requests: DatagramRequests) -> None:
+        channel = channel_to(requests, service, first_timeout=1.0)
+        first, second = request(31), request(32)
+        replies = await asyncio.gather(channel.request(first), channel.request(second))
+        assert replies == [reply_to(first, first[4:8]), reply_to(second, second[4:8])]
+        assert service.ids() == [31, 31, 32]
+
+    run(job, window=1)
