@@ -203,22 +203,41 @@ class Session:
         self._sends, self._receives = sends, receives
         self._sent = self._received = 0
 
-    def _tag(self, direction: int, number: int, frame: bytes) -> bytes:
-        return hashlib.blake2b(_SEQUENCE.pack(direction, number) + frame, key=self._key,
-                               digest_size=TAG_BYTES).digest()
+    def _tag(self, direction: int, number: int, frame: Any) -> bytes:
+        # (Fed in two parts: the frame, however large, is hashed where it
+        # lies, never copied behind the direction and number.)
+        tag = hashlib.blake2b(_SEQUENCE.pack(direction, number), key=self._key,
+                              digest_size=TAG_BYTES)
+        tag.update(frame)
+        return tag.digest()
 
-    def seal(self, frame: bytes) -> bytes:
+    def tag(self, frame: Any) -> bytes:
+        """The tag of the next frame sent, ``frame`` (bytes or any buffer):
+        it goes on the wire right after the frame (``seal`` without the
+        copy of the frame)."""
         tag = self._tag(self._sends, self._sent, frame)
         self._sent += 1
-        return frame + tag
+        return tag
 
-    def open(self, frame: bytes) -> bytes:
-        if len(frame) < TAG_BYTES or not hmac.compare_digest(
-                frame[-TAG_BYTES:], self._tag(self._receives, self._received,
-                                              frame[:-TAG_BYTES])):
+    def seal(self, frame: bytes) -> bytes:
+        return frame + self.tag(frame)
+
+    def check(self, frame: Any, tag: Any) -> None:
+        """Check the next frame received, ``frame`` (without its tag, bytes
+        or any buffer) against ``tag``, the 16 bytes that followed it on
+        the wire; AuthenticationError if it does not check (``open``
+        without the copy of the frame)."""
+        if len(tag) != TAG_BYTES or not hmac.compare_digest(
+                tag, self._tag(self._receives, self._received, frame)):
             raise AuthenticationError("a frame from the peer did not check (changed, replayed "
                                       "or forged); closing the connection")
         self._received += 1
+
+    def open(self, frame: bytes) -> bytes:
+        if len(frame) < TAG_BYTES:
+            self.check(b"", b"")        # (raises)
+        body = memoryview(frame)[:-TAG_BYTES]
+        self.check(body, frame[-TAG_BYTES:])
         return frame[:-TAG_BYTES]
 
 
