@@ -142,7 +142,18 @@ class RequestIds:
         return next(self._counter) & 0xFFFFFFFF
 
 
+# A frame at least this long is sent gathered (sendmsg of its prefix, its
+# body and its tag, none copied) and received whole (one recv with
+# MSG_WAITALL into the bytes returned: the kernel's copy is the only one).
+LARGE_FRAME = 64 * 1024
+_TIMEVAL = struct.Struct("@ll")
+
+
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    """The next ``size`` bytes of ``sock`` (TimeoutError, after the
+    socket's timeout without data; ConnectionError if it closes first)."""
+    if size >= LARGE_FRAME:
+        return _recv_whole(sock, size)
     chunks = []
     while size:
         chunk = sock.recv(min(size, 1 << 20))
@@ -153,11 +164,51 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
+def _recv_whole(sock: socket.socket, size: int) -> bytes:
+    """``_recv_exactly`` of a large ``size``: the socket is made blocking
+    for the while (its timeout becomes the kernel's SO_RCVTIMEO) so that
+    one recv(MSG_WAITALL) fills the bytes object returned; pieces are
+    joined only if a signal or the timeout cut it short."""
+    timeout = sock.gettimeout()
+    pieces = []
+    try:
+        sock.settimeout(None)
+        seconds = timeout or 0.0
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        _TIMEVAL.pack(int(seconds), int(seconds % 1 * 1e6)))
+        while size:
+            try:
+                chunk = sock.recv(size, socket.MSG_WAITALL)
+            except BlockingIOError:     # (SO_RCVTIMEO passed with nothing come)
+                raise TimeoutError("timed out") from None
+            if not chunk:
+                raise ConnectionError("connection closed mid-message")
+            pieces.append(chunk)
+            size -= len(chunk)
+    finally:
+        sock.settimeout(timeout)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
 def _send_frame(sock: socket.socket, message: bytes,
                 session: auth.Session | None = None) -> None:
-    if session is not None:
-        message = session.seal(message)
-    sock.sendall(_FRAME.pack(len(message)) + message)
+    tag = session.tag(message) if session is not None else b""
+    prefix = _FRAME.pack(len(message) + len(tag))
+    if len(message) < LARGE_FRAME:
+        sock.sendall(prefix + message + tag)
+    else:
+        _send_gathered(sock, [prefix, message, tag])
+
+
+def _send_gathered(sock: socket.socket, parts: list[bytes]) -> None:
+    """sendall of ``parts`` one after the other, none copied (sendmsg)."""
+    views = [memoryview(part) for part in parts]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES,
@@ -165,8 +216,14 @@ def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES,
     (size,) = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
     if size > limit + auth.TAG_BYTES:
         raise ProtocolError(f"peer sent a {size}-byte frame, over the {limit}-byte limit")
-    frame = _recv_exactly(sock, size)
-    return session.open(frame) if session is not None else frame
+    if session is None:
+        return _recv_exactly(sock, size)
+    if size < LARGE_FRAME:
+        return session.open(_recv_exactly(sock, size))
+    # (The frame and its tag apart: the frame is returned as it came.)
+    frame = _recv_exactly(sock, size - auth.TAG_BYTES)
+    session.check(frame, _recv_exactly(sock, auth.TAG_BYTES))
+    return frame
 
 
 def handshake(sock: socket.socket, keys: Keys | None, peer: str) -> auth.Session | None:
