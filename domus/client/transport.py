@@ -427,6 +427,10 @@ class _ThreadSockets(threading.local):
     tcp: socket.socket | None = None
     tcp_session: auth.Session | None = None
     closer: _Closer | None = None
+    # The last GET's value did not fit a datagram: the next GET goes over
+    # TCP at once (asking over UDP first would only be told REPLY_TOO_LARGE),
+    # until a reply comes that a datagram could have carried.
+    get_over_tcp = False
 
     def hold(self, sock: socket.socket) -> None:
         if self.closer is None:
@@ -572,6 +576,11 @@ class ServiceChannel:
                  deadline: float) -> bytes:
         if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
             return self._request_tcp(message, dht, bucket)
+        if message[2] == wire.OP_GET and self._local.get_over_tcp:
+            reply = self._request_tcp(message, dht, bucket)
+            if len(reply) <= wire.DEFAULT_MAX_DATAGRAM:
+                self._local.get_over_tcp = False
+            return reply
         if _roundtrip is None:
             return self._request_udp(message, dht, bucket, None)
         key = self._key
@@ -590,7 +599,15 @@ class ServiceChannel:
                                          [sealed[-12:-8]], deadline=deadline)
             reply = opened
         if reply[2] == wire.ST_REPLY_TOO_LARGE:
-            return self._request_tcp(message, dht, bucket)
+            return self._too_large(message, dht, bucket)
+        return reply
+
+    def _too_large(self, message: bytes, dht: str, bucket: int | None) -> bytes:
+        """Ask over TCP what the service answered REPLY_TOO_LARGE over UDP
+        (and, for a GET whose reply is past a datagram, the next GETs too)."""
+        reply = self._request_tcp(message, dht, bucket)
+        if message[2] == wire.OP_GET and len(reply) > wire.DEFAULT_MAX_DATAGRAM:
+            self._local.get_over_tcp = True
         return reply
 
     def _request_udp(self, message: bytes, dht: str, bucket: int | None,
@@ -626,7 +643,7 @@ class ServiceChannel:
                                 data = self._opened(data, message, stamps)
                             if data[4:8] == request_id and len(data) >= wire.REPLY_HEADER_SIZE:
                                 if data[2] == wire.ST_REPLY_TOO_LARGE:
-                                    return self._request_tcp(message, dht, bucket)
+                                    return self._too_large(message, dht, bucket)
                                 return data
                             # else: the late reply of an earlier request, or
                             # one that is not the service's; skip it
