@@ -177,7 +177,10 @@ def cmd_supervisor(args: argparse.Namespace) -> int:
 
 
 def cmd_service(args: argparse.Namespace) -> int:
+    from domus.service.allocator import keep_large_blocks
     from domus.service.server import DomusService
+
+    keep_large_blocks()     # (this process serves large values: see the module)
 
     overrides = {key: value for key, value in
                  (("cores", args.cores), ("ram", args.ram), ("disk", args.disk))
