@@ -42,12 +42,12 @@ short for its header, or without the request magic, goes unanswered.
 from __future__ import annotations
 
 import atexit
+import copy
 import itertools
 import shutil
 import socket
 import tempfile
 import time
-from collections import OrderedDict
 from typing import Any
 
 from domus.service.handler import RequestHandler
@@ -62,6 +62,10 @@ MAIN, INACTIVE, ODD, MOVING, REPLICATED, UNKNOWN = 1, 2, 3, 4, 5, 99
 CLIENT_A, CLIENT_B = 0xA, 0xB
 BUCKETS = 8
 SMALL_CACHE = 8
+# A handler's scan bookkeeping (domus.service.handler): scans, their count
+# per client, the shared snapshots, the keys those hold.
+SCAN_STATE = ("_scans", "_scans_of", "_snapshots", "_scan_keys")
+CACHE_SEED = 0x5EED_D0_5EED  # the reply caches' key seed, one for both services
 
 # name -> (platform, medium, durability)
 ALL_TECHNOLOGIES = {
@@ -176,12 +180,16 @@ def make_service(technology: str, small_cache: bool, data_dir: str | None,
     def _put(handler: RequestHandler, dht: int, bucket: int, key: bytes, value: bytes,
              request_id: int | None = None) -> bytes:
         request_id = next(ids) if request_id is None else request_id
+        if cache.full():        # (a small cache: room for the set-up's changes)
+            cache.rotate()
         return handler.handle(wire.encode_keyed(wire.OP_PUT, request_id, CLIENT_B, dht, bucket,
                                                 key, value))
 
     clock = FixedClock()
+    # (one seed for both services: their caches' keys must be alike to be
+    # compared; a service draws its own at random)
     cache = ReplyCache(max_entries=SMALL_CACHE if small_cache else DEFAULT_MAX_ENTRIES,
-                       clock=clock)
+                       clock=clock, seed=CACHE_SEED)
     handler = RequestHandler("s1", reply_cache=cache, clock=clock, data_dir=data_dir,
                              data_key=data_key)
     if reference:
@@ -212,11 +220,15 @@ def make_service(technology: str, small_cache: bool, data_dir: str | None,
     for bucket in (4, 5):       # backups, as their primary sends them
         change = wire.encode_keyed(wire.OP_PUT, next(ids), CLIENT_B, REPLICATED, bucket, APPLE,
                                    b"backed up")
+        if cache.full():
+            cache.rotate()
         reply = handler.handle(wire.encode_replicate(next(ids), 0x5A, change))
         assert reply[2] == wire.ST_OK and reply[8:] == wire.reply(wire.ST_OK, 0)[:4] \
             + change[4:8] + b"\x01", reply
-    # Replies kept: a put in the previous generation, one in the current,
-    # and a refusal (the DHT is inactive).
+    # Replies kept: a put in the previous generation and one in the current
+    # (a refusal, here of an inactive DHT, is not kept: it changed nothing).
+    cache.rotate()
+    cache.rotate()
     _put(handler, MAIN, 0, SEVEN, b"7", request_id=7)
     cache.rotate()
     _put(handler, MAIN, 1, EIGHT, b"8", request_id=8)
@@ -267,15 +279,15 @@ def counters(handler: RequestHandler) -> tuple[Any, ...]:
     cache = handler.reply_cache
     return (handler.requests, by_op, {**handler.counters, "replayed": replayed,
                                       "unauthenticated": unauthenticated},
-            len(cache), cache.evicted_early)
+            len(cache), cache.refused)
 
 
 def counter_gap(mine: tuple[Any, ...], theirs: tuple[Any, ...]) -> dict[str, int]:
     """How far two ``counters`` are apart, count by count (only those that
     differ)."""
     def flat(found: tuple[Any, ...]) -> dict[str, int]:
-        requests, by_op, named, cache, evicted = found
-        return {"requests": requests, "reply_cache": cache, "evicted": evicted,
+        requests, by_op, named, cache, refused = found
+        return {"requests": requests, "reply_cache": cache, "cache_refused": refused,
                 **{f"op {op}": count for op, count in enumerate(by_op)}, **named}
 
     mine_flat, theirs_flat = flat(mine), flat(theirs)
@@ -303,7 +315,11 @@ class Pair:
         # while it ran: fuzz/sealed.py), which compare() allows.
         self.counter_gap: dict[str, int] = {}
         self.cache = [dict(generation) for generation in self.reference.reply_cache.generations]
-        self.scans = OrderedDict(self.reference._scans)
+        # Each service's open scans and their shared key snapshots, as set
+        # up (restored whole before every input).
+        self.scans = {id(handler): copy.deepcopy(tuple(getattr(handler, name)
+                                                        for name in SCAN_STATE))
+                      for handler in (self.reference, self.accelerated)}
         self.next_scan = 2
         self.compare(None, None)
 
@@ -392,10 +408,11 @@ class Pair:
                         repo.take_changes()
             if cache.generations != self.cache:
                 cache.generations[:] = [dict(generation) for generation in self.cache]
-            cache.evicted_early = 0
+            cache.refused = 0
             # (The handler has no public way to forget its scans: a harness
             # may reach in, to start every input from the same scans.)
-            handler._scans = OrderedDict(self.scans)
+            for name, value in zip(SCAN_STATE, copy.deepcopy(self.scans[id(handler)])):
+                setattr(handler, name, value)
             handler._scan_ids = itertools.count(self.next_scan)
 
     # -------------------------------------------------------- over UDP

@@ -57,15 +57,22 @@ class Keys:
 
 def create(path: str) -> bytes:
     """A new secret in ``path`` (mode 0600, created exclusively: an
-    existing file is never overwritten); returns it."""
+    existing file is never overwritten); returns it.  The file appears
+    whole or not at all (written under a temporary name, then linked), so a
+    process that starts meanwhile never reads half a secret."""
     secret = secrets.token_bytes(SECRET_BYTES)
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w", encoding="ascii") as target:
-        target.write(secret.hex() + "\n")
-        target.flush()
-        os.fsync(target.fileno())
+    temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(descriptor, "w", encoding="ascii") as target:
+            target.write(secret.hex() + "\n")
+            target.flush()
+            os.fsync(target.fileno())
+        os.link(temporary, path)        # (FileExistsError if one is there: never replaced)
+    finally:
+        os.unlink(temporary)
     return secret
 
 
