@@ -152,7 +152,7 @@ _TIMEVAL = struct.Struct("@ll")
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     """The next ``size`` bytes of ``sock`` (TimeoutError, after the
     socket's timeout without data; ConnectionError if it closes first)."""
-    if size >= LARGE_FRAME:
+    if size >= LARGE_FRAME and sock.gettimeout() != 0.0:   # (not a non-blocking socket)
         return _recv_whole(sock, size)
     chunks = []
     while size:
