@@ -61,6 +61,7 @@ from domus.wire import protocol as wire
 from domus.wire import secret
 from domus.wire.attributes import check_strategy, create_request
 from domus.wire.keys import decode_key
+from domus.wire.values import msgpack_bin_header
 
 DEFAULT_TIMEOUT = 5.0
 FAILOVER_POLL = 0.1      # seconds between asking the supervisor who took over a bucket
@@ -81,7 +82,10 @@ _NOT_FOUND = wire.ST_NOT_FOUND
 _NOT_OWNER = wire.ST_NOT_OWNER
 _MAX_VALUE_BYTES = wire.MAX_VALUE_BYTES
 _HEADER = wire.REPLY_HEADER_SIZE
-_keyed = codec.keyed
+_keyed = codec.keyed_message
+# A bytes value at least this long is put as (msgpack header, value), joined
+# into the message, not packed first (domus.client.codec.keyed_message).
+_LARGE_VALUE = 64 * 1024
 _pack_value = codec.pack_value
 _unpack_value = codec.unpack_value
 _value_of = codec.value_of
@@ -408,7 +412,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             pass
 
     # ------------------------------------------------------------ single keys
-    def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
+    def _request(self, op: int, key: Any, value: Any = None) -> bytes:
         loads = self._loads
         try:
             return self._keyed_request(op, key, value)
@@ -417,7 +421,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 raise
             return self._request(op, key, value)   # (another thread's refresh: anew)
 
-    def _keyed_request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
+    def _keyed_request(self, op: int, key: Any, value: Any = None) -> bytes:
         """One keyed request (``value``: a PUT's packed value); returns its
         reply.  The first method of the lookup strategy answers at once when
         it can (a direct table, a cached entry); anything else (a miss, a
@@ -551,9 +555,15 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     def put(self, key: Any, value: Any) -> bool:
         """Store ``value`` under ``key``; True if the key was new."""
-        packed = self._values.pack(value)
-        if len(packed) > _MAX_VALUE_BYTES:
-            raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
+        packed: Any
+        if type(value) is bytes and len(value) >= _LARGE_VALUE and self._values.name == "msgpack":
+            packed = (msgpack_bin_header(len(value)), value)
+            size = len(packed[0]) + len(value)
+        else:
+            packed = self._values.pack(value)
+            size = len(packed)
+        if size > _MAX_VALUE_BYTES:
+            raise ValueTooLarge(f"value is {size} bytes encoded, over the "
                                 f"{_MAX_VALUE_BYTES}-byte limit; split it")
         return self._request(_PUT, key, packed)[-1:] == b"\x01"
 

@@ -105,6 +105,22 @@ def keyed(op: int, request_id: int, client_id: int, dht_id: int, hasher: Hasher,
                               b"" if value is None else value, numbered(shift)), bucket)
 
 
+def keyed_message(op: int, request_id: int, client_id: int, dht_id: int, hasher: Hasher,
+                  shift: int, key: Any, value: bytes | tuple[bytes, bytes] | None,
+                  ) -> tuple[bytes, int]:
+    """``keyed``, where a PUT's packed value may also be given in two
+    pieces, (header, payload), as a client packs a large value: they are
+    joined into the message, so the payload is copied once (packing it
+    first, then building the message, copied it twice)."""
+    if type(value) is not tuple:
+        return keyed(op, request_id, client_id, dht_id, hasher, shift, key, value)
+    header, payload = value
+    message, bucket = keyed(op, request_id, client_id, dht_id, hasher, shift, key, b"")
+    # (A PUT's value is last, after its u32 length: 0 in ``message``.)
+    return b"".join((memoryview(message)[:-4],
+                     (len(header) + len(payload)).to_bytes(4, "big"), header, payload)), bucket
+
+
 def numbered(shift: int) -> int:
     """The NUMBERING byte of requests whose buckets are ``hash >> shift``."""
     return 65 - shift
@@ -413,7 +429,8 @@ def value_codec(name: str | None) -> ValueCodec:
 
 
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON", "reference", "accelerated", "hasher", "chunks",
-           "group", "encode_key", "encode_keys", "bucket_of", "keyed", "put_many_requests",
+           "group", "encode_key", "encode_keys", "bucket_of", "keyed", "keyed_message",
+           "put_many_requests",
            "get_many_requests", "decode_get_many_reply", "decode_scan_reply", "get_many_take",
            "pack_value", "pack_values", "unpack_value", "value_of", "roundtrip",
            "roundtrip_reference", "ValueCodec", "value_codec"]

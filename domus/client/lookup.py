@@ -403,7 +403,7 @@ class DirectLookup(Generic[Channel]):
                 self._layout_seen(reply[3])
                 return
 
-    def _encoder(self, op: int, key: Any, value: bytes | None,
+    def _encoder(self, op: int, key: Any, value: Any,
                  unsent: bytes | None, sent: bytes | None = None) -> Encoder:
         """``encode`` for a course: ``unsent`` (the fast path's message, if
         it was never sent, or is to be sent again as it was) first, then
@@ -411,8 +411,8 @@ class DirectLookup(Generic[Channel]):
         ids = self.cluster.ids
 
         def make() -> bytes:
-            return codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
-                               self._shift, key, value)[0]
+            return codec.keyed_message(op, ids.next(), ids.client_id, self.id, self._hasher,
+                                       self._shift, key, value)[0]
 
         return Encoder(make, unsent, sent)
 

@@ -148,7 +148,18 @@ class RequestIds:
         return next(self._counter) & 0xFFFFFFFF
 
 
+# A frame at least this long is sent gathered (sendmsg of its prefix, its
+# body and its tag, none copied) and received whole (one recv with
+# MSG_WAITALL into the bytes returned: the kernel's copy is the only one).
+LARGE_FRAME = 64 * 1024
+_TIMEVAL = struct.Struct("@ll")
+
+
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    """The next ``size`` bytes of ``sock`` (TimeoutError, after the
+    socket's timeout without data; ConnectionError if it closes first)."""
+    if size >= LARGE_FRAME and sock.gettimeout() != 0.0:   # (not a non-blocking socket)
+        return _recv_whole(sock, size)
     chunks = []
     while size:
         chunk = sock.recv(min(size, 1 << 20))
@@ -159,11 +170,51 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
+def _recv_whole(sock: socket.socket, size: int) -> bytes:
+    """``_recv_exactly`` of a large ``size``: the socket is made blocking
+    for the while (its timeout becomes the kernel's SO_RCVTIMEO) so that
+    one recv(MSG_WAITALL) fills the bytes object returned; pieces are
+    joined only if a signal or the timeout cut it short."""
+    timeout = sock.gettimeout()
+    pieces = []
+    try:
+        sock.settimeout(None)
+        seconds = timeout or 0.0
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        _TIMEVAL.pack(int(seconds), int(seconds % 1 * 1e6)))
+        while size:
+            try:
+                chunk = sock.recv(size, socket.MSG_WAITALL)
+            except BlockingIOError:     # (SO_RCVTIMEO passed with nothing come)
+                raise TimeoutError("timed out") from None
+            if not chunk:
+                raise ConnectionError("connection closed mid-message")
+            pieces.append(chunk)
+            size -= len(chunk)
+    finally:
+        sock.settimeout(timeout)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
 def _send_frame(sock: socket.socket, message: bytes,
                 session: auth.Session | None = None) -> None:
-    if session is not None:
-        message = session.seal(message)
-    sock.sendall(_FRAME.pack(len(message)) + message)
+    tag = session.tag(message) if session is not None else b""
+    prefix = _FRAME.pack(len(message) + len(tag))
+    if len(message) < LARGE_FRAME:
+        sock.sendall(prefix + message + tag)
+    else:
+        _send_gathered(sock, [prefix, message, tag])
+
+
+def _send_gathered(sock: socket.socket, parts: list[bytes]) -> None:
+    """sendall of ``parts`` one after the other, none copied (sendmsg)."""
+    views = [memoryview(part) for part in parts]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES,
@@ -171,8 +222,14 @@ def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES,
     (size,) = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
     if size > limit + auth.TAG_BYTES:
         raise ProtocolError(f"peer sent a {size}-byte frame, over the {limit}-byte limit")
-    frame = _recv_exactly(sock, size)
-    return session.open(frame) if session is not None else frame
+    if session is None:
+        return _recv_exactly(sock, size)
+    if size < LARGE_FRAME:
+        return session.open(_recv_exactly(sock, size))
+    # (The frame and its tag apart: the frame is returned as it came.)
+    frame = _recv_exactly(sock, size - auth.TAG_BYTES)
+    session.check(frame, _recv_exactly(sock, auth.TAG_BYTES))
+    return frame
 
 
 def handshake(sock: socket.socket, keys: Keys | None, peer: str) -> auth.Session | None:
@@ -383,6 +440,10 @@ class _ThreadSockets(threading.local):
     tcp: socket.socket | None = None
     tcp_session: auth.Session | None = None
     closer: _Closer | None = None
+    # The last GET's value did not fit a datagram: the next GET goes over
+    # TCP at once (asking over UDP first would only be told REPLY_TOO_LARGE),
+    # until a reply comes that a datagram could have carried.
+    get_over_tcp = False
 
     def hold(self, sock: socket.socket) -> None:
         if self.closer is None:
@@ -543,6 +604,11 @@ class ServiceChannel:
                  deadline: float) -> bytes:
         if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
             return self._request_tcp(message, dht, bucket)
+        if message[2] == wire.OP_GET and self._local.get_over_tcp:
+            reply = self._request_tcp(message, dht, bucket)
+            if len(reply) <= wire.DEFAULT_MAX_DATAGRAM:
+                self._local.get_over_tcp = False
+            return reply
         if _roundtrip is None:
             return self._request_udp(message, dht, bucket, None)
         key = self._key
@@ -563,7 +629,15 @@ class ServiceChannel:
                                      None if key is None else [_STAMP.pack(seconds)],
                                      deadline=deadline)
         if reply[2] == wire.ST_REPLY_TOO_LARGE:
-            return self._request_tcp(message, dht, bucket)
+            return self._too_large(message, dht, bucket)
+        return reply
+
+    def _too_large(self, message: bytes, dht: str, bucket: int | None) -> bytes:
+        """Ask over TCP what the service answered REPLY_TOO_LARGE over UDP
+        (and, for a GET whose reply is past a datagram, the next GETs too)."""
+        reply = self._request_tcp(message, dht, bucket)
+        if message[2] == wire.OP_GET and len(reply) > wire.DEFAULT_MAX_DATAGRAM:
+            self._local.get_over_tcp = True
         return reply
 
     def _request_udp(self, message: bytes, dht: str, bucket: int | None,
@@ -599,7 +673,7 @@ class ServiceChannel:
                                 data = self._opened(data, message, stamps)
                             if data[4:8] == request_id and len(data) >= wire.REPLY_HEADER_SIZE:
                                 if data[2] == wire.ST_REPLY_TOO_LARGE:
-                                    return self._request_tcp(message, dht, bucket)
+                                    return self._too_large(message, dht, bucket)
                                 return data
                             # else: the late reply of an earlier request, or
                             # one that is not the service's; skip it

@@ -194,7 +194,10 @@ def cmd_service(args: argparse.Namespace) -> int:
         from domus.service.resources import usable_cpus
 
         return instances.run(args, args.cpus or usable_cpus())
+    from domus.service.allocator import keep_large_blocks
     from domus.service.server import DomusService
+
+    keep_large_blocks()     # (this process serves large values: see the module)
 
     overrides = {key: value for key, value in
                  (("cores", args.cores), ("ram", args.ram), ("disk", args.disk),

@@ -105,7 +105,7 @@ class DataConnection(MessageProtocol):
         super().dataReceived(data)
         if self._closing:
             return
-        held = len(self._unprocessed)
+        held = self.input_held()
         if held != self._held_input:
             if not self.factory.hold_input(self, held - self._held_input):
                 self._abort("tcp_input_overflows",
@@ -114,9 +114,9 @@ class DataConnection(MessageProtocol):
                 return
             self._held_input = held
 
-    def stringReceived(self, frame: bytes) -> None:
+    def stringReceived(self, frame: bytes, tag: bytes | None = None) -> None:  # noqa: N802
         self._last_frame = self.factory.clock.seconds()
-        super().stringReceived(frame)
+        super().stringReceived(frame, tag)
 
     def _answer_later(self, answer: Any) -> None:
         self._waiting += 1
@@ -182,7 +182,7 @@ class DataConnection(MessageProtocol):
         self.transport.loseConnection()
 
     def _release_input(self) -> None:
-        self._unprocessed = b""
+        self.drop_input()
         if self._held_input:
             self.factory.hold_input(self, -self._held_input)
             self._held_input = 0

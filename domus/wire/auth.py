@@ -9,18 +9,18 @@ a client's TCP data connection) begin with a handshake, in frames whose
 first byte is ``0xDA`` (neither a request nor a reply), before anything
 else is read:
 
-1. the side that accepted sends HELLO: ``DA 01 'H' secure(u8) nonce(16)``;
-2. the side that connected answers PROOF: ``DA 01 'P' nonce(16)
+1. the side that accepted sends HELLO: ``DA 02 'H' secure(u8) nonce(16)``;
+2. the side that connected answers PROOF: ``DA 02 'P' nonce(16)
    proof(32)``, proof = HMAC-SHA256(control key, "connect" || the HELLO's
    nonce || its own);
-3. the accepting side checks it and answers ACCEPT: ``DA 01 'A'
+3. the accepting side checks it and answers ACCEPT: ``DA 02 'A'
    proof(32)``, HMAC-SHA256(control key, "accept" || the two nonces, the
    other way round), which the connecting side checks in turn; or REFUSE:
-   ``DA 01 'X' reason``, and closes.
+   ``DA 02 'X' reason``, and closes.
 
 So each side proves it holds the secret, the secret never travels, and
 nothing recorded from one connection opens another.  From then on every
-frame, each way, ends with a 16-byte tag: keyed BLAKE2b, under a key of
+frame, each way, ends with a 16-byte tag: keyed BLAKE3, under a key of
 that connection (from the control key and both nonces), of the direction
 and the frame's number in it and the frame: a frame changed, dropped,
 replayed or sent the other way does not check, and the connection is
@@ -45,11 +45,15 @@ import struct
 import time
 from typing import Any
 
+from blake3 import blake3
+
 from domus.errors import AuthenticationError
 from domus.wire.secret import Keys
 
 AUTH_MAGIC = 0xDA
-AUTH_VERSION = 1
+# 2: frames tagged with keyed BLAKE3 (1: BLAKE2b, 7 times slower on large
+# frames; a peer of version 1 is told it is another version).
+AUTH_VERSION = 2
 HELLO, PROOF, ACCEPT, REFUSE = b"H", b"P", b"A", b"X"
 NONCE_BYTES = 16
 PROOF_BYTES = 32
@@ -259,22 +263,40 @@ class Session:
         self._sends, self._receives = sends, receives
         self._sent = self._received = 0
 
-    def _tag(self, direction: int, number: int, frame: bytes) -> bytes:
-        return hashlib.blake2b(_SEQUENCE.pack(direction, number) + frame, key=self._key,
-                               digest_size=TAG_BYTES).digest()
+    def _tag(self, direction: int, number: int, frame: Any) -> bytes:
+        # (Fed in two parts: the frame, however large, is hashed where it
+        # lies, never copied behind the direction and number.)
+        tag = blake3(_SEQUENCE.pack(direction, number), key=self._key)
+        tag.update(frame)
+        return tag.digest(TAG_BYTES)
 
-    def seal(self, frame: bytes) -> bytes:
+    def tag(self, frame: Any) -> bytes:
+        """The tag of the next frame sent, ``frame`` (bytes or any buffer):
+        it goes on the wire right after the frame (``seal`` without the
+        copy of the frame)."""
         tag = self._tag(self._sends, self._sent, frame)
         self._sent += 1
-        return frame + tag
+        return tag
 
-    def open(self, frame: bytes) -> bytes:
-        if len(frame) < TAG_BYTES or not hmac.compare_digest(
-                frame[-TAG_BYTES:], self._tag(self._receives, self._received,
-                                              frame[:-TAG_BYTES])):
+    def seal(self, frame: bytes) -> bytes:
+        return frame + self.tag(frame)
+
+    def check(self, frame: Any, tag: Any) -> None:
+        """Check the next frame received, ``frame`` (without its tag, bytes
+        or any buffer) against ``tag``, the 16 bytes that followed it on
+        the wire; AuthenticationError if it does not check (``open``
+        without the copy of the frame)."""
+        if len(tag) != TAG_BYTES or not hmac.compare_digest(
+                tag, self._tag(self._receives, self._received, frame)):
             raise AuthenticationError("a frame from the peer did not check (changed, replayed "
                                       "or forged); closing the connection")
         self._received += 1
+
+    def open(self, frame: bytes) -> bytes:
+        if len(frame) < TAG_BYTES:
+            self.check(b"", b"")        # (raises)
+        body = memoryview(frame)[:-TAG_BYTES]
+        self.check(body, frame[-TAG_BYTES:])
         return frame[:-TAG_BYTES]
 
 

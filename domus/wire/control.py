@@ -23,14 +23,16 @@ sent back as they are.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
+import struct
 from collections.abc import Callable
 from typing import Any
 
 from twisted.internet import defer
 from twisted.logger import Logger
-from twisted.protocols.basic import Int32StringReceiver
+from twisted.protocols.basic import Int32StringReceiver, StringTooLongError
 
 from domus.errors import AuthenticationError, ProtocolError
 from domus.wire import auth
@@ -43,6 +45,14 @@ ControlHandler = Callable[[dict[str, Any], "MessageProtocol"], Any]
 # (A reply that comes later is an object with addCallback: a Deferred, or
 # domus.service.handler.Later.)
 DataHandler = Callable[[bytes, int], Any]
+
+_PREFIX = struct.Struct(">I")
+# A frame at least this long is handed to the transport in pieces (prefix,
+# frame, tag), not concatenated first: one copy less of a large value.
+GATHER_WRITE = 64 * 1024
+# What a connection may give the kernel in one send() (Twisted's default is
+# 128 KiB: a 16 MiB reply took 128 turns of the reactor).
+SEND_LIMIT = 4 * 1024 * 1024
 
 
 class ControlError(Exception):
@@ -92,6 +102,17 @@ class MessageProtocol(Int32StringReceiver):
         self._session: auth.Session | None = None
         self._held: list[bytes] | None = []     # frames sent before the handshake ended
         self._refusal: AuthenticationError | None = None    # (the handshake failed)
+        # The frame decoder: data received and not yet delivered, as the
+        # pieces it came in (``_input_offset`` bytes of the first already
+        # taken), and the length of the frame whose prefix was read (-1:
+        # none).  A frame is copied once, when it is whole (b"".join of
+        # its pieces), whatever the number of pieces: Twisted's
+        # IntNStringReceiver copied everything held on every piece, which
+        # made a 10 MiB frame cost a gigabyte of copying.
+        self._input: collections.deque[bytes] = collections.deque()
+        self._input_offset = 0
+        self._input_bytes = 0
+        self._frame_length = -1
 
     @property
     def secure(self) -> bool:
@@ -105,9 +126,11 @@ class MessageProtocol(Int32StringReceiver):
             self.transport.setTcpNoDelay(True)
         except (AttributeError, OSError):
             pass
+        if hasattr(self.transport, "SEND_LIMIT"):
+            self.transport.SEND_LIMIT = SEND_LIMIT
         if self.accepting:
             self._handshake = auth.Accepting(self.keys)
-            Int32StringReceiver.sendString(self, self._handshake.hello())
+            self._write_frame(self._handshake.hello())
         else:
             self._handshake = auth.Connecting(self.keys, self._peer())
 
@@ -116,19 +139,112 @@ class MessageProtocol(Int32StringReceiver):
             self._held.append(string)           # (sent once the handshake ends)
             return
         if self._session is not None:
-            string = self._session.seal(string)
-        Int32StringReceiver.sendString(self, string)
+            self._write_frame(string, self._session.tag(string))
+        else:
+            self._write_frame(string)
+
+    def _write_frame(self, frame: bytes, tag: bytes = b"") -> None:
+        """Write ``frame`` (and its ``tag``) behind its length prefix; a
+        large frame goes to the transport as it is (writeSequence), not
+        copied into one string first."""
+        size = len(frame) + len(tag)
+        if size >= 1 << 32:
+            raise StringTooLongError(f"a {size}-byte frame does not fit its 4-byte prefix")
+        if size < GATHER_WRITE:
+            self.transport.write(_PREFIX.pack(size) + frame + tag)
+        else:
+            self.transport.writeSequence([_PREFIX.pack(size), frame, tag] if tag else
+                                         [_PREFIX.pack(size), frame])
+
+    # -- the frame decoder
+    def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's name)
+        """Take ``data`` from the connection and deliver every frame it
+        completes (to ``stringReceived``), unless paused; a frame whose
+        prefix says more than MAX_LENGTH calls ``lengthLimitExceeded`` and
+        nothing more is read."""
+        if data:
+            if self._frame_length == -2:
+                return                  # (over the limit: closing)
+            self._input.append(data)
+            self._input_bytes += len(data)
+        while not self.paused:
+            length = self._frame_length
+            if length < 0:
+                if self._input_bytes < _PREFIX.size:
+                    return
+                (length,) = _PREFIX.unpack(self._take(_PREFIX.size))
+                if length > self.MAX_LENGTH:
+                    self.drop_input()
+                    self._frame_length = -2
+                    self.lengthLimitExceeded(length)
+                    return
+                self._frame_length = length
+            if self._input_bytes < length:
+                return
+            self._frame_length = -1
+            if (self._session is not None and self._handshake is None
+                    and length >= auth.TAG_BYTES):
+                # (Sealed: the frame and its tag apart, neither copied again.)
+                frame = self._take(length - auth.TAG_BYTES)
+                self.stringReceived(frame, self._take(auth.TAG_BYTES))
+            else:
+                self.stringReceived(self._take(length))
+
+    def _take(self, size: int) -> bytes:
+        """The next ``size`` bytes of input (there are that many)."""
+        if not size:
+            return b""
+        pieces = self._input
+        first, offset = pieces[0], self._input_offset
+        self._input_bytes -= size
+        available = len(first) - offset
+        if available > size:
+            self._input_offset = offset + size
+            return first[offset:offset + size]
+        if available == size:
+            pieces.popleft()
+            self._input_offset = 0
+            return first if not offset else first[offset:]
+        parts: list[Any] = [memoryview(first)[offset:]]
+        pieces.popleft()
+        wanted = size - available
+        while wanted:
+            piece = pieces[0]
+            if len(piece) <= wanted:
+                parts.append(piece)
+                pieces.popleft()
+                wanted -= len(piece)
+                self._input_offset = 0
+            else:
+                parts.append(memoryview(piece)[:wanted])
+                self._input_offset = wanted
+                wanted = 0
+        return b"".join(parts)
+
+    def input_held(self) -> int:
+        """Bytes received and not yet delivered (partial frames, and whole
+        ones held while paused), the length prefix of the frame under way
+        not counted."""
+        return self._input_bytes
+
+    def drop_input(self) -> None:
+        """Forget every byte received and not delivered (and, past a frame
+        over the limit, every byte to come)."""
+        self._input.clear()
+        self._input_offset = self._input_bytes = 0
+        if self._frame_length != -2:
+            self._frame_length = -1
 
     def _handshake_frame(self, frame: bytes) -> None:
         handshake = self._handshake
         try:
             if isinstance(handshake, auth.Accepting):
                 answer, self._session = handshake.proof(frame)
-                Int32StringReceiver.sendString(self, answer)
+                self._write_frame(answer)
             elif isinstance(handshake, auth.Connecting):
                 handshake.peer = self._peer()       # (named by now)
                 if not handshake.proved:
-                    Int32StringReceiver.sendString(self, handshake.hello(frame))
+                    self._write_frame(handshake.hello(frame))
                     return
                 self._session = handshake.verdict(frame)
             else:
@@ -148,7 +264,7 @@ class MessageProtocol(Int32StringReceiver):
         if self.accepting:
             if self.auth_failures is not None:
                 self.auth_failures(str(exc))
-            Int32StringReceiver.sendString(self, auth.Accepting.refusal(str(exc)))
+            self._write_frame(auth.Accepting.refusal(str(exc)))
         self._held = []
         self._refusal = exc
         pending, self._pending = self._pending, {}
@@ -161,7 +277,9 @@ class MessageProtocol(Int32StringReceiver):
             self.transport.loseConnection()
 
     # -- incoming
-    def stringReceived(self, frame: bytes) -> None:
+    def stringReceived(self, frame: bytes, tag: bytes | None = None) -> None:  # noqa: N802
+        """One frame from the peer; ``tag``: its tag, taken apart by the
+        decoder (None: the frame still ends with it, if sealed)."""
         if self._refusal is not None:
             return      # (refused: closing; nor the rest of what came in with it)
         if self._handshake is not None:
@@ -171,7 +289,10 @@ class MessageProtocol(Int32StringReceiver):
             return                      # (refused: closing)
         if self._session is not None:
             try:
-                frame = self._session.open(frame)
+                if tag is None:
+                    frame = self._session.open(frame)
+                else:
+                    self._session.check(frame, tag)
             except AuthenticationError as exc:
                 self._refuse(exc)
                 return

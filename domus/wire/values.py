@@ -34,6 +34,20 @@ def pack_value(value: Any) -> bytes:
             f"bytes, str, int, float, bool, None, or lists/dicts of those") from None
 
 
+def msgpack_bin_header(length: int) -> bytes:
+    """The msgpack header of a ``length``-byte bytes value (bin 8, 16 or
+    32): ``msgpack_bin_header(len(value)) + value`` is
+    ``pack_value(value)`` for bytes, which lets a client put the header
+    and a large value into its message side by side, the value copied once."""
+    if length < 0x100:
+        return bytes((0xC4, length))
+    if length < 0x10000:
+        return b"\xc5" + length.to_bytes(2, "big")
+    if length < 0x100000000:
+        return b"\xc6" + length.to_bytes(4, "big")
+    raise ValueError(f"msgpack bin holds at most 4 GiB, not {length} bytes")
+
+
 def unpack_value(data: bytes) -> Any:
     """The value stored as ``data``; ValueDecodeError (and nothing else) if
     the bytes are not a msgpack value: cut short, padded, a map with a

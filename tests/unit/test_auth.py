@@ -485,7 +485,7 @@ def test_a_refused_peer_is_refused_once_and_nothing_it_sent_after_is_read():
     garbage = struct.pack(">I", 4) + b"junk"
     server.dataReceived(garbage * 3)
     assert len(refusals) == 1
-    assert server.transport.value().count(b"\xda\x01X") == 1
+    assert server.transport.value().count(bytes((auth.AUTH_MAGIC, auth.AUTH_VERSION)) + b"X") == 1
 
     client = MessageProtocol()
     client.keys = KEYS          # given explicitly: it refuses an insecure peer

@@ -1203,3 +1203,27 @@ def test_the_codec_uses_c_unless_told_not_to():
         assert codec.accelerated is C
     else:
         assert codec.keyed is P.keyed and codec.roundtrip is None
+
+
+# ------------------------------------------------------------ large values in pieces
+
+@pytest.mark.parametrize("length", [0, 1, 0xFF, 0x100, 0xFFFF, 0x10000, 0x10001, 1 << 20])
+def test_the_bin_header_is_msgpacks(length):
+    from domus.wire.values import msgpack_bin_header
+
+    value = bytes(length)
+    assert msgpack_bin_header(length) + value == msgpack.packb(value, use_bin_type=True)
+
+
+@pytest.mark.parametrize("length", [0, 70_000, 1 << 20])
+def test_a_value_in_pieces_makes_the_message_the_packed_value_makes(length):
+    from domus.wire.values import msgpack_bin_header, pack_value
+
+    value = os.urandom(length)
+    hasher = codec.hasher("xxh3")
+    whole = codec.keyed(wire.OP_PUT, 7, 8, 9, hasher, 60, "key", pack_value(value))
+    pieces = codec.keyed_message(wire.OP_PUT, 7, 8, 9, hasher, 60, "key",
+                                 (msgpack_bin_header(length), value))
+    assert pieces == whole
+    assert codec.keyed_message(wire.OP_GET, 7, 8, 9, hasher, 60, "key", None) == \
+        codec.keyed(wire.OP_GET, 7, 8, 9, hasher, 60, "key", None)

@@ -301,3 +301,60 @@ def test_a_batch_backs_off_busy_entries_and_gets_every_reply(serve):
         assert channel.busy >= 3 and channel.timeouts == 0
     finally:
         channel.close()
+
+
+class TcpService:
+    """A TCP port beside a UDP Service (same port number, as a service's):
+    the insecure handshake, then each request answered with
+    ``answer(number of the request, request)``."""
+
+    def __init__(self, port, answer):
+        from domus.wire import auth
+
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.answer = answer
+        self.received = []
+        self._auth = auth
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        try:
+            connection, _peer = self.listener.accept()
+        except OSError:
+            return
+        with connection:
+            accepting = self._auth.Accepting(None)
+            transport._send_frame(connection, accepting.hello())
+            answer, _session = accepting.proof(transport._recv_frame(connection))
+            transport._send_frame(connection, answer)
+            while True:
+                try:
+                    message = transport._recv_frame(connection)
+                except (ConnectionError, OSError):
+                    return
+                self.received.append(message)
+                transport._send_frame(connection, self.answer(len(self.received), message))
+
+    def close(self):
+        self.listener.close()
+
+
+def test_gets_whose_values_are_past_a_datagram_go_over_tcp_until_one_is_not(first_try, serve):
+    service = serve(lambda number, data: [wire.reply_prefix(wire.ST_REPLY_TOO_LARGE)
+                                          + data[4:8] + b"ask over TCP"])
+    big, small = b"b" * 70_000, b"s" * 10
+    tcp = TcpService(int(service.address.rsplit(":", 1)[1]),
+                     lambda number, data: ok(data, big if number <= 2 else small))
+    channel = ServiceChannel("s1", service.address, deadline=2.0, first_timeout=0.5)
+    try:
+        assert channel.request(request(1)) == ok(request(1), big)    # UDP, then TCP
+        assert (len(service.received), len(tcp.received)) == (1, 1)
+        assert channel.request(request(2)) == ok(request(2), big)    # TCP at once
+        assert channel.request(request(3)) == ok(request(3), small)  # TCP at once: small
+        assert (len(service.received), len(tcp.received)) == (1, 3)
+        channel.request(request(4))                                   # UDP first again
+        assert len(service.received) == 2
+    finally:
+        channel.close()
+        tcp.close()

@@ -1,0 +1,233 @@
+"""TCP framing of large messages: domus.wire.control's frame decoder (the
+service, the supervisor and the Twisted client read with it) against
+Twisted's Int32StringReceiver, the reference it replaces, and the blocking
+client's gathered sends and whole receives (domus.client.transport), sealed
+and not, on real sockets."""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+import threading
+
+import pytest
+from twisted.internet.testing import StringTransport
+from twisted.protocols.basic import Int32StringReceiver
+from twisted.test import iosim
+
+from domus.client import transport
+from domus.errors import AuthenticationError, ProtocolError
+from domus.wire import auth
+from domus.wire import protocol as wire
+from domus.wire.control import MessageProtocol
+from domus.wire.secret import Keys
+
+KEYS = Keys.from_secret(bytes(range(32)), "a test secret")
+SESSION_KEY = bytes(range(32))
+
+
+class Recorder(MessageProtocol):
+    """A decoder that keeps what it is given (an insecure connection, past
+    its handshake)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames: list[bytes] = []
+        self.over: list[int] = []
+        self._handshake = None
+        self._held = None
+
+    def stringReceived(self, frame, tag=None):  # noqa: N802
+        self.frames.append(frame)
+
+    def lengthLimitExceeded(self, length):  # noqa: N802
+        self.over.append(length)
+
+
+class Reference(Int32StringReceiver):
+    MAX_LENGTH = wire.MAX_FRAME_BYTES
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def stringReceived(self, frame):  # noqa: N802
+        self.frames.append(frame)
+
+
+def stream_of(sizes: list[int], seed: int) -> tuple[list[bytes], bytes]:
+    rng = random.Random(seed)
+    frames = [rng.randbytes(size) for size in sizes]
+    return frames, b"".join(struct.pack(">I", len(frame)) + frame for frame in frames)
+
+
+def pieces(data: bytes, seed: int, largest: int) -> list[bytes]:
+    rng = random.Random(seed)
+    cut, offset = [], 0
+    while offset < len(data):
+        size = rng.choice((1, 3, 4, 5, rng.randint(1, largest)))
+        cut.append(data[offset:offset + size])
+        offset += size
+    return cut
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_decoder_delivers_what_twisted_does_however_the_bytes_are_cut(seed):
+    sizes = [0, 1, 4, 5, 70_000, 3 << 20, 10, 0, 65_536, 200_000][seed % 3:]
+    frames, data = stream_of(sizes, seed)
+    ours, reference = Recorder(), Reference()
+    ours.makeConnection(StringTransport())
+    reference.makeConnection(StringTransport())
+    for piece in pieces(data, seed, largest=300_000):
+        ours.dataReceived(piece)
+        reference.dataReceived(piece)
+    assert ours.frames == reference.frames == frames
+    assert ours.input_held() == 0
+
+
+def test_a_partial_frame_is_held_and_counted_until_it_ends():
+    frames, data = stream_of([1 << 20], 7)
+    ours = Recorder()
+    ours.makeConnection(StringTransport())
+    ours.dataReceived(data[:4 + 1000])
+    ours.dataReceived(data[4 + 1000:500_000])
+    assert ours.frames == [] and ours.input_held() == 500_000 - 4
+    ours.dataReceived(data[500_000:])
+    assert ours.frames == frames and ours.input_held() == 0
+
+
+def test_frames_wait_while_paused_and_come_on_resume():
+    frames, data = stream_of([10, 100_000, 20], 3)
+    ours = Recorder()
+    ours.makeConnection(StringTransport())
+    ours.pauseProducing()
+    ours.dataReceived(data)
+    assert ours.frames == [] and ours.input_held() == len(data)
+    ours.resumeProducing()
+    assert ours.frames == frames
+
+
+def test_a_frame_over_the_limit_stops_the_reading():
+    ours = Recorder()
+    ours.makeConnection(StringTransport())
+    ours.dataReceived(struct.pack(">I", wire.MAX_FRAME_BYTES + 1) + b"x" * 100)
+    ours.dataReceived(struct.pack(">I", 1) + b"y")
+    assert ours.over == [wire.MAX_FRAME_BYTES + 1]
+    assert ours.frames == [] and ours.input_held() == 0
+
+
+def linked(keys):
+    server, client = MessageProtocol(), MessageProtocol()
+    server.accepting, server.keys, client.keys = True, keys, keys
+    server.control_handler = lambda body, link: len(body["blob"])
+    server.data_handler = lambda frame, limit: wire.reply(wire.ST_OK, 9, frame[16:])
+    pump = iosim.connect(server, iosim.makeFakeServer(server),
+                         client, iosim.makeFakeClient(client), greet=False)
+    pump.flush()
+    return server, client, pump
+
+
+def outcome(deferred):
+    found = []
+    deferred.addBoth(found.append)
+    return found
+
+
+@pytest.mark.parametrize("keys", [KEYS, None], ids=["sealed", "insecure"])
+def test_large_frames_cross_a_connection_both_ways(keys):
+    server, client, pump = linked(keys)
+    assert client.secure == (keys is not None)
+    blob = random.Random(1).randbytes(5 << 20)
+    answer = outcome(client.call("store", blob=blob))
+    pump.flush()
+    assert answer == [len(blob)]
+    request = wire.request_header(wire.OP_GET, 9, 1) + blob
+    reply = outcome(client.request(request, 9))
+    pump.flush()
+    assert reply == [(wire.ST_OK, wire.reply(wire.ST_OK, 9, blob))]
+
+
+def test_a_large_sealed_frame_changed_in_flight_closes_the_connection():
+    server, client, pump = linked(KEYS)
+    refusals = []
+    server.auth_failures = refusals.append
+    blob = bytes(1 << 20)
+    body = wire.encode_control(3, 4, {"op": "store", "blob": blob})
+    sealed = bytearray(client._session.seal(body))
+    sealed[len(sealed) // 2] ^= 1
+    server.dataReceived(struct.pack(">I", len(sealed)) + bytes(sealed))
+    assert refusals and server.transport.disconnecting
+
+
+# ------------------------------------------------------------ the blocking client
+
+def sessions():
+    """The two ends' sessions of one connection."""
+    return (auth.Session(SESSION_KEY, sends=1, receives=0),
+            auth.Session(SESSION_KEY, sends=0, receives=1))
+
+
+@pytest.fixture
+def pair():
+    ours, theirs = socket.socketpair()
+    ours.settimeout(5.0)
+    theirs.settimeout(5.0)
+    yield ours, theirs
+    ours.close()
+    theirs.close()
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "insecure"])
+@pytest.mark.parametrize("size", [0, 100, transport.LARGE_FRAME - 1, transport.LARGE_FRAME,
+                                  transport.LARGE_FRAME + auth.TAG_BYTES, 4 << 20])
+def test_a_frame_sent_is_the_frame_received(pair, sealed, size):
+    ours, theirs = pair
+    sending, receiving = sessions() if sealed else (None, None)
+    message = random.Random(size).randbytes(size)
+    sender = threading.Thread(target=transport._send_frame, args=(ours, message, sending))
+    sender.start()
+    try:
+        assert transport._recv_frame(theirs, session=receiving) == message
+    finally:
+        sender.join()
+    assert theirs.gettimeout() == 5.0
+
+
+def test_a_changed_large_frame_does_not_check(pair):
+    ours, theirs = pair
+    sending, receiving = sessions()
+    message = bytes(1 << 20)
+    sealed = bytearray(sending.seal(message))
+    sealed[100_000] ^= 0x80
+    sender = threading.Thread(target=ours.sendall,
+                              args=(struct.pack(">I", len(sealed)) + bytes(sealed),))
+    sender.start()
+    try:
+        with pytest.raises(AuthenticationError):
+            transport._recv_frame(theirs, session=receiving)
+    finally:
+        sender.join()
+
+
+def test_a_large_frame_cut_short_times_out_and_the_socket_keeps_its_timeout(pair):
+    ours, theirs = pair
+    theirs.settimeout(0.2)
+    ours.sendall(struct.pack(">I", 1 << 20) + bytes(1000))
+    with pytest.raises(TimeoutError):
+        transport._recv_frame(theirs)
+    assert theirs.gettimeout() == 0.2
+
+
+def test_a_large_frame_cut_by_a_close_is_a_connection_error(pair):
+    ours, theirs = pair
+    ours.sendall(struct.pack(">I", 1 << 20) + bytes(200_000))
+    ours.close()
+    with pytest.raises(ConnectionError):
+        transport._recv_frame(theirs)
+
+
+def test_a_frame_over_the_limit_is_refused_before_it_is_read(pair):
+    ours, theirs = pair
+    ours.sendall(struct.pack(">I", wire.MAX_FRAME_BYTES + auth.TAG_BYTES + 1))
+    with pytest.raises(ProtocolError, match="over the"):
+        transport._recv_frame(theirs)
