@@ -87,6 +87,10 @@ def _disk_reserve(value: Any, flag: str) -> str:
     return value
 
 
+def _host(value: Any, flag: str) -> str:
+    return checks.host(value)
+
+
 def _address(value: Any, flag: str) -> str:
     return checks.address(value)
 
@@ -104,7 +108,7 @@ OPTIONS: dict[str, dict[str, Callable[[Any, str], Any] | None]] = {
     "service": {
         "--heartbeat": _seconds, "--cores": _resource("cores"), "--ram": _resource("ram"),
         "--disk": _resource("disk"), "--cpus": _cpus, "--secret-file": _path,
-        "--metrics": _address, "--disk-reserve": _disk_reserve,
+        "--metrics": _address, "--disk-reserve": _disk_reserve, "--host": _host,
     },
 }
 

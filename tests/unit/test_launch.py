@@ -25,7 +25,8 @@ def free_port():
 def service_record(tmp_path, host=None, env=None, data_dir=None):
     record = launch_record.record(
         "service", f"127.0.0.1:{free_port()}", str(data_dir or tmp_path / "svc"),
-        [["--heartbeat", 0.5], ["--ram", 2**30], ["--cpus", "0"], ["--disk-reserve", "5%"]],
+        [["--heartbeat", 0.5], ["--ram", 2**30], ["--cpus", "0"], ["--disk-reserve", "5%"],
+         ["--host", "node-a"]],
         name="s1", supervisor=SUPERVISOR)
     record["env"] = env if env is not None else {"DOMUS_MARK": "a b'c"}
     if host is not None:
@@ -99,6 +100,7 @@ def test_a_record_holds_validated_fields_and_rebuilds_the_domus_command(tmp_path
     ({"options": [["--secret-file", "key"]]}, "absolute"),
     ({"options": [["--cpus", "0;id"]]}, "CPU list"),
     ({"options": [["--disk-reserve", "1G; id"]]}, "neither a size"),
+    ({"options": [["--host", "-oProxyCommand=id"]]}, "host"),
     ({"options": [["--heartbeat", 1], ["--heartbeat", 2]]}, "once each"),
 ])
 def test_a_record_that_is_not_valid_is_refused_naming_the_problem(tmp_path, change, problem):
