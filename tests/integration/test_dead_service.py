@@ -118,6 +118,15 @@ def test_a_killed_service_fails_its_keys_only(deployment):
 
 
 @pytest.mark.timeout(120)
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (state T)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] != "T":
+                return False
+    return True
+
+
 def test_a_hung_service_times_out_within_the_deadline(deployment):
     cluster = domus.connect(deployment.supervisor_address, timeout=TIMEOUT)
     try:
@@ -128,6 +137,10 @@ def test_a_hung_service_times_out_within_the_deadline(deployment):
         pid = deployment.services["s3"].pid
         os.kill(pid, signal.SIGSTOP)
         try:
+            # (kill returns before every thread of the service has stopped:
+            # its C serving thread may finish what it was doing first)
+            wait_until(lambda: all_threads_stopped(pid), timeout=10,
+                       what="every thread of s3 to be stopped")
             error = expect_unavailable(lambda: dht[stuck], dht, stuck, "s3")
             assert "did not answer" in str(error)
             assert dht[fine] == "value"
