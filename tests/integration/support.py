@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import socket
 import struct
 import time
@@ -49,6 +50,29 @@ def wait_until(predicate: Callable[[], T], *, timeout: float, interval: float = 
             raise AssertionError(f"timed out after {timeout}s waiting for {what}; "
                                  f"last result: {last!r}")
         time.sleep(interval)
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP process ``pid`` and return once every one of its threads has
+    stopped: kill returns before that, and a service's C serving thread may
+    still answer a request it was handling (a "hung" service that answers
+    makes a test of hung services pass or fail by chance)."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: all_threads_stopped(pid), timeout=timeout,
+               what=f"every thread of process {pid} to be stopped")
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (state T)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat", encoding="ascii") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:       # (a thread that ended meanwhile)
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
 
 
 # ------------------------------------------------------------------ placement

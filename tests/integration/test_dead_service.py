@@ -20,6 +20,7 @@ from .support import (
     keys_on,
     owner_of,
     service_stats,
+    stop_process,
     wait_until,
 )
 
@@ -118,15 +119,6 @@ def test_a_killed_service_fails_its_keys_only(deployment):
 
 
 @pytest.mark.timeout(120)
-def all_threads_stopped(pid: int) -> bool:
-    """Whether every thread of process ``pid`` is stopped (state T)."""
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/stat") as stat:
-            if stat.read().rsplit(")", 1)[1].split()[0] != "T":
-                return False
-    return True
-
-
 def test_a_hung_service_times_out_within_the_deadline(deployment):
     cluster = domus.connect(deployment.supervisor_address, timeout=TIMEOUT)
     try:
@@ -135,12 +127,8 @@ def test_a_hung_service_times_out_within_the_deadline(deployment):
         fine = keys_on(dht, "s1", 1, "fine")[0]
         dht[stuck] = dht[fine] = "value"
         pid = deployment.services["s3"].pid
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
-            # (kill returns before every thread of the service has stopped:
-            # its C serving thread may finish what it was doing first)
-            wait_until(lambda: all_threads_stopped(pid), timeout=10,
-                       what="every thread of s3 to be stopped")
             error = expect_unavailable(lambda: dht[stuck], dht, stuck, "s3")
             assert "did not answer" in str(error)
             assert dht[fine] == "value"
@@ -220,7 +208,7 @@ def test_a_silent_service_can_be_replaced_under_its_name_at_a_new_address(deploy
     # Its host "vanished": the old process is stopped with its link still open.
     dht = cluster.create_dht("replaced")
     keys = keys_on(dht, "s3", 10, "r")
-    os.kill(deployment.services["s3"].pid, signal.SIGSTOP)
+    stop_process(deployment.services["s3"].pid)
     wait_until(lambda: state_of(cluster, "s3") == "unresponsive", timeout=30,
                what="s3 unresponsive")
     new_address = f"{LOOPBACK}:{free_port_block(1)}"
@@ -258,7 +246,7 @@ def test_a_retried_put_is_applied_once(deployment):
                 results[name] = exc
 
         pid = deployment.services["s3"].pid
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             # Queued while s3 sleeps: A, A's retry, B, B's retry, A's next retry ...
             writer_a = threading.Thread(target=put, args=("a", dht_a, "A"))
@@ -287,7 +275,7 @@ def test_a_retried_put_is_applied_once(deployment):
 def test_create_fails_cleanly_when_a_service_does_not_acknowledge(deployment, cluster):
     """A DHT exists only once every service involved acknowledged it."""
     pid = deployment.services["s3"].pid
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         started = time.monotonic()
         with pytest.raises(SupervisorError) as raised:

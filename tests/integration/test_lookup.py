@@ -16,7 +16,7 @@ from domus.ops.cli import format_status
 from domus.routing import make_graph
 from domus.wire.keys import encode_key
 
-from .support import wait_until
+from .support import stop_process, wait_until
 from .test_workload import SEED, Workload
 
 STRATEGIES = ["D", "D,C,R", "C,R", "R"]
@@ -83,7 +83,7 @@ def test_a_dead_routing_service_is_reported_and_the_request_still_answered(deplo
     if how == "killed":
         deployment.kill_service("s2", signal.SIGKILL)
     else:
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
     try:
         with domus.connect(deployment.supervisor_address, timeout=1.0) as impatient:
             dht = impatient.open_dht("deadhop", lookup="R")
