@@ -208,13 +208,15 @@ class Suite:
                  "latency": merged,
                  "hops": (sum(a.get("hops", 0.0) for a in answers) / len(answers)),
                  "retries": sum(a.get("retries", 0) for a in answers),
+                 "busy": sum(a.get("busy", 0) for a in answers),
                  "load_average": round(os.getloadavg()[0], 2)}
         self.points.append(point)
         nodes = label.get("nodes")
+        busy = f"{point['busy']:,} BUSY answers backed off, " if point["busy"] else ""
         self.progress(f"  {label['experiment']:<26} {label.get('system', ''):<8} "
                       f"N={clients} X={per_host} M={label.get('services', '-')} "
                       f"#nodes={nodes}: {point['throughput']:>9,.0f} ops/s  "
-                      f"(load {point['load_average']})")
+                      f"({busy}load {point['load_average']})")
         return point
 
     def load(self, system: str, target: dict[str, Any], keys: int, ycsb: bool = False) -> None:

@@ -211,6 +211,7 @@ def run(command: dict[str, Any]) -> dict[str, Any]:
         stats = command["_dhts"][0].stats()
         answer["hops"] = stats["hops"]["mean"]
         answer["retries"] = sum(dht.stats()["retries"] for dht in command["_dhts"])
+        answer["busy"] = sum(dht.stats()["busy"] for dht in command["_dhts"])
     return answer
 
 

@@ -768,7 +768,8 @@ class DirectLookup(Generic[Channel]):
     # ------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """This client's lookup counters for the DHT, per method of its
-        strategy, and its transport's retries and timeouts (local counters,
+        strategy, and its transport's retries, timeouts and BUSY answers
+        backed off (local counters,
         no request is sent)."""
         methods = {method: stats.as_dict() for method, stats in self._method_stats.items()}
         served = sum(stats.hits + stats.walks for stats in self._method_stats.values())
@@ -788,6 +789,7 @@ class DirectLookup(Generic[Channel]):
             "last_lookup_failure": self.last_lookup_failure,
             "retries": sum(channel.retries for channel in self._storage_channels),
             "timeouts": sum(channel.timeouts for channel in self._storage_channels),
+            "busy": sum(channel.busy for channel in self._storage_channels),
         }
 
 
