@@ -136,7 +136,15 @@
  * an interval in which one had waited less than half that.  While behind,
  * a datagram that waited more than shed_after is answered BUSY unserved.
  * A burst (or a pause of the process) that drains within an interval sheds
- * nothing.  domus.service.udp.Shedder is the Python twin. */
+ * nothing.
+ * A socket buffer that holds less than shed_after of work never lets a
+ * datagram wait that long: the kernel drops what does not fit instead,
+ * and clients see timeouts, not BUSY.  So an interval in which the kernel
+ * dropped datagrams (SO_RXQ_OVFL's count moved) with at least
+ * SHED_MIN_DATAGRAMS read is behind too, and the limit past which a
+ * datagram is shed becomes half the longest wait of that interval (half
+ * of what the full buffer holds), until the service is no longer behind.
+ * domus.service.udp.Shedder is the Python twin. */
 #define SHED_INTERVAL_NS 100000000LL
 /* ... and a standing queue is one of at least SHED_MIN_DATAGRAMS datagrams
  * an interval: a few requests that waited because the process was not
@@ -204,6 +212,10 @@ typedef struct {
     long long interval_end_ns;          /* the end of this shedding interval */
     long long interval_min_ns;          /* the least wait seen in it */
     long long interval_count;           /* datagrams read in it */
+    long long interval_max_ns;          /* the longest wait seen in it */
+    long long shed_limit_ns;            /* while behind, shed what waited longer */
+    uint32_t kernel_drops;              /* SO_RXQ_OVFL's count, as last read */
+    uint32_t interval_drops;            /* ... as the interval began */
     int behind;                         /* the last interval said: shed */
     int behind_streak;                  /* intervals behind in a row (<= 6) */
     int reply_factor;                   /* insecure: replies <= factor * request; 0: any */
@@ -249,7 +261,7 @@ typedef struct Batch {
     struct sockaddr_storage peers[BATCH_SIZE];
     union {
         struct cmsghdr align;
-        char bytes[CMSG_SPACE(sizeof(struct timespec))];
+        char bytes[CMSG_SPACE(sizeof(struct timespec)) + CMSG_SPACE(sizeof(uint32_t))];
     } controls[BATCH_SIZE];
     unsigned char *buffers;             /* BATCH_SIZE * RECV_BUFFER_SIZE */
     struct mmsghdr out[BATCH_SIZE];
@@ -1974,39 +1986,67 @@ batch_settle(FastPath *self, Batch *batch)
 /* Whether to shed the datagram `message` (see SHED_INTERVAL_NS), read at
  * `now_ns` (its batch's clock): reads its kernel receive time
  * (SO_TIMESTAMPNS, which the caller switches on; a datagram without one is
- * never shed) and keeps the interval's state. */
+ * never shed) and the kernel's drop count (SO_RXQ_OVFL, if on), and keeps
+ * the interval's state. */
 static int
 should_shed(FastPath *self, struct msghdr *message, long long now_ns)
 {
+    long long received_ns = -1;
     for (struct cmsghdr *item = CMSG_FIRSTHDR(message); item != NULL;
          item = CMSG_NXTHDR(message, item)) {
-        if (item->cmsg_level != SOL_SOCKET || item->cmsg_type != SCM_TIMESTAMPNS) {
+        if (item->cmsg_level != SOL_SOCKET) {
             continue;
         }
-        struct timespec received;
-        memcpy(&received, CMSG_DATA(item), sizeof(received));
-        long long received_ns = (long long)received.tv_sec * 1000000000LL
-                                + received.tv_nsec;
-        long long waited = now_ns - received_ns;
-        long long target = self->shed_after_ns;
-        if (received_ns >= self->interval_end_ns) {
-            if (self->interval_end_ns != 0) {
-                self->behind = self->interval_count >= SHED_MIN_DATAGRAMS
-                               && self->interval_min_ns > (self->behind ? target / 2 : target);
-                self->behind_streak = self->behind ? (self->behind_streak < 6
-                                                      ? self->behind_streak + 1 : 6) : 0;
-            }
-            self->interval_min_ns = LLONG_MAX;
-            self->interval_count = 0;
-            self->interval_end_ns = received_ns + SHED_INTERVAL_NS;
+        if (item->cmsg_type == SCM_TIMESTAMPNS
+                && item->cmsg_len >= CMSG_LEN(sizeof(struct timespec))) {
+            struct timespec received;
+            memcpy(&received, CMSG_DATA(item), sizeof(received));
+            received_ns = (long long)received.tv_sec * 1000000000LL + received.tv_nsec;
         }
-        self->interval_count++;
-        if (waited < self->interval_min_ns) {
-            self->interval_min_ns = waited;
+        else if (item->cmsg_type == SO_RXQ_OVFL
+                 && item->cmsg_len >= CMSG_LEN(sizeof(uint32_t))) {
+            memcpy(&self->kernel_drops, CMSG_DATA(item), sizeof(uint32_t));
         }
-        return self->behind && waited > target;
     }
-    return 0;
+    if (received_ns < 0) {
+        return 0;
+    }
+    long long waited = now_ns - received_ns;
+    long long target = self->shed_after_ns;
+    if (received_ns >= self->interval_end_ns) {
+        if (self->interval_end_ns != 0) {
+            long long limit = self->behind ? self->shed_limit_ns : target;
+            int enough = self->interval_count >= SHED_MIN_DATAGRAMS;
+            int overflowed = enough && self->kernel_drops != self->interval_drops;
+            int standing = enough && self->interval_min_ns > (self->behind ? limit / 2
+                                                                             : limit);
+            self->behind = standing || overflowed;
+            if (!self->behind) {
+                limit = target;
+            }
+            else if (overflowed) {
+                long long half = self->interval_max_ns / 2;
+                half = half > 1000000LL ? half : 1000000LL;     /* (1 ms at least) */
+                limit = half < limit ? half : limit;
+            }
+            self->shed_limit_ns = limit;
+            self->behind_streak = self->behind ? (self->behind_streak < 6
+                                                  ? self->behind_streak + 1 : 6) : 0;
+        }
+        self->interval_min_ns = LLONG_MAX;
+        self->interval_max_ns = 0;
+        self->interval_count = 0;
+        self->interval_drops = self->kernel_drops;
+        self->interval_end_ns = received_ns + SHED_INTERVAL_NS;
+    }
+    self->interval_count++;
+    if (waited < self->interval_min_ns) {
+        self->interval_min_ns = waited;
+    }
+    if (waited > self->interval_max_ns) {
+        self->interval_max_ns = waited;
+    }
+    return self->behind && waited > self->shed_limit_ns;
 }
 
 /* The retry-after of a shed request's BUSY (see RETRY_AFTER_MAX_MS). */
@@ -2796,8 +2836,15 @@ static PyMemberDef FastPath_members[] = {
      "while behind, serve() answers BUSY to a datagram that waited longer "
      "(<= 0: never)"},
     {"behind", T_INT, offsetof(FastPath, behind), READONLY,
-     "whether the last interval found a standing queue (datagrams that "
-     "waited longer than shed_after_ns are shed)"},
+     "whether the last interval found a standing queue, or the kernel "
+     "dropping datagrams (datagrams that waited longer than shed_limit_ns "
+     "are shed)"},
+    {"shed_limit_ns", T_LONGLONG, offsetof(FastPath, shed_limit_ns), READONLY,
+     "while behind, what waited longer is shed: shed_after_ns, or half the "
+     "longest wait of an interval in which the kernel dropped datagrams"},
+    {"kernel_drops", T_UINT, offsetof(FastPath, kernel_drops), READONLY,
+     "datagrams the kernel dropped, its socket buffer full (SO_RXQ_OVFL's "
+     "count as last read, modulo 2**32; 0 unless the socket asks for it)"},
     {"thread_errors", T_ULONGLONG, offsetof(FastPath, thread_errors), READONLY,
      "batches the serving thread could not handle (an exception, written "
      "as unraisable; their datagrams are lost and retried)"},

@@ -187,6 +187,9 @@ def run(command: dict[str, Any]) -> dict[str, Any]:
     delay = command["start_at"] - time.time()
     if delay > 0:
         time.sleep(delay)
+    dhts = command.get("_dhts") or []
+    # (the counters are the client's, kept across runs: this run's share)
+    before = [sum(dht.stats()[counter] for dht in dhts) for counter in ("retries", "busy")]
     usage = resource.getrusage(resource.RUSAGE_SELF)
     started = clock()
     end = started + int(command["seconds"] * 1e9)
@@ -207,11 +210,11 @@ def run(command: dict[str, Any]) -> dict[str, Any]:
     cpu = (finished.ru_utime - usage.ru_utime) + (finished.ru_stime - usage.ru_stime)
     answer = {"ops": count, "elapsed": elapsed, "cpu": cpu,
               "latency": {kind: percentiles(samples) for kind, samples in latencies.items()}}
-    if command.get("_dhts"):
-        stats = command["_dhts"][0].stats()
-        answer["hops"] = stats["hops"]["mean"]
-        answer["retries"] = sum(dht.stats()["retries"] for dht in command["_dhts"])
-        answer["busy"] = sum(dht.stats()["busy"] for dht in command["_dhts"])
+    if dhts:
+        answer["hops"] = dhts[0].stats()["hops"]["mean"]
+        answer["retries"], answer["busy"] = (
+            sum(dht.stats()[counter] for dht in dhts) - earlier
+            for counter, earlier in zip(("retries", "busy"), before))
     return answer
 
 

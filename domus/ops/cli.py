@@ -74,6 +74,7 @@ _BYTES = _number(int, 1, 2 ** 62, "sizes in bytes")
 _CONNECTIONS = _number(int, 1, 1_000_000, "connection counts")
 _SCANS = _number(int, 1, 100_000_000, "scan counts")
 _KEYS = _number(int, 1, 2 ** 40, "key counts")
+_CACHE = _number(int, 2, 2 ** 32, "reply cache sizes")
 _FACTOR = _number(int, 0, 65_507, "reply factors")
 _SHED_AFTER = _number(float, 0.0, 3600.0, "seconds")
 
@@ -209,7 +210,7 @@ def cmd_service(args: argparse.Namespace) -> int:
             idle_timeout=args.idle_timeout, write_timeout=args.write_timeout,
             input_budget=args.input_budget, max_scans=args.max_scans,
             max_scan_keys=args.max_scan_keys, udp_reply_factor=args.udp_reply_factor,
-            shed_after=args.shed_after)
+            shed_after=args.shed_after, reply_cache_entries=args.reply_cache_entries)
         service = DomusService(supervisor=addresses.supervisor_address(args.supervisor),
                                listen=args.listen, data_dir=args.data_dir, name=args.name,
                                heartbeat=args.heartbeat, resources=overrides,
@@ -937,6 +938,10 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_argument("--shed-after", type=_SHED_AFTER, default=limits.SHED_AFTER,
                         metavar="SECONDS", help="answer BUSY to a datagram that waited "
                         "longer than this (0: never shed; default %(default)s)")
+    bounds.add_argument("--reply-cache-entries", type=_CACHE, default=limits.REPLY_CACHE_ENTRIES,
+                        metavar="N", help="replies of changes kept so that a retry is applied "
+                        "once; N/2 changes per 15 s at most, past that BUSY (about 155 bytes "
+                        "each; default %(default)s)")
     svc.set_defaults(func=cmd_service)
 
     secret_parser = commands.add_parser("secret", help="make a deployment secret (for job "

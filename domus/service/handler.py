@@ -195,7 +195,8 @@ class RequestHandler:
         self.data_dir = data_dir      # where disk DHTs keep their files
         self.dhts: dict[int, HostedDht] = {}
         # (An empty cache is falsy: it has a length.)
-        self.reply_cache = reply_cache if reply_cache is not None else ReplyCache(clock=clock)
+        self.reply_cache = reply_cache if reply_cache is not None else ReplyCache(
+            clock=clock, max_entries=max(limits.reply_cache_entries, 2))
         self._clock = clock
         self._requests = 0
         self._samples: list[int] = []      # dht id << 32 | bucket
@@ -1121,6 +1122,7 @@ class RequestHandler:
             **counters,
             "hot_path": "c" if fast is not None else "python",
             "serving_thread": bool(fast is not None and fast.threaded),
+            "kernel_drops": fast.kernel_drops if fast is not None else 0,
             "hot_path_fallbacks": sum(path.fallbacks for path in self._fast_paths()),
             "reply_cache": len(self.reply_cache),
             "reply_cache_limit": self.reply_cache.current_limit,

@@ -26,6 +26,12 @@ MAX_SCAN_KEYS = 8_000_000         # keys held by the scans' snapshots, all toget
 # UDP replies on an insecure deployment: at most this many times the
 # request's size (0: up to a whole datagram).
 UDP_REPLY_FACTOR = 16
+# The reply cache (domus.service.replycache): entries in its two generations
+# together; the current one takes half, so changes past REPLY_CACHE_ENTRIES / 2
+# in 15 s (MAX_DEADLINE) are answered BUSY.  3,000,000 is 100,000 changes a
+# second sustained, more than one service applies; about 155 bytes an entry,
+# some 470 MB only at that rate.
+REPLY_CACHE_ENTRIES = 3_000_000
 # Overload: a datagram that waited longer than this in the socket's queue
 # is answered BUSY instead of served (0: never).
 SHED_AFTER = 0.1
@@ -53,6 +59,7 @@ class Limits:
     max_scan_keys: int = MAX_SCAN_KEYS
     udp_reply_factor: int = UDP_REPLY_FACTOR
     shed_after: float = SHED_AFTER
+    reply_cache_entries: int = REPLY_CACHE_ENTRIES
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -61,7 +68,7 @@ class Limits:
                 raise ValueError(f"limit {field.name} must be a number >= 0, not {value!r}")
         for name in ("max_connections", "max_connections_per_host", "max_scans",
                      "max_scans_per_client", "max_scan_keys", "input_budget",
-                     "output_high_water"):
+                     "output_high_water", "reply_cache_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"limit {name} must be at least 1")
         for name in ("idle_timeout", "write_timeout"):

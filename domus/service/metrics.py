@@ -143,6 +143,12 @@ class ServiceCollector:
         socket_errors.add_metric([name, "send"], (fast.send_errors if fast else 0)
                                  + (udp.send_errors if udp else 0))
         yield socket_errors
+        yield metrics.counter("domus_service_udp_kernel_drops", "datagrams the kernel "
+                              "dropped, the UDP socket's buffer full (SO_RXQ_OVFL, as last "
+                              "read with a datagram; modulo 2**32): overload that the "
+                              "service sheds from then on", me,
+                              max(fast.kernel_drops if fast else 0,
+                                  udp.shedder.drops if udp else 0))
 
         room = handler.headroom
         if room is not None:

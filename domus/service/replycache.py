@@ -34,9 +34,10 @@ after its entry is gone; the constructor refuses a ``ttl`` that would break
 this.
 
 The current generation holds at most ``max_entries / 2`` entries (the
-most changes the service takes in ``ttl / 2`` seconds: 500,000 by default,
-33,000 a second, about 150 bytes each); past that, changes get BUSY until
-the next rotation (counted in ``refused``).
+most changes the service takes in ``ttl / 2`` seconds: 1,500,000 by default
+(``domus service --reply-cache-entries``), 100,000 a second, about 155
+bytes each); past that, changes get BUSY until the next rotation (counted
+in ``refused``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import xxhash
 from domus.wire.protocol import MAX_DEADLINE, REPLY_CACHE_TTL
 
 DEFAULT_TTL = REPLY_CACHE_TTL
-DEFAULT_MAX_ENTRIES = 1_000_000
+DEFAULT_MAX_ENTRIES = 3_000_000       # (domus.service.limits.REPLY_CACHE_ENTRIES)
 TOKEN = slice(4, 16)
 
 

@@ -36,7 +36,14 @@ Bounds (domus.service.limits), the same on both paths:
   datagram that waited longer than ``shed_after`` is answered BUSY without
   being served (``shed``): the client backs off, and the service spends its
   time on requests it can answer in time.  A burst, or a pause of the
-  process, that drains within an interval sheds nothing.
+  process, that drains within an interval sheds nothing.  A socket buffer
+  that holds less than ``shed_after`` of work never lets a datagram wait
+  that long: the kernel drops what does not fit, and clients would see
+  timeouts rather than BUSY.  So an interval in which the kernel dropped
+  datagrams (SO_RXQ_OVFL's count moved), with at least SHED_MIN_DATAGRAMS
+  read, is behind too, and the limit past which a datagram is shed becomes
+  half the longest wait of that interval (half what the full buffer
+  holds) for as long as the service stays behind.
 - **Amplification.** A reply to a request that does not parse (MALFORMED,
   BAD_VERSION, UNKNOWN_OP) is never larger than the request: its message
   is cut.  On an insecure deployment (where any source address can be
@@ -71,8 +78,10 @@ SOCKET_BUFFER = 8 * 1024 * 1024
 MAX_DATAGRAMS = 256
 RECV_SIZE = 65536       # more than any UDP payload: no datagram is cut
 _TIMESPEC = struct.Struct("@qq")
-_STAMP_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
+_DROPS = struct.Struct("@I")
+_STAMP_SPACE = socket.CMSG_SPACE(_TIMESPEC.size) + socket.CMSG_SPACE(_DROPS.size)
 SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)       # (Linux)
+SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)             # (Linux)
 SHED_INTERVAL = 0.1
 SHED_MIN_DATAGRAMS = 32     # fewer an interval are late (an unscheduled process), not a queue
 RETRY_AFTER_MAX = 2.0
@@ -82,16 +91,20 @@ class Shedder:
     """Whether a datagram is shed (see the module; the C path keeps the
     same state in FastPath)."""
 
-    __slots__ = ("target", "interval_end", "interval_min", "interval_count", "behind",
-                 "streak")
+    __slots__ = ("target", "interval_end", "interval_min", "interval_max", "interval_count",
+                 "behind", "streak", "limit", "drops", "interval_drops")
 
     def __init__(self, target: float) -> None:
         self.target = target
         self.interval_end = 0.0
         self.interval_min = float("inf")
+        self.interval_max = 0.0
         self.interval_count = 0
         self.behind = False
         self.streak = 0
+        self.limit = target         # while behind, what waited longer is shed
+        self.drops = 0              # the kernel's drop count, as last read
+        self.interval_drops = 0     # ... as the interval began
 
     def retry_after(self) -> int:
         """A shed request's retry-after, in milliseconds: one interval,
@@ -99,20 +112,38 @@ class Shedder:
         return min(int(SHED_INTERVAL * 1000) << max(self.streak - 1, 0),
                    int(RETRY_AFTER_MAX * 1000))
 
-    def shed(self, received: float, waited: float) -> bool:
+    def shed(self, received: float, waited: float, drops: int | None = None) -> bool:
+        """Whether to shed a datagram received at ``received`` that waited
+        ``waited`` seconds, the kernel having dropped ``drops`` datagrams
+        on this socket so far (None: not known)."""
+        if drops is not None:
+            self.drops = drops
         if received >= self.interval_end:
             if self.interval_end:
-                self.behind = (self.interval_count >= SHED_MIN_DATAGRAMS
-                               and self.interval_min > (self.target / 2 if self.behind
-                                                        else self.target))
+                limit = self.limit if self.behind else self.target
+                enough = self.interval_count >= SHED_MIN_DATAGRAMS
+                overflowed = enough and self.drops != self.interval_drops
+                standing = enough and self.interval_min > (limit / 2 if self.behind else limit)
+                self.behind = standing or overflowed
+                if not self.behind:
+                    limit = self.target
+                elif overflowed:
+                    limit = min(limit, max(self.interval_max / 2, 0.001))
+                self.limit = limit
                 self.streak = min(self.streak + 1, 6) if self.behind else 0
             self.interval_min = float("inf")
+            self.interval_max = 0.0
             self.interval_count = 0
+            self.interval_drops = self.drops
             self.interval_end = received + SHED_INTERVAL
         self.interval_count += 1
         if waited < self.interval_min:
             self.interval_min = waited
-        return self.behind and waited > self.target
+        if waited > self.interval_max:
+            self.interval_max = waited
+        return self.behind and waited > self.limit
+
+
 # Errors a UDP socket reports about an earlier datagram (ICMP) or a passing
 # shortage; the service goes on.
 TRANSIENT_ERRORS = frozenset({
@@ -232,6 +263,10 @@ class UdpServer:
         self.reply_factor = limits.udp_reply_factor
         if self.shed_after > 0:
             self.socket.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            try:
+                self.socket.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
+            except OSError:     # (not Linux: the queue's length alone tells)
+                pass
         fast = handler.fast
         if fast is not None:
             fast.shed_after_ns = int(self.shed_after * 1e9)
@@ -409,7 +444,7 @@ class UdpServer:
         received = received_at(ancillary)
         if received is None:
             return False
-        return self.shedder.shed(received, time.time() - received)
+        return self.shedder.shed(received, time.time() - received, kernel_drops(ancillary))
 
     def _drain_in_python(self) -> None:
         recvmsg = self.socket.recvmsg
@@ -465,6 +500,15 @@ def received_at(ancillary: list[tuple[int, int, bytes]]) -> float | None:
                 and len(payload) >= _TIMESPEC.size:
             seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
             return seconds + nanoseconds / 1e9
+    return None
+
+
+def kernel_drops(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+    """The count of datagrams the kernel dropped on this socket (its
+    buffer full) that SO_RXQ_OVFL adds to a datagram, or None."""
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(payload) >= _DROPS.size:
+            return _DROPS.unpack_from(payload)[0]
     return None
 
 

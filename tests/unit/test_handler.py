@@ -1238,3 +1238,15 @@ def test_bucket_load_finds_the_hot_buckets_from_samples():
     assert abs(load[1] - 0.75 * total) < 0.1 * total
     assert abs(load[2] - 0.25 * total) < 0.1 * total
     assert handler.bucket_load(1.0) == {}                  # taken: afresh
+
+
+def test_the_reply_cache_takes_as_many_changes_as_the_service_is_told():
+    # (--reply-cache-entries N: N/2 changes per 15 s, then BUSY, nothing applied)
+    handler = make_handler(limits=Limits(reply_cache_entries=8))
+    keys = keys_in(2, 6)
+    statuses = [put(handler, key, b"v")[0] for key in keys]
+    assert statuses == [wire.ST_OK] * 4 + [wire.ST_BUSY] * 2
+    assert sorted(stored(handler)[2]) == sorted(keys[:4])
+    assert make_handler().reply_cache.current_limit == 1_500_000      # (the default)
+    with pytest.raises(ValueError, match="reply_cache_entries"):
+        Limits(reply_cache_entries=0)

@@ -305,6 +305,63 @@ def test_a_standing_queue_is_shed_with_busy_and_the_rest_served(path, arrival_st
         server.stop()
 
 
+def drained(reactor, client, settle=0.2):
+    """Let the reactor read until no reply came for ``settle`` seconds;
+    returns the replies (some requests may have been dropped)."""
+    replies = []
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < settle:
+        for reader in list(reactor.readers):
+            assert reader.doRead() is None
+        try:
+            while True:
+                replies.append(client.recv(65536))
+                quiet_since = time.monotonic()
+        except BlockingIOError:
+            time.sleep(0.005)
+    return replies
+
+
+def test_a_buffer_too_small_for_a_standing_queue_sheds_once_the_kernel_drops(path,
+                                                                             arrival_stamps):
+    """A socket buffer that holds less than shed_after of work: no datagram
+    waits that long, the kernel drops the rest, and clients would only
+    time out.  The drops make the service behind, and it sheds what
+    waited more than half the longest wait of the interval that dropped."""
+    handler = make_handler(path)
+    handler.limits = limits.Limits(shed_after=5.0)      # (no queue here stands that long)
+    reactor = FakeReactor()
+    server = UdpServer(handler, "127.0.0.1", 0)
+    server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    server.start(reactor)
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    client.connect(server.address[:2])
+    client.setblocking(False)
+    try:
+        # One interval: far more than the buffer holds, at once.
+        for n in range(1000):
+            client.send(request(wire.OP_GET, n))
+        time.sleep(0.02)
+        first = drained(reactor, client)
+        assert 32 <= len(first) < 1000                  # (the kernel dropped the rest)
+        assert {reply[2] for reply in first} == {wire.ST_NOT_FOUND}
+        # The next interval: behind, since the kernel dropped datagrams.
+        time.sleep(0.1)
+        for n in range(1000, 1100):
+            client.send(request(wire.OP_GET, n))
+        time.sleep(0.05)
+        second = drained(reactor, client)
+        statuses = [reply[2] for reply in second]
+        assert len(second) == 100 and statuses.count(wire.ST_BUSY) >= 90
+        assert handler.stats()["shed"] == statuses.count(wire.ST_BUSY)
+        drops = handler.stats()["kernel_drops"] if path == "c" else server.shedder.drops
+        assert drops == 1000 - len(first)
+    finally:
+        client.close()
+        server.stop()
+
+
 # ------------------------------------------------------------ the serving thread
 
 def epoll_reactor():
