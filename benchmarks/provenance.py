@@ -21,6 +21,15 @@ def machine() -> dict[str, Any]:
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit,
             "machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.platform()}",
             "load_average": [round(load, 2) for load in os.getloadavg()],
-            "command": " ".join(["python -m", sys.argv[0].rsplit("/", 2)[-2] + "."
-                                 + sys.argv[0].rsplit("/", 1)[-1].removesuffix(".py"),
-                                 *sys.argv[1:]]) if sys.argv and sys.argv[0] else ""}
+            "command": " ".join(["python -m", _module(sys.argv[0]), *sys.argv[1:]])
+                       if sys.argv and sys.argv[0] else ""}
+
+
+def _module(path: str) -> str:
+    """The module ``python -m`` ran, from its file's path:
+    benchmarks/put1.py is benchmarks.put1, benchmarks/scalability/__main__.py
+    is benchmarks.scalability."""
+    parts = path.removesuffix(".py").split("/")
+    if parts[-1] == "__main__":
+        parts = parts[:-1]
+    return ".".join(parts[-2:])
