@@ -94,7 +94,7 @@ class HandlerChannel:
         self.deployment = deployment
         self.down = False
         self.sent: list[bytes] = []
-        self.retries = self.timeouts = 0
+        self.retries = self.timeouts = self.busy = 0
 
     def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
         self.sent.append(message)
