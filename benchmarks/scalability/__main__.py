@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=(__import__("benchmarks.scalability")
                                                   .scalability.__doc__.split("\n\n")[0]))
     parser.add_argument("--quick", action="store_true",
-                        help="a small sweep, 1 s per point (under 2 minutes on a quiet machine)")
+                        help="a small sweep, 0.3 s per point (about a minute on a quiet machine)")
     parser.add_argument("--delay-us", type=float, default=50.0,
                         help="one-way delay added on each host's interface with tc netem "
                         "(default 50; 0: none; run without it, saying so, if the kernel "

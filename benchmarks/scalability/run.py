@@ -38,9 +38,9 @@ class Plan:
     heartbeat_seconds: float = 5.0
 
 
-QUICK = Plan(services=[1, 2], clients=[1, 2], per_host=[1], seconds=0.6, keys=2000,
+QUICK = Plan(services=[1, 2], clients=[1, 2], per_host=[1], seconds=0.3, keys=2000,
              ycsb_records=1000, strategies=[("C,R", 0.5), ("R", None)],
-             heartbeat_services=50, heartbeat_seconds=2.0)
+             heartbeat_services=50, heartbeat_seconds=1.0)
 FULL = Plan(services=[1, 2, 3], clients=[1, 2, 3, 4], per_host=[1, 2], seconds=4.0,
             keys=20000, ycsb_records=10000,
             strategies=[("C,R", 0.5), ("C,R", 0.25), ("R", None)], heartbeat_seconds=10.0)

@@ -24,6 +24,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scale import examples
 
 from domus.client import codec
 from domus.errors import (
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.skipif(C is None, reason="domus._codec is not built")
 
 HASHES = sorted(keys.HASH_FUNCTIONS)
 SHIFTS = [keys.bucket_shift(1 << power) for power in range(0, 25)]
-ANY_SETTINGS = settings(max_examples=300, deadline=None,
+ANY_SETTINGS = settings(max_examples=examples(300), deadline=None,
                         suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -736,7 +737,8 @@ def value_bytes(draw):
     return bytes(encoded)
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(600), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(value_bytes(), st.integers(min_value=0, max_value=3))
 def test_unpack_value_matches_msgpack(data, offset):
     padded = b"\xd1" * offset + data
@@ -1188,8 +1190,13 @@ def test_no_references_leak():
         service.setblocking(False)
         for call in calls:
             # A leak grows by a block per call at least, every time; a
-            # single unlucky measurement (a cache filling up) does not repeat.
-            growth = min(_blocks_after(call, 2000) for _attempt in range(3))
+            # single unlucky measurement (a cache filling up) does not
+            # repeat, so only a call that grew is measured again.
+            growth = _blocks_after(call, 2000)
+            for _attempt in range(2):
+                if growth < 100:
+                    break
+                growth = min(growth, _blocks_after(call, 2000))
             assert growth < 100, (f"line {call.__code__.co_firstlineno}", growth)
 
 

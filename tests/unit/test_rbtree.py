@@ -33,6 +33,7 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
+from scale import examples
 
 from domus.rbtree import reference as rbtree_ref
 
@@ -414,7 +415,7 @@ class TreeMachine(RuleBasedStateMachine):
         del pair
 
 
-MACHINE_SETTINGS = settings(max_examples=250, stateful_step_count=50, deadline=None,
+MACHINE_SETTINGS = settings(max_examples=examples(250), stateful_step_count=50, deadline=None,
                             suppress_health_check=list(HealthCheck))
 
 

@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from scale import examples
 
 from domus.errors import KeyTooLarge
 from domus.storage import recordtree
@@ -245,8 +246,8 @@ class TreeMachine(RuleBasedStateMachine):
 
 
 TestTreeMachine = TreeMachine.TestCase
-TestTreeMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
-                                    suppress_health_check=list(HealthCheck))
+TestTreeMachine.settings = settings(max_examples=examples(150), stateful_step_count=60,
+                                    deadline=None, suppress_health_check=list(HealthCheck))
 
 
 # ------------------------------------------------------------------ the module
