@@ -451,9 +451,13 @@ class DatagramRequests:
 
     # -- replies
     def _readable(self) -> None:
-        """Read what the socket holds (at most READ_BATCH datagrams)."""
+        """Read what the socket holds (at most READ_BATCH datagrams), or
+        until no request is pending: a datagram that comes when none is
+        (a late reply) wakes the loop again, and one request at a time
+        does not pay for a read that fails each time."""
         recvfrom = self.sock.recvfrom   # type: ignore[union-attr]
         received = self.datagram_received
+        pending = self.pending
         for _ in range(READ_BATCH):
             try:
                 data, peer = recvfrom(MAX_PACKET)
@@ -465,6 +469,8 @@ class DatagramRequests:
                 self.send_errors += 1   # (an ICMP error: the retry rule covers it)
                 continue
             received(data, peer)
+            if not pending:
+                return
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         if len(data) < wire.REPLY_HEADER_SIZE or data[0] != wire.REPLY_MAGIC:
