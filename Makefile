@@ -96,12 +96,15 @@ demo: venv
 # the few tests that measure CPU load (marked serial) alone; the last line
 # says how long it all took (from make's start: the set-up too) and each part.
 MAKE_START := $(shell date +%s)
+# (the serial phase collects only the files that have serial tests: the
+# whole suite's collection costs more than the tests it would deselect)
+SERIAL_FILES = $(or $(shell grep -rl --include='test_*.py' 'mark.serial' tests),tests)
 test: venv wheelhouse
 	@begin=$$(date +%s); \
 	$(MAKE) --no-print-directory check-c || exit $$?; \
 	middle=$$(date +%s); \
 	$(BIN)/python -m pytest -q $(XDIST) -m "not serial" $(PYTEST_ARGS) tests; status=$$?; \
-	$(BIN)/python -m pytest -q -p no:xdist -m serial $(PYTEST_ARGS) tests \
+	$(BIN)/python -m pytest -q -p no:xdist -m serial $(PYTEST_ARGS) $(SERIAL_FILES) \
 	  || { code=$$?; [ $$code = 5 ] || status=$$code; }; \
 	end=$$(date +%s); total=$$((end - $(MAKE_START))); \
 	printf 'make test: %s in %dm%02ds (set-up %ds, C tests under sanitizers %ds, suite %ds; %s)\n' \
@@ -114,7 +117,7 @@ test: venv wheelhouse
 # first: `make test-fast PYTEST_ARGS="-k balance"` runs a subset at once.
 test-fast: venv wheelhouse
 	@$(BIN)/python -m pytest -q $(XDIST) -m "not serial" $(PYTEST_ARGS) tests; status=$$?; \
-	$(BIN)/python -m pytest -q -p no:xdist -m serial $(PYTEST_ARGS) tests \
+	$(BIN)/python -m pytest -q -p no:xdist -m serial $(PYTEST_ARGS) $(SERIAL_FILES) \
 	  || { code=$$?; [ $$code = 5 ] || status=$$code; }; \
 	exit $$status
 
