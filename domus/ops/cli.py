@@ -204,13 +204,7 @@ def cmd_service(args: argparse.Namespace) -> int:
                  (("cores", args.cores), ("ram", args.ram), ("disk", args.disk),
                   ("host", args.host)) if value is not None}
     try:
-        bounds = limits.Limits(
-            max_connections=args.max_connections,
-            max_connections_per_host=args.max_connections_per_host,
-            idle_timeout=args.idle_timeout, write_timeout=args.write_timeout,
-            input_budget=args.input_budget, max_scans=args.max_scans,
-            max_scan_keys=args.max_scan_keys, udp_reply_factor=args.udp_reply_factor,
-            shed_after=args.shed_after, reply_cache_entries=args.reply_cache_entries)
+        bounds = limits.from_options(args)
         service = DomusService(supervisor=addresses.supervisor_address(args.supervisor),
                                listen=args.listen, data_dir=args.data_dir, name=args.name,
                                heartbeat=args.heartbeat, resources=overrides,

@@ -83,3 +83,27 @@ class Limits:
 
 
 DEFAULT = Limits()
+
+# The bounds `domus service` takes as options (the others keep their
+# defaults): field -> flag.
+FLAGS = {
+    "max_connections": "--max-connections",
+    "max_connections_per_host": "--max-connections-per-host",
+    "idle_timeout": "--idle-timeout", "write_timeout": "--write-timeout",
+    "input_budget": "--input-budget", "max_scans": "--max-scans",
+    "max_scan_keys": "--max-scan-keys", "udp_reply_factor": "--udp-reply-factor",
+    "shed_after": "--shed-after", "reply_cache_entries": "--reply-cache-entries",
+}
+
+
+def from_options(options: object) -> Limits:
+    """The bounds parsed `domus service` options give (an argparse
+    namespace: each flag's value under its field's name)."""
+    return Limits(**{field: getattr(options, field) for field in FLAGS})
+
+
+def limit_options(limits: Limits) -> list[list[object]]:
+    """The ``[flag, value]`` pairs that start a service with ``limits``
+    (for its launch record: a restart keeps its bounds); defaults left out."""
+    return [[flag, getattr(limits, field)] for field, flag in FLAGS.items()
+            if getattr(limits, field) != getattr(DEFAULT, field)]

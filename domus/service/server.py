@@ -24,7 +24,7 @@ from domus.service.connections import DataFactory
 from domus.service.handler import RequestHandler
 from domus.service.hosted import FREEZE_LEASE
 from domus.service.limits import DEFAULT as DEFAULT_LIMITS
-from domus.service.limits import Limits
+from domus.service.limits import Limits, limit_options
 from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
 from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
@@ -84,6 +84,7 @@ class DomusService(Service):
             options.append(["--metrics", metrics])
         if disk_reserve != DEFAULT_RESERVE:
             options.append(["--disk-reserve", str(disk_reserve)])
+        options += limit_options(limits)
         # The deployment secret, found as every process finds it
         # (domus.wire.secret); None: an insecure deployment.
         self.keys = secret.keys(secret_file)

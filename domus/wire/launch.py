@@ -87,6 +87,14 @@ def _disk_reserve(value: Any, flag: str) -> str:
     return value
 
 
+def _whole(low: int, high: int) -> Callable[[Any, str], int]:
+    def check(value: Any, flag: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{flag} {value!r} is not a whole number from {low} to {high}")
+        return value
+    return check
+
+
 def _host(value: Any, flag: str) -> str:
     return checks.host(value)
 
@@ -109,6 +117,12 @@ OPTIONS: dict[str, dict[str, Callable[[Any, str], Any] | None]] = {
         "--heartbeat": _seconds, "--cores": _resource("cores"), "--ram": _resource("ram"),
         "--disk": _resource("disk"), "--cpus": _cpus, "--secret-file": _path,
         "--metrics": _address, "--disk-reserve": _disk_reserve, "--host": _host,
+        # its bounds (domus.service.limits), where they are not the defaults
+        "--max-connections": _whole(1, 1 << 24), "--max-connections-per-host": _whole(1, 1 << 24),
+        "--idle-timeout": _seconds, "--write-timeout": _seconds,
+        "--input-budget": _whole(1, 1 << 50), "--max-scans": _whole(1, 100_000_000),
+        "--max-scan-keys": _whole(1, 1 << 40), "--udp-reply-factor": _whole(0, 65_507),
+        "--shed-after": _wait, "--reply-cache-entries": _whole(2, 1 << 32),
     },
 }
 

@@ -174,3 +174,20 @@ def test_environment_keys_and_values_are_quoted_in_the_remote_command(tmp_path):
     record = service_record(tmp_path, env={"DOMUS_A": "$(id) `id` ;id"})
     line = launch.command_line(record)
     assert "DOMUS_A='$(id) `id` ;id'" in line
+
+
+def test_a_services_bounds_are_in_its_record_and_its_restart_keeps_them(tmp_path):
+    from domus.ops.cli import build_parser
+    from domus.service.limits import Limits, from_options, limit_options
+
+    bounds = Limits(shed_after=0.2, reply_cache_entries=1_000, max_connections=64,
+                    input_budget=1 << 20, udp_reply_factor=0)
+    assert limit_options(Limits()) == []                # (defaults are not written down)
+    record = launch_record.validate(launch_record.record(
+        "service", f"127.0.0.1:{free_port()}", str(tmp_path / "svc"),
+        [["--heartbeat", 0.5], *limit_options(bounds)], name="s1", supervisor=SUPERVISOR))
+    command = launch.command(record)
+    assert command[:4] == [sys.executable, "-m", "domus", "service"]
+    assert from_options(build_parser().parse_args(command[3:])) == bounds
+    with pytest.raises(ValueError, match="--reply-cache-entries"):
+        launch_record.validate(dict(record, options=[["--reply-cache-entries", 1]]))
