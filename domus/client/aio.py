@@ -47,12 +47,10 @@ from typing import Any
 
 from domus.client import codec
 from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target
-from domus.client.evented import WINDOW, EventedDht
-from domus.client.throttle import Throttle
+from domus.client.evented import WINDOW, EventedChannel, EventedDht
 from domus.client.transport import (
     FIRST_TIMEOUT,
     FRAME,
-    MAX_DEADLINE,
     READ_ONLY_CONTROL,
     RECV_BUFFER,
     RequestIds,
@@ -61,13 +59,11 @@ from domus.client.transport import (
     held_back,
     next_timeout,
     service_busy,
-    service_unavailable,
 )
 from domus.errors import (
     AuthenticationError,
     DomusError,
     ProtocolError,
-    ServiceUnavailable,
     SupervisorUnreachable,
     UnknownDht,
     ValueDecodeError,
@@ -540,27 +536,16 @@ class DatagramRequests:
             sock.close()
 
 
-class AioChannel:
+class AioChannel(EventedChannel):
     """Requests to one service: over the client's UDP socket, or over this
     channel's own TCP connection when a message does not fit a datagram."""
 
     def __init__(self, name: str, address: str, *, requests: DatagramRequests,
                  deadline: float, first_timeout: float = FIRST_TIMEOUT,
                  keys: Keys | None = None) -> None:
-        self.name = name
-        self.address = address
-        self.keys = keys
-        self.key = keys.data if keys is not None else None
-        self.host, self.port = addresses.parse(address)
-        self.deadline = min(deadline, MAX_DEADLINE)
-        self.first_timeout = min(first_timeout, self.deadline)
-        self.requests = requests
-        self.retries = 0
-        self.timeouts = 0
-        self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
-        self.throttle = Throttle()  # (domus.client.throttle)
-        self.in_flight = 0
-        self.waiting: deque[_Pending] = deque()
+        super().__init__(name, address, requests=requests, deadline=deadline,
+                         first_timeout=first_timeout, keys=keys)
+        self.requests: DatagramRequests = requests
         try:
             self.ip: str | None = str(ipaddress.IPv4Address(self.host))
         except ValueError:
@@ -568,21 +553,6 @@ class AioChannel:
         self._resolving = False
         self._tcp: _Link | None = None
         self._tcp_opening: asyncio.Lock | None = None
-
-    def __repr__(self) -> str:
-        return f"<AioChannel {self.name} {self.address}>"
-
-    def unavailable(self, what: str, dht: str = "",
-                    bucket: int | None = None) -> ServiceUnavailable:
-        return service_unavailable(self.name, self.address, what, dht, bucket)
-
-    def request(self, message: bytes, dht: str = "", bucket: int | None = None
-                ) -> Awaitable[bytes]:
-        """Send one request; an awaitable of its reply (retried over UDP, or
-        over TCP when it is too big for a datagram)."""
-        if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
-            return self.request_tcp(message, dht, bucket)
-        return self.requests.request(self, message, dht, bucket)
 
     def resolve(self) -> None:
         """Find the service host's IPv4 address, then send what waits."""
@@ -630,23 +600,12 @@ class AioChannel:
                     raise self.unavailable(f"failed over TCP ({exc})", dht, bucket) from None
         raise AssertionError("unreachable")
 
-    async def _exchange_while_busy(self, link: _Link, message: bytes, dht: str,
-                                   bucket: int | None) -> bytes:
+    def _exchange_while_busy(self, link: _Link, message: bytes, dht: str,
+                             bucket: int | None) -> Awaitable[bytes]:
         """One TCP request, sent again after a backoff while the service
         answers BUSY, within the deadline; then ServiceBusy."""
-        loop = self.requests.loop
-        started = loop.time()
-        tries = 0
-        while True:
-            frame = await link.exchange(message, self.deadline)
-            if frame[2] != wire.ST_BUSY:
-                return frame
-            tries += 1
-            self.busy += 1
-            pause = busy_backoff(tries, frame)
-            if loop.time() - started + pause >= self.deadline:
-                raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
-            await asyncio.sleep(pause)
+        return self._while_busy(lambda: link.exchange(message, self.deadline), dht, bucket,
+                                self.requests.loop.time, asyncio.sleep)
 
     async def _connect(self) -> _Link:
         if self._tcp is not None and not self._tcp.closed:

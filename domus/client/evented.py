@@ -25,12 +25,20 @@ from __future__ import annotations
 
 import functools
 import heapq
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from domus.client import batch, codec
 from domus.client.lookup import PAUSE, SEND, DirectLookup, Renumbered, reply_error
-from domus.client.transport import MAX_DEADLINE
+from domus.client.throttle import Throttle
+from domus.client.transport import (
+    FIRST_TIMEOUT,
+    MAX_DEADLINE,
+    busy_backoff,
+    service_busy,
+    service_unavailable,
+)
 from domus.errors import (
     DomusError,
     ServiceUnavailable,
@@ -38,10 +46,78 @@ from domus.errors import (
     ValueDecodeError,
     ValueTooLarge,
 )
+from domus.wire import address as addresses
+from domus.wire import auth
 from domus.wire import protocol as wire
+from domus.wire.secret import Keys
 
 Channel = TypeVar("Channel")
 WINDOW = 32         # datagrams in flight per service; more wait on the client
+
+
+class EventedChannel:
+    """Requests to one service from an event-driven client: over the
+    client's shared UDP socket (its ``requests``, a datagram layer of the
+    client's own, with domus.client.transport's retry rule and this
+    channel's window), or over the channel's own TCP connection when a
+    message does not fit a datagram.  A subclass supplies ``_request_tcp``
+    (one TCP exchange, reconnecting once) and its loop's clock and sleep
+    (``_clock``, ``_pause``)."""
+
+    def __init__(self, name: str, address: str, *, requests: Any, deadline: float,
+                 first_timeout: float = FIRST_TIMEOUT, keys: Keys | None = None) -> None:
+        self.name = name
+        self.address = address
+        # A secure deployment's (domus.wire.auth): datagrams sealed with the
+        # data key, the TCP connection opened with the handshake.
+        self.keys = keys
+        self.key = keys.data if keys is not None else None
+        self.host, self.port = addresses.parse(address)
+        # The same limits as domus.client.transport.ServiceChannel (see there why).
+        self.deadline = min(deadline, MAX_DEADLINE)
+        self.first_timeout = min(first_timeout, self.deadline)
+        self.requests = requests
+        self.retries = 0
+        self.timeouts = 0
+        self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
+        self.throttle = Throttle()  # (domus.client.throttle)
+        self.in_flight = 0
+        self.waiting: deque[Any] = deque()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} {self.address}>"
+
+    def unavailable(self, what: str, dht: str = "",
+                    bucket: int | None = None) -> ServiceUnavailable:
+        return service_unavailable(self.name, self.address, what, dht, bucket)
+
+    def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> Any:
+        """Send one request; an awaitable of its reply (retried over UDP, or
+        over TCP when it is too big for a datagram)."""
+        if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
+            return self.request_tcp(message, dht, bucket)
+        return self.requests.request(self, message, dht, bucket)
+
+    def request_tcp(self, message: bytes, dht: str = "", bucket: int | None = None) -> Any:
+        raise NotImplementedError
+
+    async def _while_busy(self, once: Callable[[], Awaitable[bytes]], dht: str,
+                          bucket: int | None, clock: Callable[[], float],
+                          pause: Callable[[float], Awaitable[Any]]) -> bytes:
+        """``once()`` (one TCP exchange), done again after a backoff while
+        the service answers BUSY, within the deadline; then ServiceBusy."""
+        started = clock()
+        tries = 0
+        while True:
+            frame = await once()
+            if frame[2] != wire.ST_BUSY:
+                return frame
+            tries += 1
+            self.busy += 1
+            wait = busy_backoff(tries, frame)
+            if clock() - started + wait >= self.deadline:
+                raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
+            await pause(wait)
 
 
 class EventedDht(DirectLookup[Channel]):

@@ -47,11 +47,9 @@ from domus.client.blocking import (
     STATE_CHANGE_TIMEOUT,
     move_target,
 )
-from domus.client.evented import WINDOW, EventedDht
-from domus.client.throttle import Throttle
+from domus.client.evented import WINDOW, EventedChannel, EventedDht
 from domus.client.transport import (
     FIRST_TIMEOUT,
-    MAX_DEADLINE,
     READ_ONLY_CONTROL,
     RECV_BUFFER,
     RequestIds,
@@ -59,13 +57,11 @@ from domus.client.transport import (
     held_back,
     next_timeout,
     service_busy,
-    service_unavailable,
 )
 from domus.errors import (
     SUPERVISOR_ERRORS,
     AuthenticationError,
     DomusError,
-    ServiceUnavailable,
     SupervisorError,
     SupervisorUnreachable,
     UnknownDht,
@@ -400,67 +396,30 @@ class DatagramRequests(protocol.DatagramProtocol):
         return defer.succeed(None)
 
 
-class TxChannel:
+class TxChannel(EventedChannel):
     """Requests to one service: over the shared UDP socket, or over this
     channel's own TCP connection when a message does not fit a datagram."""
 
     def __init__(self, name: str, address: str, *, requests: DatagramRequests,
                  deadline: float, first_timeout: float = FIRST_TIMEOUT,
                  keys: Keys | None = None) -> None:
-        self.name = name
-        self.address = address
-        # A secure deployment's (domus.wire.auth): datagrams sealed with the
-        # data key, the TCP connection opened with the handshake.
-        self.keys = keys
-        self.key = keys.data if keys is not None else None
-        self.host, self.port = addresses.parse(address)
-        # The same limits as domus.client.transport.ServiceChannel (see there why).
-        self.deadline = min(deadline, MAX_DEADLINE)
-        self.first_timeout = min(first_timeout, self.deadline)
-        self.requests = requests
-        self.retries = 0
-        self.timeouts = 0
-        self.busy = 0           # BUSY answers (each followed by a backoff and a retry)
-        self.throttle = Throttle()  # (domus.client.throttle)
-        self.in_flight = 0
-        self.waiting: deque[_Pending] = deque()
+        super().__init__(name, address, requests=requests, deadline=deadline,
+                         first_timeout=first_timeout, keys=keys)
+        self.requests: DatagramRequests = requests
         self.ip: str | None = self.host if isIPAddress(self.host) else None
         self.resolving = False
         self._tcp: _Once | None = None
         self._tcp_link: MessageProtocol | None = None
 
-    def __repr__(self) -> str:
-        return f"<TxChannel {self.name} {self.address}>"
-
-    def unavailable(self, what: str, dht: str = "",
-                    bucket: int | None = None) -> ServiceUnavailable:
-        return service_unavailable(self.name, self.address, what, dht, bucket)
-
-    def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> defer.Deferred:
-        """Send one request; fires with its reply (retried over UDP, or over
-        TCP when it is too big for a datagram)."""
-        if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
-            return self.request_tcp(message, dht, bucket)
-        return self.requests.request(self, message, dht, bucket)
-
     def request_tcp(self, message: bytes, dht: str = "",
                     bucket: int | None = None) -> defer.Deferred:
         return defer.Deferred.fromCoroutine(self._request_tcp(message, dht, bucket))
 
-    async def _request_tcp(self, message: bytes, dht: str, bucket: int | None) -> bytes:
+    def _request_tcp(self, message: bytes, dht: str, bucket: int | None) -> Any:
         reactor = self.requests.reactor
-        started = reactor.seconds()
-        tries = 0
-        while True:
-            frame = await self._request_tcp_once(message, dht, bucket)
-            if frame[2] != wire.ST_BUSY:
-                return frame
-            tries += 1
-            self.busy += 1
-            pause = busy_backoff(tries, frame)
-            if reactor.seconds() - started + pause >= self.deadline:
-                raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
-            await task.deferLater(reactor, pause, lambda: None)
+        return self._while_busy(lambda: self._request_tcp_once(message, dht, bucket), dht,
+                                bucket, reactor.seconds,
+                                lambda seconds: task.deferLater(reactor, seconds, lambda: None))
 
     async def _request_tcp_once(self, message: bytes, dht: str, bucket: int | None) -> bytes:
         request_id = wire.U32.unpack_from(message, 4)[0]

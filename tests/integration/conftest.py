@@ -15,6 +15,7 @@ first one did.  (Under pytest-xdist each worker has its own.)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -177,10 +178,26 @@ def _print_logs_if_failed(request: pytest.FixtureRequest, deployment: TrackedDep
         print(deployment.log_tails())
 
 
+@contextlib.contextmanager
+def own_secret_variable() -> Iterator[None]:
+    """$DOMUS_SECRET_FILE unset for what runs inside (a deployment started
+    there sets its own), and back as it was afterwards, set or not: a
+    module's deployment must not leave its secret to the tests of other
+    modules that run next in the same process (a unit test's client would
+    then ask a fake insecure supervisor for a handshake)."""
+    saved = os.environ.pop(secret.ENVIRONMENT, None)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(secret.ENVIRONMENT, None)
+        else:
+            os.environ[secret.ENVIRONMENT] = saved
+
+
 @pytest.fixture(scope="module")
 def shared_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TrackedDeployment]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv(secret.ENVIRONMENT, raising=False)   # (restored after the module)
+    with own_secret_variable():
         started = start_deployment(tmp_path_factory.mktemp("shared"))
         try:
             yield started

@@ -24,7 +24,7 @@ from domus.wire import protocol as wire
 from domus.wire import secret
 from domus.wire.keys import encode_key
 
-from .conftest import _stop_all, start_deployment
+from .conftest import _stop_all, own_secret_variable, start_deployment
 from .support import (
     CLIENT_TIMEOUT,
     RawUdp,
@@ -48,8 +48,7 @@ SERVICE_ARGS = ("--idle-timeout", str(IDLE), "--write-timeout", str(IDLE),
 @pytest.fixture(scope="module", params=["secure", "insecure"])
 def bounded(request, tmp_path_factory):
     """One service (s1) with tight bounds, and a DHT of one bucket on it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv(secret.ENVIRONMENT, raising=False)
+    with own_secret_variable():
         deployment = start_deployment(tmp_path_factory.mktemp(request.param), services=1,
                                       service_args=SERVICE_ARGS,
                                       insecure=request.param == "insecure")

@@ -25,7 +25,7 @@ from domus.errors import InvalidAttribute
 from domus.ops.deploy import free_port_block
 from domus.wire import launch as launch_record
 
-from .conftest import _stop_all, start_deployment
+from .conftest import _stop_all, own_secret_variable, start_deployment
 from .support import CLIENT_TIMEOUT, LOOPBACK, RawControl, service_addresses, wait_until
 
 RECORDS = {f"key-{number}": number for number in range(300)}
@@ -43,17 +43,15 @@ def _no_secret(monkeypatch):
 def open_deployment(tmp_path_factory):
     """An insecure deployment (anyone may connect) with a DHT of known
     records."""
-    saved = os.environ.pop("DOMUS_SECRET_FILE", None)
-    deployment = start_deployment(tmp_path_factory.mktemp("insecure"),
-                                  supervisor_args=("--balance", "manual", "--insecure"))
-    try:
-        with deployment.connect(timeout=CLIENT_TIMEOUT) as cluster:
-            cluster.create_dht("kept", buckets=16).update(RECORDS)
-        yield deployment
-    finally:
-        _stop_all(deployment)
-        if saved is not None:
-            os.environ["DOMUS_SECRET_FILE"] = saved
+    with own_secret_variable():
+        deployment = start_deployment(tmp_path_factory.mktemp("insecure"),
+                                      supervisor_args=("--balance", "manual", "--insecure"))
+        try:
+            with deployment.connect(timeout=CLIENT_TIMEOUT) as cluster:
+                cluster.create_dht("kept", buckets=16).update(RECORDS)
+            yield deployment
+        finally:
+            _stop_all(deployment)
 
 
 def state_of(deployment) -> dict:
