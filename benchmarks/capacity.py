@@ -26,8 +26,11 @@ saturated from C, and the latency each gives as load grows.
    per request under 4 Python put1 client processes beside the bare loop's
    under the same clients (benchmarks.put1's floor client).
 
-The machine is shared with other work: the load average goes into the
-JSON; compare ratios taken within one run.
+Only requests served count: a request the service refuses with ``BUSY``
+(its reply cache full: more than ``--reply-cache-entries``/2 changes in
+15 s, 100,000 a second by default) is counted apart (``busy``), never as
+throughput or latency.  The machine is shared with other work: the load
+average goes into the JSON; compare ratios taken within one run.
 """
 
 from __future__ import annotations
@@ -79,12 +82,13 @@ def curve(arguments: list[str], peak: float, points: list[int], seconds: float,
                "throughput": report["throughput"], "p50_us": report["latency_us"]["p50"],
                "p99_us": report["latency_us"]["p99"], "p999_us": report["latency_us"]["p99.9"],
                "max_us": report["latency_us"]["max"], "timeouts": report["timeouts"],
-               "unsent": report["unsent"]}
+               "unsent": report["unsent"], "busy": report.get("busy", 0)}
         rows.append(row)
         print(f"  {label} {percent:>3} %: {rate:>9,.0f}/s asked, {row['throughput']:>9,.0f}/s "
               f"done, p50 {row['p50_us']:>8.1f} us, p99 {row['p99_us']:>9.1f} us"
               f"{', lost ' + str(row['timeouts']) if row['timeouts'] else ''}"
-              f"{', unsent ' + str(row['unsent']) if row['unsent'] else ''}", flush=True)
+              f"{', unsent ' + str(row['unsent']) if row['unsent'] else ''}"
+              f"{', refused BUSY ' + str(row['busy']) if row['busy'] else ''}", flush=True)
     return rows
 
 
@@ -113,10 +117,13 @@ def measure_domus(args: argparse.Namespace, points: list[int]) -> dict[str, Any]
                 answered = report["replies"]
                 result["cpu_us_per_request"][name] = 1e6 * (_cpu(service) - before) / answered
                 result["peaks"][name] = report["throughput"]
-                print(f"domus {name} peak: {report['throughput']:,.0f}/s (closed loop, "
+                result.setdefault("peak_busy", {})[name] = report.get("busy", 0)
+                print(f"domus {name} peak: {report['throughput']:,.0f}/s served (closed loop, "
                       f"{args.inflight} in flight; p50 {report['latency_us']['p50']:.0f} us, "
                       f"p99 {report['latency_us']['p99']:.0f} us), service CPU "
-                      f"{result['cpu_us_per_request'][name]:.2f} us/request", flush=True)
+                      f"{result['cpu_us_per_request'][name]:.2f} us/request"
+                      f"{'; refused BUSY ' + str(report['busy']) if report.get('busy') else ''}",
+                      flush=True)
             for name, op in OPS.items():
                 result["curves"][name] = curve([*arguments, "--op", op],
                                                result["peaks"][name], points, args.seconds,

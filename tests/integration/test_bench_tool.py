@@ -19,6 +19,8 @@ from benchmarks.programs import ProgramMissing, bench_targets, program
 from domus.wire import secret
 from domus.wire.keys import bucket_of, encode_key
 
+from .conftest import _stop_all, start_deployment
+
 KEYS = 600
 VALUE_SIZE = 40
 
@@ -99,3 +101,26 @@ def test_requests_without_the_secret_are_not_taken(shared_cluster: Any, tmp_path
         assert status == 1, (credentials, report, errors)
         assert report["replies"] == 0 and report["timeouts"] > 0
     assert len(dht) == 0
+
+
+def test_busy_answers_are_counted_apart_not_as_requests_served(tmp_path: Any) -> None:
+    # A service whose reply cache takes 100 changes per 15 s: past them, every
+    # put is answered BUSY; domus-bench counts those apart, not as served.
+    deployment = start_deployment(tmp_path, services=1,
+                                  service_args=("--reply-cache-entries", "200"))
+    try:
+        with deployment.connect() as cluster:
+            cluster.create_dht("refusing", buckets=1)
+            descriptor = cluster.supervisor.call("open_dht", name="refusing")
+        (target,) = bench_targets(descriptor)
+        status, report, errors = run_bench([
+            *target, "--secret-file", deployment.secret_file, "--keys", "1000",
+            "--op", "put", "--inflight", "8", "--seconds", "0.5", "--warmup", "0",
+            "--timeout", "2"])
+        assert status == 0, errors
+        assert report["statuses"].get("OK", 0) <= 100, report["statuses"]
+        assert report["busy"] > 0 and report["statuses"]["BUSY"] >= report["busy"]
+        assert report["requests"] <= 100
+        assert report["throughput"] <= 100 / 0.5
+    finally:
+        _stop_all(deployment)
