@@ -35,8 +35,8 @@ this.
 
 The current generation holds at most ``max_entries / 2`` entries (the
 most changes the service takes in ``ttl / 2`` seconds: 1,500,000 by default
-(``domus service --reply-cache-entries``), 100,000 a second, about 155
-bytes each); past that, changes get BUSY until the next rotation (counted
+(``domus service --reply-cache-entries``), 100,000 a second sustained,
+about 155 bytes each); past that, changes get BUSY until the next rotation (counted
 in ``refused``).
 """
 
