@@ -132,7 +132,7 @@ test-fast: venv wheelhouse
 # (PYTHONMALLOC=malloc), so a read past an input is an ASan report.  pytest
 # captures only sys.stdout/stderr here: a sanitizer writes its report to
 # file descriptor 2 and ends the process, and the report must be seen.
-# Property tests run a quarter of their examples here (DOMUS_EXAMPLES_SCALE,
+# Property tests run a fifth of their examples here (DOMUS_EXAMPLES_SCALE,
 # tests/unit/scale.py): they ran them all in the normal suite, and here
 # each is some 10x slower; the fuzz sweeps and smokes run whole.
 check-c: venv
@@ -144,7 +144,7 @@ check-c: venv
 	rm -f $(ASAN_DIR)/domus/*.so && \
 	cd $(ASAN_DIR) && DOMUS_SANITIZE=1 $(CURDIR)/$(BIN)/python setup.py -q build_ext --inplace \
 	  >build.log 2>&1 || { cat build.log; exit 1; }; \
-	PYTHONPATH=$(CURDIR)/$(ASAN_DIR) PYTHONMALLOC=malloc DOMUS_EXAMPLES_SCALE=0.25 \
+	PYTHONPATH=$(CURDIR)/$(ASAN_DIR) PYTHONMALLOC=malloc DOMUS_EXAMPLES_SCALE=0.2 \
 	  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
 	  $(CURDIR)/$(BIN)/python -m pytest -q -p no:cacheprovider --capture=sys $(XDIST) $$tests

@@ -1,6 +1,6 @@
 """How many examples a property test runs: all of them, except where
 ``DOMUS_EXAMPLES_SCALE`` says to run a share (``make check-c`` runs the C
-tests again under AddressSanitizer, 10x slower, on a quarter of the
+tests again under AddressSanitizer, 10x slower, on a fifth of the
 examples; the normal suite has already run them all)."""
 
 from __future__ import annotations
