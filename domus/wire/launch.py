@@ -117,10 +117,12 @@ OPTIONS: dict[str, dict[str, Callable[[Any, str], Any] | None]] = {
         "--heartbeat": _seconds, "--cores": _resource("cores"), "--ram": _resource("ram"),
         "--disk": _resource("disk"), "--cpus": _cpus, "--secret-file": _path,
         "--metrics": _address, "--disk-reserve": _disk_reserve, "--host": _host,
-        # its bounds (domus.service.limits), where they are not the defaults
-        "--max-connections": _whole(1, 1 << 24), "--max-connections-per-host": _whole(1, 1 << 24),
+        # its bounds (domus.service.limits), where they are not the defaults,
+        # in the ranges `domus service` takes them in (domus.ops.cli)
+        "--max-connections": _whole(1, 1_000_000),
+        "--max-connections-per-host": _whole(1, 1_000_000),
         "--idle-timeout": _seconds, "--write-timeout": _seconds,
-        "--input-budget": _whole(1, 1 << 50), "--max-scans": _whole(1, 100_000_000),
+        "--input-budget": _whole(1, 1 << 62), "--max-scans": _whole(1, 100_000_000),
         "--max-scan-keys": _whole(1, 1 << 40), "--udp-reply-factor": _whole(0, 65_507),
         "--shed-after": _wait, "--reply-cache-entries": _whole(2, 1 << 32),
     },

@@ -191,3 +191,12 @@ def test_a_services_bounds_are_in_its_record_and_its_restart_keeps_them(tmp_path
     assert from_options(build_parser().parse_args(command[3:])) == bounds
     with pytest.raises(ValueError, match="--reply-cache-entries"):
         launch_record.validate(dict(record, options=[["--reply-cache-entries", 1]]))
+    # Whatever `domus service` takes, its record takes too (a service must
+    # not fail to start on its own launch record).
+    largest = from_options(build_parser().parse_args(
+        ["service", "--listen", "127.0.0.1:7701", "--data-dir", str(tmp_path),
+         "--max-connections", "1000000", "--max-connections-per-host", "1000000",
+         "--input-budget", str(2 ** 62), "--max-scans", "100000000",
+         "--max-scan-keys", str(2 ** 40), "--udp-reply-factor", "65507",
+         "--shed-after", "3600", "--reply-cache-entries", str(2 ** 32)]))
+    launch_record.validate(dict(record, options=limit_options(largest)))
