@@ -212,20 +212,28 @@ def shared_client(shared_deployment: TrackedDeployment) -> Iterator[domus.Cluste
         yield connected
 
 
-@pytest.fixture(scope="module")
-def shared_aio_client(shared_deployment: TrackedDeployment) -> Iterator[SyncAioCluster]:
-    """The asyncio client on the module's shared deployment, behind the
-    blocking client's interface (tests/integration/clients.py)."""
+@contextlib.contextmanager
+def aio_cluster(address: str) -> Iterator[SyncAioCluster]:
+    """The asyncio client connected to ``address`` on a loop thread of its
+    own, behind the blocking client's interface; closed, with its loop,
+    afterwards."""
     bridge = LoopThread()
     try:
-        cluster = SyncAioCluster.connect(bridge, shared_deployment.supervisor_address,
-                                         timeout=CLIENT_TIMEOUT)
+        cluster = SyncAioCluster.connect(bridge, address, timeout=CLIENT_TIMEOUT)
         try:
             yield cluster
         finally:
             cluster.close()
     finally:
         bridge.close()
+
+
+@pytest.fixture(scope="module")
+def shared_aio_client(shared_deployment: TrackedDeployment) -> Iterator[SyncAioCluster]:
+    """The asyncio client on the module's shared deployment, behind the
+    blocking client's interface (tests/integration/clients.py)."""
+    with aio_cluster(shared_deployment.supervisor_address) as cluster:
+        yield cluster
 
 
 @pytest.fixture
@@ -262,16 +270,8 @@ def any_cluster(request: pytest.FixtureRequest, shared_deployment: TrackedDeploy
     if request.param == "blocking":
         yield shared_cluster
         return
-    bridge = LoopThread()
-    try:
-        cluster = SyncAioCluster.connect(bridge, shared_deployment.supervisor_address,
-                                         timeout=CLIENT_TIMEOUT)
-        try:
-            yield cluster
-        finally:
-            cluster.close()
-    finally:
-        bridge.close()
+    with aio_cluster(shared_deployment.supervisor_address) as cluster:
+        yield cluster
 
 
 @pytest.fixture
