@@ -32,6 +32,7 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from twisted.logger import Logger
@@ -449,16 +450,30 @@ class RequestHandler:
                           service=self.service_name, problem=str(exc))
         return given
 
-    def tend_storage(self) -> None:
+    def tend_storage(self, released: Callable[[], AbstractContextManager[Any]] = nullcontext
+                     ) -> None:
         """What the service does on a short timer (SAMPLE_INTERVAL): look at
         the free space (the C path follows its state), give space back
         while the disk is at its reserve (what deletes free there, at most
         each RECLAIM_INTERVAL), and
-        open again what failed to open when its time has come."""
+        open again what failed to open when its time has come.
+        ``released``: a context in which looking runs (the service's
+        UdpServer.released: asking the filesystem and comparing change
+        nothing the C path reads), so that a timer with nothing to do
+        never stops the serving thread."""
         headroom = self.headroom
+        with released():
+            space = headroom.measure() if headroom is not None else None
+            acting = any(hosted.needs_retry() for hosted in self.dhts.values()) or (
+                headroom is not None and (headroom.state != ROOM_OK
+                                          or headroom.state_for(space) != headroom.state))
+            if not acting:
+                if headroom is not None:
+                    headroom.sample(space)      # (the state stays: only the figures move)
+                return
         if headroom is not None:
             was_full = headroom.full
-            if headroom.sample():
+            if headroom.sample(space):
                 self.room_changed()
             now = self._clock()
             if headroom.state != ROOM_OK:

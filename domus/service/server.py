@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from twisted.application.service import Service
@@ -26,7 +28,7 @@ from domus.service.hosted import FREEZE_LEASE
 from domus.service.limits import DEFAULT as DEFAULT_LIMITS
 from domus.service.limits import Limits, limit_options
 from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
-from domus.service.udp import UdpServer
+from domus.service.udp import SWITCH_INTERVAL, UdpServer
 from domus.storage import StorageFault, available_platforms
 from domus.storage.headroom import DEFAULT as DEFAULT_RESERVE
 from domus.storage.headroom import SAMPLE_INTERVAL, Headroom, Reserve
@@ -121,6 +123,10 @@ class DomusService(Service):
         super().startService()
         self.udp = UdpServer(self.handler, self.listen_host, self.listen_port)
         self.udp.start(reactor)
+        if self.udp.threaded and sys.getswitchinterval() > SWITCH_INTERVAL:
+            # (the serving thread waits at most this for the GIL while the
+            # reactor thread runs without the baton: domus.service.udp)
+            sys.setswitchinterval(SWITCH_INTERVAL)
         def configure(proto: MessageProtocol) -> None:
             proto.data_handler = self.handler.handle_fast
             proto.control_handler = self._client_control
@@ -177,9 +183,14 @@ class DomusService(Service):
         super().stopService()
         return defer.DeferredList(stops)
 
+    def _released(self) -> AbstractContextManager[None]:
+        """A context in which the reactor thread lets the serving thread
+        serve (UdpServer.released): for what changes nothing C reads."""
+        return self.udp.released() if self.udp is not None else nullcontext()
+
     def _tend_storage(self) -> None:
         try:
-            self.handler.tend_storage()
+            self.handler.tend_storage(self._released)
         except Exception:       # a bug: say so, and keep the timer going
             log.failure("service {name}: watching its storage failed", name=self.service_name)
 
@@ -284,32 +295,37 @@ class DomusService(Service):
                          lease=FREEZE_LEASE)
 
     def _heartbeat(self) -> None:
-        load = self.sampler.sample(self.handler.requests, time.monotonic(),
-                                   self.handler.by_op[wire.OP_LOOKUP])
-        if self.handler.headroom is not None:
-            load.update(self.handler.headroom.report())
+        # Sampling the load (psutil: /proc) and writing to the supervisor's
+        # link change nothing the C path reads: the serving thread serves
+        # meanwhile.  What the stats read (repositories, buckets) it reads
+        # holding the baton.
+        with self._released():
+            load = self.sampler.sample(self.handler.requests, time.monotonic(),
+                                       self.handler.by_op[wire.OP_LOOKUP])
+            if self.handler.headroom is not None:
+                load.update(self.handler.headroom.report())
         if self.link is None or not self.registered:
             return
         stats = self.handler.stats()
         now = time.monotonic()
         hot = self.handler.bucket_load(now - self._sampled_since)
         self._sampled_since = now
-        beat = self.link.call("heartbeat", name=self.service_name, load=load,
-                              stats={"requests": stats["requests"], "malformed": stats["malformed"],
-                                     "errors": stats["errors"], "replayed": stats["replayed"],
-                                     "storage_errors": stats["storage_errors"],
-                                     "internal_errors": stats["internal_errors"],
-                                     "hot_path": stats["hot_path"],
-                                     "dhts": stats["dhts"],
-                                     "bucket_records": {
-                                         hosted.name: hosted.bucket_records()
-                                         for hosted in self.handler.dhts.values()},
-                                     "bucket_requests": hot,
-                                     "orphans": self.handler.holdings(unclaimed=True)},
-                              timeout=max(5.0, 3 * self.heartbeat_interval))
-        beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: {error}",
-                                                 name=self.service_name,
-                                                 error=failure.getErrorMessage()))
+        fields = {"requests": stats["requests"], "malformed": stats["malformed"],
+                  "errors": stats["errors"], "replayed": stats["replayed"],
+                  "storage_errors": stats["storage_errors"],
+                  "internal_errors": stats["internal_errors"],
+                  "hot_path": stats["hot_path"],
+                  "dhts": stats["dhts"],
+                  "bucket_records": {hosted.name: hosted.bucket_records()
+                                     for hosted in self.handler.dhts.values()},
+                  "bucket_requests": hot,
+                  "orphans": self.handler.holdings(unclaimed=True)}
+        with self._released():
+            beat = self.link.call("heartbeat", name=self.service_name, load=load,
+                                  stats=fields, timeout=max(5.0, 3 * self.heartbeat_interval))
+            beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: "
+                                                     "{error}", name=self.service_name,
+                                                     error=failure.getErrorMessage()))
 
     def _supervisor_control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
         op = body["op"]

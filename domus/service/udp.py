@@ -23,6 +23,22 @@ queued for the reactor thread, woken through an eventfd, and answered by
 the Python handler as before.  ``DOMUS_SERVE_THREAD=0`` in the environment
 (or ``UdpServer(..., serve_thread=False)``) keeps the socket on the reactor.
 
+**What runs without the baton.**  Holding the baton, the reactor thread
+stops the serving thread for as long as it runs Python: a timer that takes
+5 ms is a 5 ms stall for every request that arrives meanwhile, and a
+service's timers are cold code (on a VM they ran at a hundredth of their
+warm speed: 3 ms every 0.1 s to look at the free disk space, 40-70 ms a
+second for the heartbeat's load sample, the p99 latency of a busy
+service).  So work that changes nothing the C path reads (sampling the
+process's and node's load, asking the filesystem for its free space,
+writing to the supervisor's link) runs inside ``UdpServer.released()``:
+the baton is let go of, and the serving thread handles batches
+meanwhile, taking the GIL from the reactor thread within the switch
+interval, which a service process with a serving thread lowers to
+``SWITCH_INTERVAL`` (from Python's 5 ms; domus.service.server).
+Anything that touches what C reads (the fast table, repositories, the
+reply cache, a bucket's state) stays outside it.
+
 A datagram or reply that is lost (a full socket buffer, an ICMP error from
 an earlier peer) is counted and forgotten: the client retries it.
 
@@ -60,6 +76,8 @@ import select
 import socket
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from twisted.internet.interfaces import IReadDescriptor
@@ -85,6 +103,10 @@ SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)             # (Linux)
 SHED_INTERVAL = 0.1
 SHED_MIN_DATAGRAMS = 32     # fewer an interval are late (an unscheduled process), not a queue
 RETRY_AFTER_MAX = 2.0
+# The GIL's switch interval in a service with a serving thread: how long the
+# serving thread can wait for the GIL while the reactor thread runs Python
+# without the baton (UdpServer.released).
+SWITCH_INTERVAL = 0.0002
 
 
 class Shedder:
@@ -274,6 +296,7 @@ class UdpServer:
         self.address = self.socket.getsockname()
         self._fd = self.socket.fileno()
         self._reactor: Any = None
+        self._baton: Any = None
         self.send_errors = 0        # Python-path counts; the C ones are in handler.fast
         self.recv_errors = 0
         self.bytes_received = 0     # datagrams read in Python (C counts those serve() reads)
@@ -296,7 +319,24 @@ class UdpServer:
         except BaseException:
             self._close_waker()
             raise
+        self._baton = baton
         self.threaded = True
+
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        """Run the body without the baton, so that the serving thread
+        serves meanwhile (see the module): for code on the reactor thread
+        that changes nothing the C path reads.  Without a serving thread,
+        or on a thread that does not hold the baton, it changes nothing."""
+        baton = self._baton if self.threaded else None
+        if baton is None or not baton.held:
+            yield
+            return
+        baton.release()
+        try:
+            yield
+        finally:
+            baton.acquire()
 
     def _close_waker(self) -> None:
         if self._waker is not None:

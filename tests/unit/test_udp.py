@@ -456,6 +456,57 @@ def test_no_request_is_served_while_the_reactor_thread_runs_python():
         server.stop()
 
 
+def test_the_serving_thread_serves_while_the_reactor_thread_runs_released():
+    # UdpServer.released: the reactor thread lets go of the baton for work
+    # that changes nothing C reads (the service's load sampling), and the
+    # serving thread answers meanwhile, taking the GIL from this thread.
+    handler = make_handler("c")
+    reactor = epoll_reactor()
+    server, client = threaded_server(handler, reactor)
+    baton = reactor._poller.baton
+    try:
+        client.send(request(wire.OP_PUT, 1, value=b"v"))
+        assert iterated(reactor, client, 1) == [wire.reply(wire.ST_OK, 1, b"\x01")]
+        assert baton.held
+        with server.released():
+            assert not baton.held
+            client.send(request(wire.OP_GET, 2))
+            deadline = time.monotonic() + 5
+            reply = None
+            while reply is None and time.monotonic() < deadline:    # Python keeps running
+                try:
+                    reply = client.recv(65536)
+                except BlockingIOError:
+                    sum(range(1000))
+            assert reply == wire.reply(wire.ST_OK, 2, b"v")
+        assert baton.held
+        # Outside it, nothing is served until the reactor waits in epoll.
+        client.send(request(wire.OP_GET, 3))
+        ready, _, _ = select.select([client], [], [], 0.3)
+        assert ready == [] and handler.fast.requests == 2
+        assert iterated(reactor, client, 1) == [wire.reply(wire.ST_OK, 3, b"v")]
+        # An exception in the body still takes the baton back.
+        with pytest.raises(ZeroDivisionError), server.released():
+            1 / 0
+        assert baton.held
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_released_without_a_serving_thread_changes_nothing():
+    handler = make_handler("c")
+    reactor = epoll_reactor()
+    server, client = threaded_server(handler, reactor, serve_thread=False)
+    try:
+        with server.released():                    # (no baton: the body just runs)
+            client.send(request(wire.OP_GET, 1))
+        assert iterated(reactor, client, 1) == [wire.reply(wire.ST_NOT_FOUND, 1)]
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_the_serving_thread_can_be_switched_off():
     handler = make_handler("c")
     reactor = epoll_reactor()
