@@ -112,6 +112,7 @@ class DomusService(Service):
         self._ports: list[Any] = []
         self.udp: UdpServer | None = None
         self._timers: list[task.LoopingCall] = []
+        self._phased: list[Any] = []        # the timers' delayed starts
         self._link_factory: Any = None
         self._stopping = False
         self.exit_code = 0
@@ -152,22 +153,28 @@ class DomusService(Service):
         # The reply cache rotates its generations every ttl/2; polling each
         # second keeps that within a second.
         expire = task.LoopingCall(self._expire)
-        expire.start(1.0, now=False)
         heartbeat = task.LoopingCall(self._heartbeat)
-        heartbeat.start(self.heartbeat_interval, now=False)
         # Disk DHTs without sync durability are flushed on this interval and
         # when the service stops.
         flush = task.LoopingCall(self._flush)
-        flush.start(FLUSH_INTERVAL, now=False)
         # Free space against the reserve, and stores that failed to open.
         storage = task.LoopingCall(self._tend_storage)
         storage.start(SAMPLE_INTERVAL, now=True)
+        # The others start out of step with it and with each other, so that
+        # no reactor turn runs two of them: the serving thread waits for
+        # the longest one, not for their sum (domus.service.udp).
+        for timer, interval, phase in ((heartbeat, self.heartbeat_interval, 0.05),
+                                       (expire, 1.0, 0.35), (flush, FLUSH_INTERVAL, 0.65)):
+            self._phased.append(reactor.callLater(phase, timer.start, interval, now=False))
         self._timers += [expire, heartbeat, flush, storage]
         self._connect_supervisor()
 
     def stopService(self) -> defer.Deferred:
         self._stopping = True
         self.peers.close()
+        for start in self._phased:
+            if start.active():
+                start.cancel()
         for timer in self._timers:
             if timer.running:
                 timer.stop()
