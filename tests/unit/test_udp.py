@@ -479,11 +479,26 @@ def test_the_serving_thread_serves_while_the_reactor_thread_runs_released():
                 except BlockingIOError:
                     sum(range(1000))
             assert reply == wire.reply(wire.ST_OK, 2, b"v")
+            # a burst of several batches, handled while this thread runs
+            # Python: every one answered once
+            burst = [request(wire.OP_PUT, 100 + n, key=b"\x03b" + bytes([n]), value=b"x")
+                     for n in range(200)]
+            for data in burst:
+                client.send(data)
+            replies = []
+            deadline = time.monotonic() + 5
+            while len(replies) < len(burst) and time.monotonic() < deadline:
+                try:
+                    replies.append(client.recv(65536))
+                except BlockingIOError:
+                    sum(range(1000))
+            assert sorted(replies) == sorted(wire.reply(wire.ST_OK, 100 + n, b"\x01")
+                                             for n in range(200))
         assert baton.held
         # Outside it, nothing is served until the reactor waits in epoll.
         client.send(request(wire.OP_GET, 3))
         ready, _, _ = select.select([client], [], [], 0.3)
-        assert ready == [] and handler.fast.requests == 2
+        assert ready == [] and handler.fast.requests == 202
         assert iterated(reactor, client, 1) == [wire.reply(wire.ST_OK, 3, b"v")]
         # An exception in the body still takes the baton back.
         with pytest.raises(KeyError), server.released():
