@@ -220,7 +220,22 @@ class DomusService(Service):
         self.handler.counters["unauthenticated"] += 1
 
     def link_made(self, link: MessageProtocol) -> None:
+        self._write_released(link.transport)
         link.authenticated.addCallbacks(self._authenticated, self._not_authenticated)
+
+    def _write_released(self, transport: Any) -> None:
+        """Have the reactor write to the supervisor's link without the
+        baton (UdpServer.released): a write only moves bytes to the socket,
+        and the heartbeat's, sent in the reactor turn after it, was a cold
+        loopback send of about a millisecond (the kernel hands the bytes to
+        the supervisor within it) that stopped the serving thread."""
+        write = transport.doWrite
+
+        def released_write() -> Any:
+            with self._released():
+                return write()
+
+        transport.doWrite = released_write
 
     def _not_authenticated(self, failure: Any) -> None:
         from twisted.internet import reactor

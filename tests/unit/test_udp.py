@@ -509,6 +509,44 @@ def test_the_serving_thread_serves_while_the_reactor_thread_runs_released():
         server.stop()
 
 
+def test_a_service_samples_its_load_and_writes_to_its_supervisor_without_the_baton(tmp_path):
+    # What a service's heartbeat does that changes nothing C reads (the load
+    # sample, the write to the supervisor's link, which the reactor sends a
+    # turn later) runs released; the stats it reads from the repositories
+    # are read holding the baton.
+    from domus.service.server import DomusService
+    from domus.wire.control import MessageProtocol
+
+    service = DomusService(supervisor="127.0.0.1:1", listen="127.0.0.1:1",
+                           data_dir=str(tmp_path / "s1"), name="s1")
+    if service.handler.fast is None:
+        pytest.skip("the C hot path is off (DOMUS_PURE_PYTHON=1, or domus._hotpath not built)")
+    reactor = epoll_reactor()
+    service.udp = UdpServer(service.handler, "127.0.0.1", 0)
+    service.udp.start(reactor)
+    baton = reactor._poller.baton
+    seen = []
+
+    class Transport:
+        def doWrite(self):          # (the reactor calls it when the socket takes more)
+            seen.append(("write", baton.held))
+
+    try:
+        link = MessageProtocol()
+        link.transport, link.clock = Transport(), reactor
+        service.link_made(link)
+        sample, stats = service.sampler.sample, service.handler.stats
+        service.sampler.sample = lambda *args: seen.append(("sample", baton.held)) or sample(*args)
+        service.handler.stats = lambda: seen.append(("stats", baton.held)) or stats()
+        service.link, service.registered = link, True
+        service._heartbeat()
+        link.transport.doWrite()
+        assert seen == [("sample", False), ("stats", True), ("write", False)]
+        assert baton.held and link._held                # (the heartbeat, queued to send)
+    finally:
+        service.udp.stop()
+
+
 def test_released_without_a_serving_thread_changes_nothing():
     handler = make_handler("c")
     reactor = epoll_reactor()
