@@ -450,8 +450,8 @@ class RequestHandler:
                           service=self.service_name, problem=str(exc))
         return given
 
-    def tend_storage(self, released: Callable[[], AbstractContextManager[Any]] = nullcontext
-                     ) -> None:
+    def tend_storage(self, released: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                     held: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
         """What the service does on a short timer (SAMPLE_INTERVAL): look at
         the free space (the C path follows its state), give space back
         while the disk is at its reserve (what deletes free there, at most
@@ -460,7 +460,8 @@ class RequestHandler:
         ``released``: a context in which looking runs (the service's
         UdpServer.released: asking the filesystem and comparing change
         nothing the C path reads), so that a timer with nothing to do
-        never stops the serving thread."""
+        never stops the serving thread; ``held``: the context in which
+        acting runs (UdpServer.held, for a caller that runs it released)."""
         headroom = self.headroom
         with released():
             space = headroom.measure() if headroom is not None else None
@@ -471,23 +472,24 @@ class RequestHandler:
                 if headroom is not None:
                     headroom.sample(space)      # (the state stays: only the figures move)
                 return
-        if headroom is not None:
-            was_full = headroom.full
-            if headroom.sample(space):
-                self.room_changed()
-            now = self._clock()
-            if headroom.state != ROOM_OK:
-                self._checkpoint()
-            if headroom.full and (not was_full or now - self._reclaimed >= RECLAIM_INTERVAL):
-                self._reclaimed = now
-                given = self.reclaim(start=not was_full)
-                if given:
-                    log.info("service {service}: gave {bytes} back to the filesystem from "
-                             "deleted records", service=self.service_name,
-                             bytes=describe_bytes(given))
-                    if headroom.sample():
-                        self.room_changed()
-        self.retry_storage()
+        with held():
+            if headroom is not None:
+                was_full = headroom.full
+                if headroom.sample(space):
+                    self.room_changed()
+                now = self._clock()
+                if headroom.state != ROOM_OK:
+                    self._checkpoint()
+                if headroom.full and (not was_full or now - self._reclaimed >= RECLAIM_INTERVAL):
+                    self._reclaimed = now
+                    given = self.reclaim(start=not was_full)
+                    if given:
+                        log.info("service {service}: gave {bytes} back to the filesystem from "
+                                 "deleted records", service=self.service_name,
+                                 bytes=describe_bytes(given))
+                        if headroom.sample():
+                            self.room_changed()
+            self.retry_storage()
 
     def retry_storage(self) -> list[str]:
         """Open again, when their time has come (RETRY_DELAYS, from the

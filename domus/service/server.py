@@ -153,12 +153,15 @@ class DomusService(Service):
         # The reply cache rotates its generations every ttl/2; polling each
         # second keeps that within a second.
         expire = task.LoopingCall(self._expire)
-        heartbeat = task.LoopingCall(self._heartbeat)
+        # These two run released, Twisted's scheduling of them included (a
+        # reactor turn of cold code is a millisecond), and take the baton
+        # for what changes or reads what C does.
+        heartbeat = _ReleasedLoopingCall(self._released, self._heartbeat)
         # Disk DHTs without sync durability are flushed on this interval and
         # when the service stops.
         flush = task.LoopingCall(self._flush)
         # Free space against the reserve, and stores that failed to open.
-        storage = task.LoopingCall(self._tend_storage)
+        storage = _ReleasedLoopingCall(self._released, self._tend_storage)
         storage.start(SAMPLE_INTERVAL, now=True)
         # The others start out of step with it and with each other, so that
         # no reactor turn runs two of them: the serving thread waits for
@@ -195,9 +198,13 @@ class DomusService(Service):
         serve (UdpServer.released): for what changes nothing C reads."""
         return self.udp.released() if self.udp is not None else nullcontext()
 
+    def _held(self) -> AbstractContextManager[None]:
+        """The baton again, inside ``_released`` (UdpServer.held)."""
+        return self.udp.held() if self.udp is not None else nullcontext()
+
     def _tend_storage(self) -> None:
         try:
-            self.handler.tend_storage(self._released)
+            self.handler.tend_storage(self._released, self._held)
         except Exception:       # a bug: say so, and keep the timer going
             log.failure("service {name}: watching its storage failed", name=self.service_name)
 
@@ -319,8 +326,8 @@ class DomusService(Service):
     def _heartbeat(self) -> None:
         # Sampling the load (psutil: /proc) and writing to the supervisor's
         # link change nothing the C path reads: the serving thread serves
-        # meanwhile.  What the stats read (repositories, buckets) it reads
-        # holding the baton.
+        # meanwhile.  What the stats read (repositories, buckets: Berkeley
+        # DB's stat lets the GIL go) it reads holding the baton.
         with self._released():
             load = self.sampler.sample(self.handler.requests, time.monotonic(),
                                        self.handler.by_op[wire.OP_LOOKUP])
@@ -328,26 +335,32 @@ class DomusService(Service):
                 load.update(self.handler.headroom.report())
         if self.link is None or not self.registered:
             return
-        stats = self.handler.stats()
-        now = time.monotonic()
-        hot = self.handler.bucket_load(now - self._sampled_since)
-        self._sampled_since = now
-        fields = {"requests": stats["requests"], "malformed": stats["malformed"],
-                  "errors": stats["errors"], "replayed": stats["replayed"],
-                  "storage_errors": stats["storage_errors"],
-                  "internal_errors": stats["internal_errors"],
-                  "hot_path": stats["hot_path"],
-                  "dhts": stats["dhts"],
-                  "bucket_records": {hosted.name: hosted.bucket_records()
-                                     for hosted in self.handler.dhts.values()},
-                  "bucket_requests": hot,
-                  "orphans": self.handler.holdings(unclaimed=True)}
+        with self._held():
+            fields = self._heartbeat_stats()
         with self._released():
             beat = self.link.call("heartbeat", name=self.service_name, load=load,
                                   stats=fields, timeout=max(5.0, 3 * self.heartbeat_interval))
             beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: "
                                                      "{error}", name=self.service_name,
                                                      error=failure.getErrorMessage()))
+
+    def _heartbeat_stats(self) -> dict[str, Any]:
+        """What a heartbeat says of the requests, DHTs and buckets (read
+        holding the baton)."""
+        stats = self.handler.stats()
+        now = time.monotonic()
+        hot = self.handler.bucket_load(now - self._sampled_since)
+        self._sampled_since = now
+        return {"requests": stats["requests"], "malformed": stats["malformed"],
+                "errors": stats["errors"], "replayed": stats["replayed"],
+                "storage_errors": stats["storage_errors"],
+                "internal_errors": stats["internal_errors"],
+                "hot_path": stats["hot_path"],
+                "dhts": stats["dhts"],
+                "bucket_records": {hosted.name: hosted.bucket_records()
+                                   for hosted in self.handler.dhts.values()},
+                "bucket_requests": hot,
+                "orphans": self.handler.holdings(unclaimed=True)}
 
     def _supervisor_control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
         op = body["op"]
@@ -613,6 +626,21 @@ class PeerLinks:
             if link.transport is not None:
                 link.transport.loseConnection()
         self._links.clear()
+
+
+class _ReleasedLoopingCall(task.LoopingCall):
+    """A LoopingCall whose every call, Twisted's scheduling of the next
+    included, runs in ``released()`` (the service's UdpServer.released):
+    for a timer that changes nothing the C path reads unless it takes the
+    baton back (UdpServer.held)."""
+
+    def __init__(self, released: Any, f: Any) -> None:
+        super().__init__(f)
+        self._released = released
+
+    def __call__(self) -> None:
+        with self._released():
+            super().__call__()
 
 
 class _SupervisorLinkFactory(protocol.ReconnectingClientFactory):

@@ -338,6 +338,22 @@ class UdpServer:
         finally:
             baton.acquire()
 
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Run the body holding the baton, from inside ``released()`` (a
+        timer that runs released takes it for what changes what the C path
+        reads).  Where the baton is held already, or there is none, it
+        changes nothing."""
+        baton = self._baton
+        if baton is None or baton.held:
+            yield
+            return
+        baton.acquire()
+        try:
+            yield
+        finally:
+            baton.release()
+
     def _close_waker(self) -> None:
         if self._waker is not None:
             if self._reactor is not None:

@@ -242,6 +242,37 @@ def test_the_timer_looks_at_the_disk_released_and_acts_only_holding_the_baton(tm
     handler.tend_storage(released)
     assert handler.headroom.free == (1 << 40) - 2 and fast_table_updates == []
 
+    # As the service's timer runs it: all of it released, acting held.
+    @contextmanager
+    def held():
+        inside.append(False)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    def timer():
+        with released():
+            handler.tend_storage(released, lambda: held())
+
+    def asking_in_timer(path):
+        asked.append(inside[-1])
+        return space(path)
+
+    def updating_in_timer(dht_id):
+        fast_table_updates.append(inside[-1])
+        update(dht_id)
+
+    asked.clear()
+    handler.headroom._space = asking_in_timer
+    handler._update_fast_table = updating_in_timer
+    timer()
+    assert asked == [True] and fast_table_updates == []
+    space.free = 9 * MIB
+    timer()
+    assert handler.headroom.state == headroom.NEAR
+    assert asked == [True, True] and fast_table_updates and not any(fast_table_updates)
+
 
 def test_a_bucket_is_not_staged_onto_a_service_at_its_reserve(tmp_path):
     space = Space(1 << 40)

@@ -494,11 +494,27 @@ def test_the_serving_thread_serves_while_the_reactor_thread_runs_released():
                     sum(range(1000))
             assert sorted(replies) == sorted(wire.reply(wire.ST_OK, 100 + n, b"\x01")
                                              for n in range(200))
+            with server.held():                     # the baton again, for a while
+                assert baton.held
+                client.send(request(wire.OP_GET, 2))
+                ready, _, _ = select.select([client], [], [], 0.3)
+                assert ready == []
+            assert not baton.held
+            replies = []
+            while not replies and time.monotonic() < deadline + 5:
+                try:
+                    replies.append(client.recv(65536))
+                except BlockingIOError:
+                    sum(range(1000))
+            assert replies == [wire.reply(wire.ST_OK, 2, b"v")]
+        assert baton.held
+        with server.held():                         # (held already: nothing changes)
+            assert baton.held
         assert baton.held
         # Outside it, nothing is served until the reactor waits in epoll.
         client.send(request(wire.OP_GET, 3))
         ready, _, _ = select.select([client], [], [], 0.3)
-        assert ready == [] and handler.fast.requests == 202
+        assert ready == [] and handler.fast.requests == 203
         assert iterated(reactor, client, 1) == [wire.reply(wire.ST_OK, 3, b"v")]
         # An exception in the body still takes the baton back.
         with pytest.raises(KeyError), server.released():
@@ -542,7 +558,13 @@ def test_a_service_samples_its_load_and_writes_to_its_supervisor_without_the_bat
         service._heartbeat()
         link.transport.doWrite()
         assert seen == [("sample", False), ("stats", True), ("write", False)]
-        assert baton.held and link._held                # (the heartbeat, queued to send)
+        assert baton.held and len(link._held) == 1      # (the heartbeat, queued to send)
+        # As its timer runs it: released, the stats read holding the baton.
+        seen.clear()
+        with service._released():
+            service._heartbeat()
+            assert not baton.held
+        assert seen == [("sample", False), ("stats", True)] and len(link._held) == 2
     finally:
         service.udp.stop()
 
