@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -28,7 +27,7 @@ from domus.service.hosted import FREEZE_LEASE
 from domus.service.limits import DEFAULT as DEFAULT_LIMITS
 from domus.service.limits import Limits, limit_options
 from domus.service.resources import LoadSampler, base_resources, pin_to_cpus
-from domus.service.udp import SWITCH_INTERVAL, UdpServer
+from domus.service.udp import UdpServer
 from domus.storage import StorageFault, available_platforms
 from domus.storage.headroom import DEFAULT as DEFAULT_RESERVE
 from domus.storage.headroom import SAMPLE_INTERVAL, Headroom, Reserve
@@ -124,10 +123,6 @@ class DomusService(Service):
         super().startService()
         self.udp = UdpServer(self.handler, self.listen_host, self.listen_port)
         self.udp.start(reactor)
-        if self.udp.threaded and sys.getswitchinterval() > SWITCH_INTERVAL:
-            # (the serving thread waits at most this for the GIL while the
-            # reactor thread runs without the baton: domus.service.udp)
-            sys.setswitchinterval(SWITCH_INTERVAL)
         def configure(proto: MessageProtocol) -> None:
             proto.data_handler = self.handler.handle_fast
             proto.control_handler = self._client_control

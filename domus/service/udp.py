@@ -33,10 +33,11 @@ service).  So work that changes nothing the C path reads (sampling the
 process's and node's load, asking the filesystem for its free space,
 writing to the supervisor's link) runs inside ``UdpServer.released()``:
 the baton is let go of, and the serving thread handles batches
-meanwhile, taking the GIL from the reactor thread within the switch
-interval, which a service process with a serving thread lowers to
-``SWITCH_INTERVAL`` (from Python's 5 ms; domus.service.server).
-Anything that touches what C reads (the fast table, repositories, the
+meanwhile, taking the GIL from the reactor thread within Python's switch
+interval (5 ms; a lower one made things worse on a busy machine: a thread
+that lets the GIL go on a switch request waits until the other has taken
+it, and the serving thread then waited for the reactor thread to be
+scheduled).  Anything that touches what C reads (the fast table, repositories, the
 reply cache, a bucket's state) stays outside it.
 
 A datagram or reply that is lost (a full socket buffer, an ICMP error from
@@ -103,10 +104,6 @@ SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)             # (Linux)
 SHED_INTERVAL = 0.1
 SHED_MIN_DATAGRAMS = 32     # fewer an interval are late (an unscheduled process), not a queue
 RETRY_AFTER_MAX = 2.0
-# The GIL's switch interval in a service with a serving thread: how long the
-# serving thread can wait for the GIL while the reactor thread runs Python
-# without the baton (UdpServer.released).
-SWITCH_INTERVAL = 0.0002
 
 
 class Shedder:
