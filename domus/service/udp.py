@@ -26,10 +26,10 @@ the Python handler as before.  ``DOMUS_SERVE_THREAD=0`` in the environment
 **What runs without the baton.**  Holding the baton, the reactor thread
 stops the serving thread for as long as it runs Python: a timer that takes
 5 ms is a 5 ms stall for every request that arrives meanwhile, and a
-service's timers are cold code (on a VM they ran at a hundredth of their
-warm speed: 3 ms every 0.1 s to look at the free disk space, 40-70 ms a
-second for the heartbeat's load sample, the p99 latency of a busy
-service).  So work that changes nothing the C path reads (sampling the
+service's timers are cold code (on a VM, at a hundredth of their warm
+speed: milliseconds every 0.1 s to look at the free disk space, tens of
+milliseconds a second for the heartbeat's load sample: the p99 latency of
+a busy service).  So work that changes nothing the C path reads (sampling the
 process's and node's load, asking the filesystem for its free space,
 writing to the supervisor's link) runs inside ``UdpServer.released()``:
 the baton is let go of, and the serving thread handles batches
