@@ -71,6 +71,7 @@
 #include <sys/uio.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <sys/eventfd.h>
 #include <time.h>
@@ -723,12 +724,20 @@ repo_remove(FastPath *self, Repo repo, const unsigned char *key,
  *   big    32-byte slots: the key and a buffer of its own holding the
  *          reply (u32 size, then the bytes): PUT_MANY's, and anything
  *          else put() is given.
- * A table is allocated on its first entry and doubles as it fills (never
- * past the size that holds `current_limit` entries); the current
+ * A table is allocated on its first entry and grows by half as it fills
+ * (never past the size that holds `current_limit` entries), so that it is
+ * at least 8/15 full once grown: at most 45 bytes an inline entry, 30 when
+ * full (doubling would leave it 2/5 full, 60 bytes, just after).  Growing is
+ * incremental, so that no one change pays for moving millions of entries:
+ * the new slot array takes the inserts, and each insert moves the entries
+ * of the next RC_MIGRATE_STEP slots of the old array across (lookups look
+ * in both; an old slot below the cursor has moved).  The current
  * generation's small table starts at the size the last generation reached,
- * so that a steady load does not regrow it.  Rotation frees the previous
- * generation's two slot arrays (and the big table's buffers): no work per
- * inline entry.
+ * so that a steady load does not regrow it at all.  Rotation frees the
+ * previous generation's slot arrays (and the big table's buffers): no work
+ * per inline entry; an array of RC_FREE_APART bytes or more is freed by a
+ * short-lived thread of its own, since giving its pages back to the kernel
+ * takes milliseconds (free() is thread-safe; nothing else touches it).
  *
  * Thread use: every function here runs holding the GIL (and, on a service,
  * the baton), as the dicts this replaces did; nothing here releases it.  A
@@ -743,6 +752,8 @@ repo_remove(FastPath *self, Repo repo, const unsigned char *key,
 #define RC_MIN_BIG 16
 #define RC_LOAD_NUM 4
 #define RC_LOAD_DEN 5
+#define RC_MIGRATE_STEP 8       /* old slots moved across per insert */
+#define RC_FREE_APART (16u << 20)
 
 enum {
     RC_EMPTY = 0,
@@ -753,9 +764,17 @@ enum {
 typedef struct {
     unsigned char *slots;       /* capacity * slot_size bytes, or NULL */
     size_t capacity;
-    size_t count;
+    size_t count;               /* entries in slots */
     size_t slot_size;
+    /* While growing: the last array, whose slots from `cursor` on have not
+     * moved into `slots` yet (`old_left` entries); NULL otherwise. */
+    unsigned char *old;
+    size_t old_capacity;
+    size_t cursor;
+    size_t old_left;
 } RcTable;
+
+#define RC_TABLE(size) ((RcTable){NULL, 0, 0, (size), NULL, 0, 0, 0})
 
 typedef struct {
     RcTable small;
@@ -797,47 +816,131 @@ rc_home(uint64_t hash, size_t capacity)
     return (size_t)(((unsigned __int128)hash * capacity) >> 64);
 }
 
-static inline unsigned char *
-rc_slot(const RcTable *table, size_t index)
-{
-    return table->slots + index * table->slot_size;
-}
-
-/* The slot holding `key`, or NULL. */
+/* Finds `key` in an array of `capacity` slots of `slot_size` bytes: its
+ * slot, or NULL. */
 static unsigned char *
-rc_find(const RcTable *table, const unsigned char *key, uint64_t hash)
+rc_probe(unsigned char *slots, size_t capacity, size_t slot_size,
+         const unsigned char *key, uint64_t hash)
 {
-    if (table->count == 0) {
-        return NULL;
-    }
-    size_t index = rc_home(hash, table->capacity);
+    size_t index = rc_home(hash, capacity);
     for (;;) {
-        unsigned char *slot = rc_slot(table, index);
+        unsigned char *slot = slots + index * slot_size;
         if (slot[RC_KIND] == RC_EMPTY) {
             return NULL;
         }
         if (memcmp(slot, key, CACHE_KEY_SIZE) == 0) {
             return slot;
         }
-        if (++index == table->capacity) {
+        if (++index == capacity) {
             index = 0;
         }
     }
 }
 
-/* The first empty slot of `key`'s probe sequence (the table has one). */
+/* The first empty slot of `hash`'s probe sequence in an array (which has
+ * one: it is never full). */
 static unsigned char *
-rc_free_slot(const RcTable *table, uint64_t hash)
+rc_empty_slot(unsigned char *slots, size_t capacity, size_t slot_size,
+              uint64_t hash)
 {
-    size_t index = rc_home(hash, table->capacity);
+    size_t index = rc_home(hash, capacity);
     for (;;) {
-        unsigned char *slot = rc_slot(table, index);
+        unsigned char *slot = slots + index * slot_size;
         if (slot[RC_KIND] == RC_EMPTY) {
             return slot;
         }
-        if (++index == table->capacity) {
+        if (++index == capacity) {
             index = 0;
         }
+    }
+}
+
+static inline size_t
+rc_entries(const RcTable *table)
+{
+    return table->count + table->old_left;
+}
+
+/* The slot holding `key` (in the new array, or in the old one if it has
+ * not moved yet), or NULL. */
+static unsigned char *
+rc_find(const RcTable *table, const unsigned char *key, uint64_t hash)
+{
+    if (table->count > 0) {
+        unsigned char *slot = rc_probe(table->slots, table->capacity,
+                                       table->slot_size, key, hash);
+        if (slot != NULL) {
+            return slot;
+        }
+    }
+    if (table->old_left > 0) {
+        unsigned char *slot = rc_probe(table->old, table->old_capacity,
+                                       table->slot_size, key, hash);
+        /* (below the cursor: moved, and since erased from the new array) */
+        if (slot != NULL
+                && (size_t)(slot - table->old) / table->slot_size >= table->cursor) {
+            return slot;
+        }
+    }
+    return NULL;
+}
+
+static void *
+rc_free_later(void *slots)
+{
+    free(slots);
+    return NULL;
+}
+
+/* Frees an array of `bytes` bytes: a large one on a thread of its own (its
+ * pages going back to the kernel take milliseconds), with every signal
+ * blocked there, or here if no thread can be made. */
+static void
+rc_release(unsigned char *slots, size_t bytes)
+{
+    if (slots == NULL) {
+        return;
+    }
+    if (bytes >= RC_FREE_APART) {
+        sigset_t all, before;
+        pthread_attr_t attributes;
+        sigfillset(&all);
+        if (pthread_attr_init(&attributes) == 0) {
+            pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+            pthread_sigmask(SIG_SETMASK, &all, &before);
+            pthread_t thread;
+            int made = pthread_create(&thread, &attributes, rc_free_later, slots);
+            pthread_sigmask(SIG_SETMASK, &before, NULL);
+            pthread_attr_destroy(&attributes);
+            if (made == 0) {
+                return;
+            }
+        }
+    }
+    free(slots);
+}
+
+/* Moves the entries of the old array's next `slots` slots (all of them:
+ * SIZE_MAX) into the new one; frees the old array once none is left. */
+static void
+rc_migrate(RcTable *table, size_t slots)
+{
+    size_t size = table->slot_size;
+    while (slots-- > 0 && table->old_left > 0) {
+        const unsigned char *slot = table->old + table->cursor * size;
+        table->cursor++;
+        if (slot[RC_KIND] != RC_EMPTY) {
+            memcpy(rc_empty_slot(table->slots, table->capacity, size, rc_hash(slot)),
+                   slot, size);
+            table->count++;
+            table->old_left--;
+        }
+    }
+    if (table->old != NULL && table->old_left == 0) {
+        rc_release(table->old, table->old_capacity * size);
+        table->old = NULL;
+        table->old_capacity = 0;
+        table->cursor = 0;
     }
 }
 
@@ -849,60 +952,71 @@ rc_slots_for(size_t entries)
            + (entries % RC_LOAD_NUM) * RC_LOAD_DEN / RC_LOAD_NUM + 2;
 }
 
-/* Moves the table's entries into `capacity` new slots: 0, or -1 (no
- * memory; the table is unchanged, no exception set). */
-static int
-rc_resize(RcTable *table, size_t capacity)
-{
-    unsigned char *slots = calloc(capacity, table->slot_size);
-    if (slots == NULL) {
-        return -1;
-    }
-    RcTable grown = {slots, capacity, table->count, table->slot_size};
-    for (size_t i = 0; i < table->capacity; i++) {
-        const unsigned char *slot = rc_slot(table, i);
-        if (slot[RC_KIND] != RC_EMPTY) {
-            memcpy(rc_free_slot(&grown, rc_hash(slot)), slot, table->slot_size);
-        }
-    }
-    free(table->slots);
-    *table = grown;
-    return 0;
-}
-
-/* Makes room in the table for one more entry: doubles it (or allocates
- * `first` slots), never past the size that holds `most` entries.  0, or
- * -1 (no memory, no exception set). */
+/* Makes room in the table for one more entry, moving some entries of a
+ * growth under way across first: grows it by half (or allocates `first` slots),
+ * never past the size that holds `most` entries, and moves its entries
+ * into the new array a few at a time from then on.  0, or -1 (no memory,
+ * no exception set; the table is as it was). */
 static int
 rc_reserve(RcTable *table, size_t first, size_t most)
 {
-    size_t needed = rc_slots_for(table->count + 1);
+    rc_migrate(table, RC_MIGRATE_STEP);
+    size_t needed = rc_slots_for(rc_entries(table) + 1);
     if (table->capacity >= needed) {
         return 0;
     }
+    rc_migrate(table, SIZE_MAX);    /* (a growth outgrown: not with these sizes) */
     size_t ceiling = rc_slots_for(most);
-    size_t capacity = table->capacity ? table->capacity * 2 : first;
+    size_t capacity = table->capacity ? table->capacity + table->capacity / 2 : first;
     if (capacity > ceiling) {
         capacity = ceiling;
     }
     if (capacity < needed) {
         capacity = needed;
     }
-    return rc_resize(table, capacity);
+    unsigned char *slots = calloc(capacity, table->slot_size);
+    if (slots == NULL) {
+        return -1;
+    }
+    if (table->count == 0) {
+        rc_release(table->slots, table->capacity * table->slot_size);
+    }
+    else {
+        table->old = table->slots;
+        table->old_capacity = table->capacity;
+        table->cursor = 0;
+        table->old_left = table->count;
+    }
+    table->slots = slots;
+    table->capacity = capacity;
+    table->count = 0;
+    rc_migrate(table, RC_MIGRATE_STEP);
+    return 0;
 }
 
-/* Empties `slot` (whose buffer, if any, the caller has freed), moving the
- * entries after it back so that no probe sequence is broken. */
+/* Takes `key` (which the table holds) out, moving the entries after it in
+ * its array back so that no probe sequence is broken.  (An entry still in
+ * the old array of a growth makes the growth finish first.) */
 static void
-rc_erase(RcTable *table, unsigned char *slot)
+rc_erase(RcTable *table, const unsigned char *key, uint64_t hash)
 {
-    size_t hole = (size_t)(slot - table->slots) / table->slot_size;
+    unsigned char *slot = rc_probe(table->slots, table->capacity,
+                                   table->slot_size, key, hash);
+    if (slot == NULL) {
+        rc_migrate(table, SIZE_MAX);
+        slot = rc_probe(table->slots, table->capacity, table->slot_size, key, hash);
+        if (slot == NULL) {
+            return;
+        }
+    }
+    size_t size = table->slot_size;
+    size_t hole = (size_t)(slot - table->slots) / size;
     size_t next = hole;
     for (;;) {
         if (++next == table->capacity) {
             next = 0;
         }
-        unsigned char *moving = rc_slot(table, next);
+        unsigned char *moving = table->slots + next * size;
         if (moving[RC_KIND] == RC_EMPTY) {
             break;
         }
@@ -911,12 +1025,39 @@ rc_erase(RcTable *table, unsigned char *slot)
         int stays = hole <= next ? (hole < home && home <= next)
                                  : (hole < home || home <= next);
         if (!stays) {
-            memcpy(rc_slot(table, hole), moving, table->slot_size);
+            memcpy(table->slots + hole * size, moving, size);
             hole = next;
         }
     }
-    memset(rc_slot(table, hole), 0, table->slot_size);
+    memset(table->slots + hole * size, 0, size);
     table->count--;
+}
+
+/* Calls `each(slot, arg)` on every entry of the table. */
+static int
+rc_each(const RcTable *table, int (*each)(const unsigned char *, void *), void *arg)
+{
+    size_t size = table->slot_size;
+    for (size_t i = 0; table->count > 0 && i < table->capacity; i++) {
+        const unsigned char *slot = table->slots + i * size;
+        if (slot[RC_KIND] != RC_EMPTY && each(slot, arg) < 0) {
+            return -1;
+        }
+    }
+    for (size_t i = table->cursor; table->old_left > 0 && i < table->old_capacity; i++) {
+        const unsigned char *slot = table->old + i * size;
+        if (slot[RC_KIND] != RC_EMPTY && each(slot, arg) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The bytes a table's arrays take. */
+static inline size_t
+rc_table_bytes(const RcTable *table)
+{
+    return (table->capacity + table->old_capacity) * table->slot_size;
 }
 
 /* A big slot's buffer: u32 size, then the reply. */
@@ -936,32 +1077,37 @@ rc_buffer_size(const unsigned char *buffer)
     return size;
 }
 
+static int
+rc_free_buffer(const unsigned char *slot, void *cache)
+{
+    unsigned char *buffer = rc_buffer(slot);
+    ((ReplyCache *)cache)->outside_bytes -= 4 + (size_t)rc_buffer_size(buffer);
+    free(buffer);
+    return 0;
+}
+
 /* Frees a generation's tables and buffers; returns how many entries it
  * held. */
 static size_t
 rc_generation_free(ReplyCache *cache, RcGeneration *generation)
 {
-    size_t dropped = generation->small.count + generation->big.count;
-    RcTable *big = &generation->big;
-    for (size_t i = 0; big->count > 0 && i < big->capacity; i++) {
-        unsigned char *slot = rc_slot(big, i);
-        if (slot[RC_KIND] != RC_EMPTY) {
-            unsigned char *buffer = rc_buffer(slot);
-            cache->outside_bytes -= 4 + (size_t)rc_buffer_size(buffer);
-            free(buffer);
-        }
+    size_t dropped = rc_entries(&generation->small) + rc_entries(&generation->big);
+    rc_each(&generation->big, rc_free_buffer, cache);
+    RcTable *tables[2] = {&generation->small, &generation->big};
+    for (int t = 0; t < 2; t++) {
+        RcTable *table = tables[t];
+        rc_release(table->slots, table->capacity * table->slot_size);
+        rc_release(table->old, table->old_capacity * table->slot_size);
     }
-    free(generation->small.slots);
-    free(big->slots);
-    generation->small = (RcTable){NULL, 0, 0, RC_SMALL_SLOT};
-    generation->big = (RcTable){NULL, 0, 0, RC_BIG_SLOT};
+    generation->small = RC_TABLE(RC_SMALL_SLOT);
+    generation->big = RC_TABLE(RC_BIG_SLOT);
     return dropped;
 }
 
 static inline size_t
 rc_generation_count(const RcGeneration *generation)
 {
-    return generation->small.count + generation->big.count;
+    return rc_entries(&generation->small) + rc_entries(&generation->big);
 }
 
 /* Whether a new entry must wait for the next rotation. */
@@ -1027,7 +1173,9 @@ rc_store(ReplyCache *cache, const unsigned char *key,
             PyErr_NoMemory();
             return -1;
         }
-        unsigned char *slot = rc_free_slot(&current->small, hash);
+        RcTable *small = &current->small;
+        unsigned char *slot = rc_empty_slot(small->slots, small->capacity,
+                                            RC_SMALL_SLOT, hash);
         memcpy(slot, key, CACHE_KEY_SIZE);
         slot[RC_KIND] = (unsigned char)(RC_INLINE + (size - REPLY_HEADER_SIZE));
         slot[21] = reply[2];
@@ -1051,7 +1199,8 @@ rc_store(ReplyCache *cache, const unsigned char *key,
     uint32_t size32 = (uint32_t)size;
     memcpy(buffer, &size32, 4);
     memcpy(buffer + 4, reply, size);
-    unsigned char *slot = rc_free_slot(&current->big, hash);
+    RcTable *big = &current->big;
+    unsigned char *slot = rc_empty_slot(big->slots, big->capacity, RC_BIG_SLOT, hash);
     memcpy(slot, key, CACHE_KEY_SIZE);
     slot[RC_KIND] = RC_OUTSIDE;
     memcpy(slot + 24, &buffer, sizeof(buffer));
@@ -1140,11 +1289,9 @@ rc_remove(ReplyCache *cache, const unsigned char *key)
         return;
     }
     if (big) {
-        unsigned char *buffer = rc_buffer(slot);
-        cache->outside_bytes -= 4 + (size_t)rc_buffer_size(buffer);
-        free(buffer);
+        rc_free_buffer(slot, cache);
     }
-    rc_erase(table, slot);
+    rc_erase(table, key, rc_hash(key));
 }
 
 /* Drops the previous generation and makes the current one previous;
@@ -1155,10 +1302,10 @@ static size_t
 rc_rotate(ReplyCache *cache)
 {
     size_t dropped = rc_generation_free(cache, &cache->generations[1]);
-    size_t last = cache->generations[0].small.count;
+    size_t last = rc_entries(&cache->generations[0].small);
     cache->generations[1] = cache->generations[0];
-    cache->generations[0].small = (RcTable){NULL, 0, 0, RC_SMALL_SLOT};
-    cache->generations[0].big = (RcTable){NULL, 0, 0, RC_BIG_SLOT};
+    cache->generations[0].small = RC_TABLE(RC_SMALL_SLOT);
+    cache->generations[0].big = RC_TABLE(RC_BIG_SLOT);
     size_t start = rc_slots_for(last + last / 8);
     size_t ceiling = rc_slots_for((size_t)cache->current_limit);
     cache->start_slots = start < RC_MIN_SMALL ? RC_MIN_SMALL
@@ -2201,35 +2348,41 @@ ReplyCache_rotate(ReplyCache *self, PyObject *unused)
     return PyLong_FromSize_t(rc_rotate(self));
 }
 
+typedef struct {
+    PyObject *out;
+    int big;
+} RcDictFill;
+
+static int
+rc_dict_add(const unsigned char *slot, void *arg)
+{
+    RcDictFill *fill = arg;
+    PyObject *key = PyBytes_FromStringAndSize((const char *)slot, CACHE_KEY_SIZE);
+    PyObject *reply = key ? rc_reply_bytes(slot, fill->big) : NULL;
+    int failed = reply == NULL || PyDict_SetItem(fill->out, key, reply) < 0;
+    Py_XDECREF(key);
+    Py_XDECREF(reply);
+    return failed ? -1 : 0;
+}
+
 /* A generation's entries as a new dict: key -> reply. */
 static PyObject *
 rc_generation_dict(const RcGeneration *generation)
 {
-    PyObject *out = PyDict_New();
-    if (out == NULL) {
+    RcDictFill fill = {PyDict_New(), 0};
+    if (fill.out == NULL) {
         return NULL;
     }
-    const RcTable *tables[2] = {&generation->small, &generation->big};
-    for (int t = 0; t < 2; t++) {
-        const RcTable *table = tables[t];
-        for (size_t i = 0; i < table->capacity; i++) {
-            const unsigned char *slot = rc_slot(table, i);
-            if (slot[RC_KIND] == RC_EMPTY) {
-                continue;
-            }
-            PyObject *key = PyBytes_FromStringAndSize((const char *)slot,
-                                                      CACHE_KEY_SIZE);
-            PyObject *reply = key ? rc_reply_bytes(slot, t == 1) : NULL;
-            int failed = reply == NULL || PyDict_SetItem(out, key, reply) < 0;
-            Py_XDECREF(key);
-            Py_XDECREF(reply);
-            if (failed) {
-                Py_DECREF(out);
-                return NULL;
-            }
-        }
+    if (rc_each(&generation->small, rc_dict_add, &fill) < 0) {
+        Py_DECREF(fill.out);
+        return NULL;
     }
-    return out;
+    fill.big = 1;
+    if (rc_each(&generation->big, rc_dict_add, &fill) < 0) {
+        Py_DECREF(fill.out);
+        return NULL;
+    }
+    return fill.out;
 }
 
 PyDoc_STRVAR(ReplyCache_snapshot_doc,
@@ -2327,8 +2480,7 @@ ReplyCache_get_memory(ReplyCache *self, void *closure)
     size_t bytes = self->outside_bytes;
     for (int g = 0; g < 2; g++) {
         const RcGeneration *generation = &self->generations[g];
-        bytes += generation->small.capacity * generation->small.slot_size
-                 + generation->big.capacity * generation->big.slot_size;
+        bytes += rc_table_bytes(&generation->small) + rc_table_bytes(&generation->big);
     }
     return PyLong_FromSize_t(bytes);
 }
@@ -2362,8 +2514,8 @@ static PyMemberDef ReplyCache_members[] = {
 static PyGetSetDef ReplyCache_getset[] = {
     {"memory", (getter)ReplyCache_get_memory, NULL,
      "bytes the cache has allocated: its tables' slots (24 bytes each for\n"
-     "inline replies, 32 for others, up to 5/4 slots an entry between\n"
-     "doublings) and the buffers of the replies not kept inline", NULL},
+     "inline replies, 32 for others, 5/4 to 15/8 slots an entry) and the\n"
+     "buffers of the replies not kept inline", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -40,10 +40,12 @@ Two implementations keep this contract, chosen by ``new_reply_cache``:
   whose reply has a buffer of its own (PUT_MANY's, 12 bytes).  The C path
   (``FastPath``) reads and fills it without a Python object per change;
   ``rotate`` frees a generation's tables whole (no work per entry).  A table
-  doubles as it fills and is at most 4/5 full, so an entry costs 24 to 60
-  bytes (30 once the generation is full: the last doubling stops at the
-  size that holds ``max_entries / 2``; about 35 at a steady rate, where a
-  generation starts at the size the last one reached).
+  grows by half as it fills (moving its entries a few per insert, so that
+  no change waits for a whole table to move) and is 8/15 to 4/5 full, so an
+  entry costs 30 to 45 bytes (30 once the generation is full: the last
+  growth stops at the size that holds ``max_entries / 2``; about 34 at a
+  steady rate, where a generation starts at the size the last one
+  reached).
 - ``ReplyCache`` below, two plain dicts (about 155 bytes an entry), the
   pure-Python twin the C one is held to, used when the C path is not.
 
