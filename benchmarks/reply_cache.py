@@ -89,7 +89,8 @@ def measure(implementation: str, entries: int, generation: int) -> dict[str, Any
     cache.rotate()
     result["longest_put_after_rotation_ms"] = round(1e3 * _fill(cache, generation), 3)
     if hasattr(cache, "memory"):
-        result["full_allocated_bytes_per_entry"] = round(cache.memory / len(cache), 1)
+        result["second_generation_allocated_bytes_per_entry"] = round(cache.memory / len(cache),
+                                                                      1)
     result["full_rss_mb"] = round(process.memory_info().rss / 2**20)
     started = time.perf_counter()
     dropped = cache.rotate()
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{implementation:>6}: {result['rss_bytes_per_entry']:6.1f} B/entry (RSS, "
               f"{args.entries:,} entries"
               + (f"; {result['allocated_bytes_per_entry']} allocated, "
-                 f"{result['full_allocated_bytes_per_entry']} when full"
+                 f"{result['second_generation_allocated_bytes_per_entry']} with two "
+                 f"generations of {args.generation:,}"
                  if "allocated_bytes_per_entry" in result else "")
               + f"); rotation of {args.generation:,}: {result['rotation_ms']} ms; "
               f"longest put {result['longest_put_first_generation_ms']} ms (first "
