@@ -755,10 +755,16 @@ repo_remove(FastPath *self, Repo repo, const unsigned char *key,
 #define RC_MIGRATE_STEP 8       /* old slots moved across per insert */
 #define RC_FREE_APART (16u << 20)
 
+/* A slot's kind byte: its epoch (the high 6 bits: the slot is empty
+ * unless they are its array's epoch, 1..RC_EPOCHS) and what it holds (the
+ * low 2 bits).  A fresh array is all zeros, empty in any epoch; an array
+ * reused for another generation only needs its epoch moved on. */
 enum {
-    RC_EMPTY = 0,
     RC_INLINE = 1,              /* small: + the number of body bytes */
-    RC_OUTSIDE = 0x80           /* big: the reply is in a buffer */
+    RC_OUTSIDE = 3,             /* big: the reply is in a buffer */
+    RC_WHAT = 3,
+    RC_EPOCH_SHIFT = 2,
+    RC_EPOCHS = 63
 };
 
 typedef struct {
@@ -772,9 +778,24 @@ typedef struct {
     size_t old_capacity;
     size_t cursor;
     size_t old_left;
+    unsigned epoch;             /* the slots' epoch */
+    unsigned old_epoch;         /* the old array's */
 } RcTable;
 
-#define RC_TABLE(size) ((RcTable){NULL, 0, 0, (size), NULL, 0, 0, 0})
+#define RC_TABLE(size) ((RcTable){NULL, 0, 0, (size), NULL, 0, 0, 0, 1, 1})
+
+/* Whether `slot` holds an entry, in an array of epoch `epoch`. */
+static inline int
+rc_used(const unsigned char *slot, unsigned epoch)
+{
+    return slot[RC_KIND] != 0 && (unsigned)(slot[RC_KIND] >> RC_EPOCH_SHIFT) == epoch;
+}
+
+static inline unsigned char
+rc_kind_byte(unsigned epoch, unsigned what)
+{
+    return (unsigned char)(epoch << RC_EPOCH_SHIFT | what);
+}
 
 typedef struct {
     RcTable small;
@@ -820,12 +841,12 @@ rc_home(uint64_t hash, size_t capacity)
  * slot, or NULL. */
 static unsigned char *
 rc_probe(unsigned char *slots, size_t capacity, size_t slot_size,
-         const unsigned char *key, uint64_t hash)
+         unsigned epoch, const unsigned char *key, uint64_t hash)
 {
     size_t index = rc_home(hash, capacity);
     for (;;) {
         unsigned char *slot = slots + index * slot_size;
-        if (slot[RC_KIND] == RC_EMPTY) {
+        if (!rc_used(slot, epoch)) {
             return NULL;
         }
         if (memcmp(slot, key, CACHE_KEY_SIZE) == 0) {
@@ -841,12 +862,12 @@ rc_probe(unsigned char *slots, size_t capacity, size_t slot_size,
  * one: it is never full). */
 static unsigned char *
 rc_empty_slot(unsigned char *slots, size_t capacity, size_t slot_size,
-              uint64_t hash)
+              unsigned epoch, uint64_t hash)
 {
     size_t index = rc_home(hash, capacity);
     for (;;) {
         unsigned char *slot = slots + index * slot_size;
-        if (slot[RC_KIND] == RC_EMPTY) {
+        if (!rc_used(slot, epoch)) {
             return slot;
         }
         if (++index == capacity) {
@@ -868,14 +889,14 @@ rc_find(const RcTable *table, const unsigned char *key, uint64_t hash)
 {
     if (table->count > 0) {
         unsigned char *slot = rc_probe(table->slots, table->capacity,
-                                       table->slot_size, key, hash);
+                                       table->slot_size, table->epoch, key, hash);
         if (slot != NULL) {
             return slot;
         }
     }
     if (table->old_left > 0) {
         unsigned char *slot = rc_probe(table->old, table->old_capacity,
-                                       table->slot_size, key, hash);
+                                       table->slot_size, table->old_epoch, key, hash);
         /* (below the cursor: moved, and since erased from the new array) */
         if (slot != NULL
                 && (size_t)(slot - table->old) / table->slot_size >= table->cursor) {
@@ -929,9 +950,11 @@ rc_migrate(RcTable *table, size_t slots)
     while (slots-- > 0 && table->old_left > 0) {
         const unsigned char *slot = table->old + table->cursor * size;
         table->cursor++;
-        if (slot[RC_KIND] != RC_EMPTY) {
-            memcpy(rc_empty_slot(table->slots, table->capacity, size, rc_hash(slot)),
-                   slot, size);
+        if (rc_used(slot, table->old_epoch)) {
+            unsigned char *into = rc_empty_slot(table->slots, table->capacity, size,
+                                                table->epoch, rc_hash(slot));
+            memcpy(into, slot, size);
+            into[RC_KIND] = rc_kind_byte(table->epoch, slot[RC_KIND] & RC_WHAT);
             table->count++;
             table->old_left--;
         }
@@ -984,12 +1007,14 @@ rc_reserve(RcTable *table, size_t first, size_t most)
     else {
         table->old = table->slots;
         table->old_capacity = table->capacity;
+        table->old_epoch = table->epoch;
         table->cursor = 0;
         table->old_left = table->count;
     }
     table->slots = slots;
     table->capacity = capacity;
     table->count = 0;
+    table->epoch = 1;
     rc_migrate(table, RC_MIGRATE_STEP);
     return 0;
 }
@@ -1001,10 +1026,11 @@ static void
 rc_erase(RcTable *table, const unsigned char *key, uint64_t hash)
 {
     unsigned char *slot = rc_probe(table->slots, table->capacity,
-                                   table->slot_size, key, hash);
+                                   table->slot_size, table->epoch, key, hash);
     if (slot == NULL) {
         rc_migrate(table, SIZE_MAX);
-        slot = rc_probe(table->slots, table->capacity, table->slot_size, key, hash);
+        slot = rc_probe(table->slots, table->capacity, table->slot_size, table->epoch,
+                        key, hash);
         if (slot == NULL) {
             return;
         }
@@ -1017,7 +1043,7 @@ rc_erase(RcTable *table, const unsigned char *key, uint64_t hash)
             next = 0;
         }
         unsigned char *moving = table->slots + next * size;
-        if (moving[RC_KIND] == RC_EMPTY) {
+        if (!rc_used(moving, table->epoch)) {
             break;
         }
         size_t home = rc_home(rc_hash(moving), table->capacity);
@@ -1040,13 +1066,13 @@ rc_each(const RcTable *table, int (*each)(const unsigned char *, void *), void *
     size_t size = table->slot_size;
     for (size_t i = 0; table->count > 0 && i < table->capacity; i++) {
         const unsigned char *slot = table->slots + i * size;
-        if (slot[RC_KIND] != RC_EMPTY && each(slot, arg) < 0) {
+        if (rc_used(slot, table->epoch) && each(slot, arg) < 0) {
             return -1;
         }
     }
     for (size_t i = table->cursor; table->old_left > 0 && i < table->old_capacity; i++) {
         const unsigned char *slot = table->old + i * size;
-        if (slot[RC_KIND] != RC_EMPTY && each(slot, arg) < 0) {
+        if (rc_used(slot, table->old_epoch) && each(slot, arg) < 0) {
             return -1;
         }
     }
@@ -1175,9 +1201,10 @@ rc_store(ReplyCache *cache, const unsigned char *key,
         }
         RcTable *small = &current->small;
         unsigned char *slot = rc_empty_slot(small->slots, small->capacity,
-                                            RC_SMALL_SLOT, hash);
+                                            RC_SMALL_SLOT, small->epoch, hash);
         memcpy(slot, key, CACHE_KEY_SIZE);
-        slot[RC_KIND] = (unsigned char)(RC_INLINE + (size - REPLY_HEADER_SIZE));
+        slot[RC_KIND] = rc_kind_byte(small->epoch,
+                                     (unsigned)(RC_INLINE + (size - REPLY_HEADER_SIZE)));
         slot[21] = reply[2];
         slot[22] = reply[3];
         slot[23] = size > REPLY_HEADER_SIZE ? reply[REPLY_HEADER_SIZE] : 0;
@@ -1200,9 +1227,10 @@ rc_store(ReplyCache *cache, const unsigned char *key,
     memcpy(buffer, &size32, 4);
     memcpy(buffer + 4, reply, size);
     RcTable *big = &current->big;
-    unsigned char *slot = rc_empty_slot(big->slots, big->capacity, RC_BIG_SLOT, hash);
+    unsigned char *slot = rc_empty_slot(big->slots, big->capacity, RC_BIG_SLOT,
+                                        big->epoch, hash);
     memcpy(slot, key, CACHE_KEY_SIZE);
-    slot[RC_KIND] = RC_OUTSIDE;
+    slot[RC_KIND] = rc_kind_byte(big->epoch, RC_OUTSIDE);
     memcpy(slot + 24, &buffer, sizeof(buffer));
     current->big.count++;
     cache->outside_bytes += 4 + size;
@@ -1217,7 +1245,7 @@ rc_reply_size(const unsigned char *slot, int big)
     if (big) {
         return rc_buffer_size(rc_buffer(slot));
     }
-    return REPLY_HEADER_SIZE + (size_t)(slot[RC_KIND] - RC_INLINE);
+    return REPLY_HEADER_SIZE + (size_t)((slot[RC_KIND] & RC_WHAT) - RC_INLINE);
 }
 
 static void
@@ -1233,7 +1261,7 @@ rc_reply_copy(const unsigned char *slot, int big, unsigned char *out)
     out[2] = slot[21];
     out[3] = slot[22];
     memcpy(out + 4, slot, 4);
-    if (slot[RC_KIND] > RC_INLINE) {
+    if ((slot[RC_KIND] & RC_WHAT) > RC_INLINE) {
         out[REPLY_HEADER_SIZE] = slot[23];
     }
 }
@@ -1297,19 +1325,48 @@ rc_remove(ReplyCache *cache, const unsigned char *key)
 /* Drops the previous generation and makes the current one previous;
  * returns how many entries were dropped.  The new current generation's
  * small table will start at the size that holds what the last one held
- * (an eighth more), so that a steady rate of changes does not regrow it. */
+ * (an eighth more), so that a steady rate of changes does not regrow it;
+ * and it starts in the dropped generation's small array, if that is at
+ * least that size and at most twice it, in the next epoch: no page of it
+ * is new to the process, so no insert pays the kernel for a page (a fresh
+ * array's first touches cost some 2 us a 4 KiB page here, 60 ms for the
+ * default cap's 120 MB, all in the first inserts of a generation).  An
+ * array is reused for RC_EPOCHS - 1 generations, then freed: its slots of
+ * an old epoch would read as that epoch's again. */
 static size_t
 rc_rotate(ReplyCache *cache)
 {
-    size_t dropped = rc_generation_free(cache, &cache->generations[1]);
+    RcTable *dropped_small = &cache->generations[1].small;
+    size_t dropped = rc_entries(dropped_small) + rc_entries(&cache->generations[1].big);
+    unsigned char *reused = NULL;
+    size_t reused_capacity = dropped_small->capacity;
+    unsigned reused_epoch = dropped_small->epoch + 1;
+    if (dropped_small->slots != NULL && reused_epoch <= RC_EPOCHS) {
+        reused = dropped_small->slots;
+        dropped_small->slots = NULL;
+        dropped_small->capacity = 0;
+        dropped_small->count = 0;
+    }
+    rc_generation_free(cache, &cache->generations[1]);
     size_t last = rc_entries(&cache->generations[0].small);
     cache->generations[1] = cache->generations[0];
     cache->generations[0].small = RC_TABLE(RC_SMALL_SLOT);
     cache->generations[0].big = RC_TABLE(RC_BIG_SLOT);
     size_t start = rc_slots_for(last + last / 8);
     size_t ceiling = rc_slots_for((size_t)cache->current_limit);
-    cache->start_slots = start < RC_MIN_SMALL ? RC_MIN_SMALL
-                         : start > ceiling ? ceiling : start;
+    start = start < RC_MIN_SMALL ? RC_MIN_SMALL : start > ceiling ? ceiling : start;
+    cache->start_slots = start;
+    if (reused != NULL) {
+        if (reused_capacity >= start && reused_capacity / 2 <= start) {
+            RcTable *small = &cache->generations[0].small;
+            small->slots = reused;
+            small->capacity = reused_capacity;
+            small->epoch = reused_epoch;
+        }
+        else {
+            rc_release(reused, reused_capacity * RC_SMALL_SLOT);
+        }
+    }
     return dropped;
 }
 
