@@ -22,7 +22,8 @@ process of its own so that one's memory does not blur the other's:
   one reached, in the C cache).
 
 No service runs: this measures the cache alone, through its Python methods
-(the C path calls the same C functions without them).
+(the C path calls the same C functions without them), in a process whose
+malloc is set as a service's is (domus.service.allocator).
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ import psutil
 from .provenance import machine
 
 
-def _fill(cache: Any, count: int) -> float:
-    """Puts ``count`` replies as a service makes them for single puts (a
-    9-byte reply under a 20-byte key whose first 4 bytes are the request id
-    the reply echoes; both new objects, as the Python handler makes them),
-    and returns the longest single put, in seconds."""
-    raw = os.urandom(20 * count)
+def _fill(cache: Any, raw: bytes) -> float:
+    """Puts a reply for each 20 bytes of ``raw`` as a service makes them for
+    single puts (a 9-byte reply under a 20-byte key whose first 4 bytes are
+    the request id the reply echoes; both new objects, as the Python
+    handler makes them), and returns the longest single put, in seconds."""
+    count = len(raw) // 20
     longest = 0.0
     put, clock = cache.put, time.perf_counter
     for at in range(0, 20 * count, 20):
@@ -64,6 +65,9 @@ def _fill(cache: Any, count: int) -> float:
 def measure(implementation: str, entries: int, generation: int) -> dict[str, Any]:
     """One implementation's numbers (run in a process of its own)."""
     from domus.service import replycache
+    from domus.service.allocator import keep_large_blocks
+
+    keep_large_blocks()     # (malloc set as a service sets it)
 
     kind = replycache.ReplyCache if implementation == "python" else replycache.CompactReplyCache
     if kind is None:
@@ -72,9 +76,11 @@ def measure(implementation: str, entries: int, generation: int) -> dict[str, Any
     process = psutil.Process()
     gc.disable()            # (a service's collections are another matter)
     cache = kind(max_entries=max_entries)
-    before = process.memory_info().rss      # (_fill's random bytes are freed when it returns)
-    _fill(cache, entries)
+    raw = os.urandom(20 * entries)          # (drawn before, kept after: not counted)
+    before = process.memory_info().rss
+    _fill(cache, raw)
     grown = process.memory_info().rss - before
+    del raw
     result: dict[str, Any] = {
         "implementation": implementation, "entries": entries,
         "rss_bytes_per_entry": round(grown / entries, 1),
@@ -85,9 +91,11 @@ def measure(implementation: str, entries: int, generation: int) -> dict[str, Any
 
     cache = kind(max_entries=max_entries)
     result["generation"] = generation
-    result["longest_put_first_generation_ms"] = round(1e3 * _fill(cache, generation), 3)
+    result["longest_put_first_generation_ms"] = round(
+        1e3 * _fill(cache, os.urandom(20 * generation)), 3)
     cache.rotate()
-    result["longest_put_after_rotation_ms"] = round(1e3 * _fill(cache, generation), 3)
+    result["longest_put_after_rotation_ms"] = round(
+        1e3 * _fill(cache, os.urandom(20 * generation)), 3)
     if hasattr(cache, "memory"):
         result["second_generation_allocated_bytes_per_entry"] = round(cache.memory / len(cache),
                                                                       1)
