@@ -734,11 +734,14 @@ repo_remove(FastPath *self, Repo repo, const unsigned char *key,
  * of the next RC_MIGRATE_STEP slots of the old array across (lookups look
  * in both; an old slot below the cursor has moved).  The current
  * generation's small table starts at the size the last generation reached,
- * so that a steady load does not regrow it at all.  Rotation frees the
- * previous generation's slot arrays (and the big table's buffers): no work
- * per inline entry; an array of RC_FREE_APART bytes or more is freed by a
- * short-lived thread of its own, since giving its pages back to the kernel
- * takes milliseconds (free() is thread-safe; nothing else touches it).
+ * so that a steady load does not regrow it at all, and in the array of the
+ * generation rotation drops when that is about the size (its slots carry
+ * an epoch, so it needs no clearing; see rc_rotate).  Rotation frees the
+ * rest of the previous generation (and the big table's buffers): no work
+ * per inline entry.  Arrays of RC_MAP_AT bytes or more are mapped from the
+ * kernel (rc_alloc), and one of RC_FREE_APART bytes or more is unmapped by
+ * a short-lived thread of its own, since giving its pages back takes
+ * milliseconds (nothing else touches it by then).
  *
  * Thread use: every function here runs holding the GIL (and, on a service,
  * the baton), as the dicts this replaces did; nothing here releases it.  A
