@@ -39,7 +39,8 @@ Two implementations keep this contract, chosen by ``new_reply_cache``:
   the rest is implied by the key), plus a small table of 32-byte entries
   whose reply has a buffer of its own (PUT_MANY's, 12 bytes).  The C path
   (``FastPath``) reads and fills it without a Python object per change;
-  ``rotate`` frees a generation's tables whole (no work per entry).  A table
+  ``rotate`` drops a generation without touching its entries (its array is
+  freed whole, or taken by the next generation).  A table
   grows by half as it fills (moving its entries a few per insert, so that
   no change waits for a whole table to move) and is 8/15 to 4/5 full, so an
   entry costs 30 to 45 bytes (30 once the generation is full: the last
@@ -57,8 +58,10 @@ changes the service takes in ``ttl / 2`` seconds: 4,000,000 by default
 sustained); past that, changes get BUSY until the next rotation (counted in
 ``refused``).  Worst case, both generations full of single-key replies, the
 compact cache holds 8,000,000 x 30 bytes = 240 MB by default (two tables of
-5,000,002 slots of 24 bytes); PUT_MANY replies cost 32 bytes of slot and a
-16-byte buffer (with malloc's overhead, about 72 bytes) each.
+5,000,002 slots of 24 bytes; some 320 MB while the current one makes its
+last growth, its old and new arrays both held); PUT_MANY replies cost 32
+bytes of slot and a 16-byte buffer (with malloc's overhead, about 72 bytes)
+each.
 """
 
 from __future__ import annotations
