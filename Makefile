@@ -15,7 +15,7 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 XDIST := $(if $(filter 0,$(JOBS)),-p no:xdist,-n $(JOBS))
 
 C_TESTS ?= tests/unit/test_rbtree.py tests/unit/test_recordtree.py tests/unit/test_hotpath.py \
-  tests/unit/test_udp.py \
+  tests/unit/test_udp.py tests/unit/test_replycache.py \
   tests/unit/test_codec.py fuzz/test_fuzz.py
 ASAN_DIR := build/asan
 FUZZ_DIR := build/fuzz

@@ -25,9 +25,9 @@
  *                (a request that says another numbering is declined, and
  *                the Python handler translates it), and the reply header
  *                byte 3 that tells clients this service's layout version.
- *   generations  the reply cache's list [current, previous] of dicts
- *                token (request bytes 4..16) -> reply bytes; the Python
- *                ReplyCache rotates it in place.
+ *   cache        the reply cache, a ReplyCache (defined here: tables in C,
+ *                read and filled by C without Python objects; the Python
+ *                side rotates it).
  * A repository is driven directly when its type is exactly dict or the
  * `dict_type` given (DictRepository, a dict subclass whose methods mean
  * exactly the dict's), when it is an instance of the C RecordTree type
@@ -71,8 +71,10 @@
 #include <sys/uio.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -183,11 +185,10 @@ static PyTypeObject DatabaseRepositoryType;
 typedef struct {
     PyObject_HEAD
     PyObject *dhts;
-    PyObject *generations;
+    PyObject *cache;                    /* a ReplyCache */
     PyObject *tree_type;                /* or NULL */
     PyObject *dict_type;                /* or NULL */
     const DomusRecordTreeAPI *tree_api; /* NULL: trees are declined */
-    Py_ssize_t current_limit;
     unsigned char layout_tag;           /* the request's DHT's, for its reply */
     struct Batch *batch;                /* serve()'s and the thread's, made lazily */
     unsigned long long requests;
@@ -205,7 +206,6 @@ typedef struct {
     unsigned long long unauthenticated; /* datagrams dropped: no MAC, or a wrong one */
     unsigned long long sampled;         /* samples taken since the last take */
     uint64_t samples[SAMPLE_RING];      /* dht id << 32 | bucket */
-    unsigned long long cache_seed;      /* the reply cache keys' XXH64 seed */
     unsigned long long busy;            /* changes refused: the reply cache is full */
     unsigned long long shed;            /* datagrams answered BUSY: they waited too long */
     long long shed_after_ns;            /* how long is too long; <= 0: never shed */
@@ -243,11 +243,18 @@ typedef struct {
     RepoKind kind;
 } Repo;
 
+/* The most body bytes a reply keeps after its header in Reply.head: a
+ * PUT's (1) and a PUT_MANY's (4), so that a change's reply, fresh or from
+ * the reply cache, is sent without making a bytes object. */
+#define REPLY_HEAD_BODY 4
+
 /* A handled request's answer: the whole reply as bytes, or a reply header
- * followed by a stored value (GET), which serve() sends without copying. */
+ * (and `body` more bytes of it) followed by a stored value (GET), which
+ * serve() sends without copying. */
 typedef struct {
     PyObject *whole;                        /* new reference or NULL */
-    unsigned char head[REPLY_HEADER_SIZE];
+    unsigned char head[REPLY_HEADER_SIZE + REPLY_HEAD_BODY];
+    int body;                               /* bytes of head after the header */
     PyObject *value;                        /* new reference or NULL */
 } Reply;
 
@@ -358,6 +365,7 @@ reply_clear(Reply *reply)
 {
     Py_CLEAR(reply->whole);
     Py_CLEAR(reply->value);
+    reply->body = 0;
 }
 
 /* ------------------------------------------------------------ repositories */
@@ -701,59 +709,729 @@ repo_remove(FastPath *self, Repo repo, const unsigned char *key,
 
 /* ------------------------------------------------------------ the reply cache
  *
- * The cache is two generations of dicts in a list owned by the Python
- * ReplyCache, which rotates them in place, by time only.  A request's key
- * (its token and a hash of its bytes, cache_key) is looked up in both; a
- * new reply goes into the current one.  A change that would grow the
- * current generation past `current_limit` is answered BUSY: no entry is
- * dropped before its time, so no retry can find its reply gone.
- */
+ * ReplyCache (domus.service.replycache's CompactReplyCache derives from it;
+ * its pure-Python twin is domus.service.replycache.ReplyCache, which the
+ * tests hold it to) keeps each applied change's reply under its key
+ * (cache_key: the request's token and a hash of its bytes) in two
+ * generations, current and previous.  A key is looked up in both; a new
+ * reply goes into the current one; rotate() drops the previous generation
+ * and makes the current one previous.  A change that would grow the current
+ * generation past `current_limit` is answered BUSY: no entry is dropped
+ * before its time, so no retry can find its reply gone.
+ *
+ * A generation is two open-addressed tables (linear probing, at most
+ * RC_LOAD_NUM / RC_LOAD_DEN full, any number of slots: a key's first slot
+ * is its hash scaled to the table's size):
+ *   small  24-byte slots: the key, then the reply inline -- status, layout
+ *          tag and up to RC_INLINE_BODY body bytes; its magic, version and
+ *          request id (the key's first 4 bytes) are implied.  Every reply
+ *          of a single-key change (PUT, DELETE) is kept so.
+ *   big    32-byte slots: the key and a buffer of its own holding the
+ *          reply (u32 size, then the bytes): PUT_MANY's, and anything
+ *          else put() is given.
+ * A table is allocated on its first entry and grows by half as it fills
+ * (never past the size that holds `current_limit` entries), so that it is
+ * at least 8/15 full once grown: at most 45 bytes an inline entry, 30 when
+ * full (doubling would leave it 2/5 full, 60 bytes, just after).  Growing is
+ * incremental, so that no one change pays for moving millions of entries:
+ * the new slot array takes the inserts, and each insert moves the entries
+ * of the next RC_MIGRATE_STEP slots of the old array across (lookups look
+ * in both; an old slot below the cursor has moved).  The current
+ * generation's small table starts at the size the last generation reached,
+ * so that a steady load does not regrow it at all, and in the array of the
+ * generation rotation drops when that is about the size (its slots carry
+ * an epoch, so it needs no clearing; see rc_rotate).  Rotation frees the
+ * rest of the previous generation (and the big table's buffers): no work
+ * per inline entry.  Arrays of RC_MAP_AT bytes or more are mapped from the
+ * kernel (rc_alloc), and one of RC_FREE_APART bytes or more is unmapped by
+ * a short-lived thread of its own, since giving its pages back takes
+ * milliseconds (nothing else touches it by then).
+ *
+ * Thread use: every function here runs holding the GIL (and, on a service,
+ * the baton), as the dicts this replaces did; nothing here releases it.  A
+ * caller that may release the GIL between two calls (a Berkeley DB put)
+ * holds no pointer into a table across it, only the key. */
 
-/* New references to the two generations.  DECLINED if the list is not the
- * [dict, dict] it should be. */
-static int
-cache_generations(FastPath *self, PyObject **current, PyObject **previous)
+#define RC_SMALL_SLOT 24
+#define RC_BIG_SLOT 32
+#define RC_KIND 20              /* offset of the kind byte in every slot */
+#define RC_INLINE_BODY 1
+#define RC_MIN_SMALL 1024       /* slots of a small table's first allocation */
+#define RC_MIN_BIG 16
+#define RC_LOAD_NUM 4
+#define RC_LOAD_DEN 5
+#define RC_MIGRATE_STEP 8       /* old slots moved across per insert */
+#define RC_FREE_APART (16u << 20)
+#define RC_MAP_AT (1u << 20)    /* arrays this large are mapped, not malloc'd */
+
+/* A slot's kind byte: its epoch (the high 6 bits: the slot is empty
+ * unless they are its array's epoch, 1..RC_EPOCHS) and what it holds (the
+ * low 2 bits).  A fresh array is all zeros, empty in any epoch; an array
+ * reused for another generation only needs its epoch moved on. */
+enum {
+    RC_INLINE = 1,              /* small: + the number of body bytes */
+    RC_OUTSIDE = 3,             /* big: the reply is in a buffer */
+    RC_WHAT = 3,
+    RC_EPOCH_SHIFT = 2,
+    RC_EPOCHS = 63
+};
+
+typedef struct {
+    unsigned char *slots;       /* capacity * slot_size bytes, or NULL */
+    size_t capacity;
+    size_t count;               /* entries in slots */
+    size_t slot_size;
+    /* While growing: the last array, whose slots from `cursor` on have not
+     * moved into `slots` yet (`old_left` entries); NULL otherwise. */
+    unsigned char *old;
+    size_t old_capacity;
+    size_t cursor;
+    size_t old_left;
+    unsigned epoch;             /* the slots' epoch */
+    unsigned old_epoch;         /* the old array's */
+} RcTable;
+
+#define RC_TABLE(size) ((RcTable){NULL, 0, 0, (size), NULL, 0, 0, 0, 1, 1})
+
+/* Whether `slot` holds an entry, in an array of epoch `epoch`. */
+static inline int
+rc_used(const unsigned char *slot, unsigned epoch)
 {
-    PyObject *generations = self->generations;
-    if (generations == NULL || !PyList_CheckExact(generations)
-            || PyList_GET_SIZE(generations) != 2) {
-        return DECLINED;
-    }
-    PyObject *first = PyList_GET_ITEM(generations, 0);
-    PyObject *second = PyList_GET_ITEM(generations, 1);
-    if (!PyDict_CheckExact(first) || !PyDict_CheckExact(second)) {
-        return DECLINED;
-    }
-    Py_INCREF(first);
-    Py_INCREF(second);
-    *current = first;
-    *previous = second;
-    return HANDLED;
+    return slot[RC_KIND] != 0 && (unsigned)(slot[RC_KIND] >> RC_EPOCH_SHIFT) == epoch;
 }
 
-/* A borrowed reference to the cached reply for `token`, or NULL: absent
- * (no exception) or error. */
-static PyObject *
-cache_lookup(PyObject *current, PyObject *previous, PyObject *token)
+static inline unsigned char
+rc_kind_byte(unsigned epoch, unsigned what)
 {
-    PyObject *cached = PyDict_GetItemWithError(current, token);
-    if (cached == NULL && !PyErr_Occurred()) {
-        cached = PyDict_GetItemWithError(previous, token);
-    }
-    return cached;
+    return (unsigned char)(epoch << RC_EPOCH_SHIFT | what);
 }
 
-/* Takes the reply cached under `token` back out (its change failed),
- * keeping any exception that is set. */
+typedef struct {
+    RcTable small;
+    RcTable big;
+} RcGeneration;
+
+typedef struct {
+    PyObject_HEAD
+    RcGeneration generations[2];        /* current, previous */
+    Py_ssize_t current_limit;           /* most entries in the current one */
+    size_t start_slots;                 /* the next current small table's size */
+    size_t outside_bytes;               /* the big tables' buffers, in bytes */
+    unsigned long long seed;            /* the keys' XXH64 seed */
+    unsigned long long refused;         /* put()s refused: the cache was full */
+    unsigned long long hits;            /* get()s that found a reply */
+} ReplyCache;
+
+static PyTypeObject ReplyCacheType;
+
+/* A key's hash: its bytes mixed (the last 8 are already an XXH64, but a
+ * caller of put() may give any 20 bytes). */
+static inline uint64_t
+rc_hash(const unsigned char *key)
+{
+    uint64_t hash = read_u64(key + 12) ^ (read_u64(key + 4) * DOMUS_P64_1)
+                    ^ ((uint64_t)read_u32(key) * DOMUS_P64_2);
+    hash ^= hash >> 33;
+    hash *= 0xFF51AFD7ED558CCDULL;
+    hash ^= hash >> 33;
+    hash *= 0xC4CEB9FE1A85EC53ULL;
+    hash ^= hash >> 33;
+    return hash;
+}
+
+/* The first slot `hash` probes in a table of `capacity` slots. */
+static inline size_t
+rc_home(uint64_t hash, size_t capacity)
+{
+    return (size_t)(((unsigned __int128)hash * capacity) >> 64);
+}
+
+/* Finds `key` in an array of `capacity` slots of `slot_size` bytes: its
+ * slot, or NULL. */
+static unsigned char *
+rc_probe(unsigned char *slots, size_t capacity, size_t slot_size,
+         unsigned epoch, const unsigned char *key, uint64_t hash)
+{
+    size_t index = rc_home(hash, capacity);
+    for (;;) {
+        unsigned char *slot = slots + index * slot_size;
+        if (!rc_used(slot, epoch)) {
+            return NULL;
+        }
+        if (memcmp(slot, key, CACHE_KEY_SIZE) == 0) {
+            return slot;
+        }
+        if (++index == capacity) {
+            index = 0;
+        }
+    }
+}
+
+/* The first empty slot of `hash`'s probe sequence in an array (which has
+ * one: it is never full). */
+static unsigned char *
+rc_empty_slot(unsigned char *slots, size_t capacity, size_t slot_size,
+              unsigned epoch, uint64_t hash)
+{
+    size_t index = rc_home(hash, capacity);
+    for (;;) {
+        unsigned char *slot = slots + index * slot_size;
+        if (!rc_used(slot, epoch)) {
+            return slot;
+        }
+        if (++index == capacity) {
+            index = 0;
+        }
+    }
+}
+
+static inline size_t
+rc_entries(const RcTable *table)
+{
+    return table->count + table->old_left;
+}
+
+/* The slot holding `key` (in the new array, or in the old one if it has
+ * not moved yet), or NULL. */
+static unsigned char *
+rc_find(const RcTable *table, const unsigned char *key, uint64_t hash)
+{
+    if (table->count > 0) {
+        unsigned char *slot = rc_probe(table->slots, table->capacity,
+                                       table->slot_size, table->epoch, key, hash);
+        if (slot != NULL) {
+            return slot;
+        }
+    }
+    if (table->old_left > 0) {
+        unsigned char *slot = rc_probe(table->old, table->old_capacity,
+                                       table->slot_size, table->old_epoch, key, hash);
+        /* (below the cursor: moved, and since erased from the new array) */
+        if (slot != NULL
+                && (size_t)(slot - table->old) / table->slot_size >= table->cursor) {
+            return slot;
+        }
+    }
+    return NULL;
+}
+
+/* A new array of `count` zeroed slots of `size` bytes, or NULL.  A large
+ * one is mapped from the kernel, not taken from malloc: a service's malloc
+ * keeps blocks up to 32 MiB on its heap (domus.service.allocator), where
+ * calloc must clear them at once -- 20 ms for 26 MB, on one change --
+ * while a mapping's pages come zeroed when first touched. */
+static unsigned char *
+rc_alloc(size_t count, size_t size)
+{
+    if (count > SIZE_MAX / size) {
+        return NULL;
+    }
+    if (count * size < RC_MAP_AT) {
+        return calloc(count, size);
+    }
+    void *slots = mmap(NULL, count * size, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return slots == MAP_FAILED ? NULL : slots;
+}
+
+/* Gives back an array rc_alloc made for `bytes` bytes. */
 static void
-uncache(PyObject *current, PyObject *token)
+rc_free(void *slots, size_t bytes)
 {
-    PyObject *type, *exc, *traceback;
-    PyErr_Fetch(&type, &exc, &traceback);
-    if (PyDict_DelItem(current, token) < 0) {
-        PyErr_Clear();
+    if (bytes < RC_MAP_AT) {
+        free(slots);
     }
-    PyErr_Restore(type, exc, traceback);
+    else {
+        munmap(slots, bytes);
+    }
+}
+
+typedef struct {
+    void *slots;
+    size_t bytes;
+} RcFreeing;
+
+static void *
+rc_free_later(void *arg)
+{
+    RcFreeing *freeing = arg;
+    rc_free(freeing->slots, freeing->bytes);
+    free(freeing);
+    return NULL;
+}
+
+/* Gives back an array of `bytes` bytes: a large one on a thread of its own
+ * (its pages going back to the kernel take milliseconds), with every
+ * signal blocked there, or here if no thread can be made. */
+static void
+rc_release(unsigned char *slots, size_t bytes)
+{
+    if (slots == NULL) {
+        return;
+    }
+    RcFreeing *freeing = bytes >= RC_FREE_APART ? malloc(sizeof(*freeing)) : NULL;
+    if (freeing != NULL) {
+        sigset_t all, before;
+        pthread_attr_t attributes;
+        freeing->slots = slots;
+        freeing->bytes = bytes;
+        sigfillset(&all);
+        if (pthread_attr_init(&attributes) == 0) {
+            pthread_attr_setdetachstate(&attributes, PTHREAD_CREATE_DETACHED);
+            pthread_sigmask(SIG_SETMASK, &all, &before);
+            pthread_t thread;
+            int made = pthread_create(&thread, &attributes, rc_free_later, freeing);
+            pthread_sigmask(SIG_SETMASK, &before, NULL);
+            pthread_attr_destroy(&attributes);
+            if (made == 0) {
+                return;
+            }
+        }
+        free(freeing);
+    }
+    rc_free(slots, bytes);
+}
+
+/* Moves the entries of the old array's next `slots` slots (all of them:
+ * SIZE_MAX) into the new one; frees the old array once none is left. */
+static void
+rc_migrate(RcTable *table, size_t slots)
+{
+    size_t size = table->slot_size;
+    while (slots-- > 0 && table->old_left > 0) {
+        const unsigned char *slot = table->old + table->cursor * size;
+        table->cursor++;
+        if (rc_used(slot, table->old_epoch)) {
+            unsigned char *into = rc_empty_slot(table->slots, table->capacity, size,
+                                                table->epoch, rc_hash(slot));
+            memcpy(into, slot, size);
+            into[RC_KIND] = rc_kind_byte(table->epoch, slot[RC_KIND] & RC_WHAT);
+            table->count++;
+            table->old_left--;
+        }
+    }
+    if (table->old != NULL && table->old_left == 0) {
+        rc_release(table->old, table->old_capacity * size);
+        table->old = NULL;
+        table->old_capacity = 0;
+        table->cursor = 0;
+    }
+}
+
+/* The slots a table needs to hold `entries` within its load factor. */
+static inline size_t
+rc_slots_for(size_t entries)
+{
+    return entries / RC_LOAD_NUM * RC_LOAD_DEN
+           + (entries % RC_LOAD_NUM) * RC_LOAD_DEN / RC_LOAD_NUM + 2;
+}
+
+/* Makes room in the table for one more entry, moving some entries of a
+ * growth under way across first: grows it by half (or allocates `first` slots),
+ * never past the size that holds `most` entries, and moves its entries
+ * into the new array a few at a time from then on.  0, or -1 (no memory,
+ * no exception set; the table is as it was). */
+static int
+rc_reserve(RcTable *table, size_t first, size_t most)
+{
+    rc_migrate(table, RC_MIGRATE_STEP);
+    size_t needed = rc_slots_for(rc_entries(table) + 1);
+    if (table->capacity >= needed) {
+        return 0;
+    }
+    rc_migrate(table, SIZE_MAX);    /* (a growth outgrown: not with these sizes) */
+    size_t ceiling = rc_slots_for(most);
+    size_t capacity = table->capacity ? table->capacity + table->capacity / 2 : first;
+    if (capacity > ceiling) {
+        capacity = ceiling;
+    }
+    if (capacity < needed) {
+        capacity = needed;
+    }
+    unsigned char *slots = rc_alloc(capacity, table->slot_size);
+    if (slots == NULL) {
+        return -1;
+    }
+    if (table->count == 0) {
+        rc_release(table->slots, table->capacity * table->slot_size);
+    }
+    else {
+        table->old = table->slots;
+        table->old_capacity = table->capacity;
+        table->old_epoch = table->epoch;
+        table->cursor = 0;
+        table->old_left = table->count;
+    }
+    table->slots = slots;
+    table->capacity = capacity;
+    table->count = 0;
+    table->epoch = 1;
+    rc_migrate(table, RC_MIGRATE_STEP);
+    return 0;
+}
+
+/* Takes `key` (which the table holds) out, moving the entries after it in
+ * its array back so that no probe sequence is broken.  (An entry still in
+ * the old array of a growth makes the growth finish first.) */
+static void
+rc_erase(RcTable *table, const unsigned char *key, uint64_t hash)
+{
+    unsigned char *slot = rc_probe(table->slots, table->capacity,
+                                   table->slot_size, table->epoch, key, hash);
+    if (slot == NULL) {
+        rc_migrate(table, SIZE_MAX);
+        slot = rc_probe(table->slots, table->capacity, table->slot_size, table->epoch,
+                        key, hash);
+        if (slot == NULL) {
+            return;
+        }
+    }
+    size_t size = table->slot_size;
+    size_t hole = (size_t)(slot - table->slots) / size;
+    size_t next = hole;
+    for (;;) {
+        if (++next == table->capacity) {
+            next = 0;
+        }
+        unsigned char *moving = table->slots + next * size;
+        if (!rc_used(moving, table->epoch)) {
+            break;
+        }
+        size_t home = rc_home(rc_hash(moving), table->capacity);
+        /* It may fill the hole unless its home lies in (hole, next]. */
+        int stays = hole <= next ? (hole < home && home <= next)
+                                 : (hole < home || home <= next);
+        if (!stays) {
+            memcpy(table->slots + hole * size, moving, size);
+            hole = next;
+        }
+    }
+    memset(table->slots + hole * size, 0, size);
+    table->count--;
+}
+
+/* Calls `each(slot, arg)` on every entry of the table. */
+static int
+rc_each(const RcTable *table, int (*each)(const unsigned char *, void *), void *arg)
+{
+    size_t size = table->slot_size;
+    for (size_t i = 0; table->count > 0 && i < table->capacity; i++) {
+        const unsigned char *slot = table->slots + i * size;
+        if (rc_used(slot, table->epoch) && each(slot, arg) < 0) {
+            return -1;
+        }
+    }
+    for (size_t i = table->cursor; table->old_left > 0 && i < table->old_capacity; i++) {
+        const unsigned char *slot = table->old + i * size;
+        if (rc_used(slot, table->old_epoch) && each(slot, arg) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The bytes a table's arrays take. */
+static inline size_t
+rc_table_bytes(const RcTable *table)
+{
+    return (table->capacity + table->old_capacity) * table->slot_size;
+}
+
+/* A big slot's buffer: u32 size, then the reply. */
+static inline unsigned char *
+rc_buffer(const unsigned char *slot)
+{
+    unsigned char *buffer;
+    memcpy(&buffer, slot + 24, sizeof(buffer));
+    return buffer;
+}
+
+static inline uint32_t
+rc_buffer_size(const unsigned char *buffer)
+{
+    uint32_t size;
+    memcpy(&size, buffer, sizeof(size));
+    return size;
+}
+
+static int
+rc_free_buffer(const unsigned char *slot, void *cache)
+{
+    unsigned char *buffer = rc_buffer(slot);
+    ((ReplyCache *)cache)->outside_bytes -= 4 + (size_t)rc_buffer_size(buffer);
+    free(buffer);
+    return 0;
+}
+
+/* Frees a generation's tables and buffers; returns how many entries it
+ * held. */
+static size_t
+rc_generation_free(ReplyCache *cache, RcGeneration *generation)
+{
+    size_t dropped = rc_entries(&generation->small) + rc_entries(&generation->big);
+    rc_each(&generation->big, rc_free_buffer, cache);
+    RcTable *tables[2] = {&generation->small, &generation->big};
+    for (int t = 0; t < 2; t++) {
+        RcTable *table = tables[t];
+        rc_release(table->slots, table->capacity * table->slot_size);
+        rc_release(table->old, table->old_capacity * table->slot_size);
+    }
+    generation->small = RC_TABLE(RC_SMALL_SLOT);
+    generation->big = RC_TABLE(RC_BIG_SLOT);
+    return dropped;
+}
+
+static inline size_t
+rc_generation_count(const RcGeneration *generation)
+{
+    return rc_entries(&generation->small) + rc_entries(&generation->big);
+}
+
+/* Whether a new entry must wait for the next rotation. */
+static inline int
+rc_full(const ReplyCache *cache)
+{
+    return rc_generation_count(&cache->generations[0])
+           >= (size_t)cache->current_limit;
+}
+
+/* Where `key` is: its slot (and *big says which table's), or NULL. */
+static unsigned char *
+rc_lookup(const ReplyCache *cache, const unsigned char *key, int *big,
+          RcTable **table)
+{
+    uint64_t hash = rc_hash(key);
+    for (int g = 0; g < 2; g++) {
+        RcTable *small = (RcTable *)&cache->generations[g].small;
+        RcTable *large = (RcTable *)&cache->generations[g].big;
+        unsigned char *slot = rc_find(small, key, hash);
+        if (slot != NULL) {
+            *big = 0;
+            if (table) {
+                *table = small;
+            }
+            return slot;
+        }
+        slot = rc_find(large, key, hash);
+        if (slot != NULL) {
+            *big = 1;
+            if (table) {
+                *table = large;
+            }
+            return slot;
+        }
+    }
+    return NULL;
+}
+
+/* Whether `reply` (for `key`) can be kept inline: a reply header whose
+ * request id is the key's, and at most RC_INLINE_BODY more bytes. */
+static inline int
+rc_fits_inline(const unsigned char *key, const unsigned char *reply,
+               size_t size)
+{
+    return size >= REPLY_HEADER_SIZE && size <= REPLY_HEADER_SIZE + RC_INLINE_BODY
+           && reply[0] == REPLY_MAGIC && reply[1] == PROTOCOL_VERSION
+           && memcmp(reply + 4, key, 4) == 0;
+}
+
+/* Keeps `reply` under `key` in the current generation; the caller has
+ * made sure that the key is in neither generation and that the cache is
+ * not full.  0, or -1 with MemoryError set (nothing kept). */
+static int
+rc_store(ReplyCache *cache, const unsigned char *key,
+         const unsigned char *reply, size_t size)
+{
+    RcGeneration *current = &cache->generations[0];
+    uint64_t hash = rc_hash(key);
+    if (rc_fits_inline(key, reply, size)) {
+        if (rc_reserve(&current->small, cache->start_slots,
+                       (size_t)cache->current_limit) < 0) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        RcTable *small = &current->small;
+        unsigned char *slot = rc_empty_slot(small->slots, small->capacity,
+                                            RC_SMALL_SLOT, small->epoch, hash);
+        memcpy(slot, key, CACHE_KEY_SIZE);
+        slot[RC_KIND] = rc_kind_byte(small->epoch,
+                                     (unsigned)(RC_INLINE + (size - REPLY_HEADER_SIZE)));
+        slot[21] = reply[2];
+        slot[22] = reply[3];
+        slot[23] = size > REPLY_HEADER_SIZE ? reply[REPLY_HEADER_SIZE] : 0;
+        current->small.count++;
+        return 0;
+    }
+    if (size > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "a reply of 4 GiB or more");
+        return -1;
+    }
+    unsigned char *buffer = malloc(4 + size);
+    if (buffer == NULL
+            || rc_reserve(&current->big, RC_MIN_BIG,
+                          (size_t)cache->current_limit) < 0) {
+        free(buffer);
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint32_t size32 = (uint32_t)size;
+    memcpy(buffer, &size32, 4);
+    memcpy(buffer + 4, reply, size);
+    RcTable *big = &current->big;
+    unsigned char *slot = rc_empty_slot(big->slots, big->capacity, RC_BIG_SLOT,
+                                        big->epoch, hash);
+    memcpy(slot, key, CACHE_KEY_SIZE);
+    slot[RC_KIND] = rc_kind_byte(big->epoch, RC_OUTSIDE);
+    memcpy(slot + 24, &buffer, sizeof(buffer));
+    current->big.count++;
+    cache->outside_bytes += 4 + size;
+    return 0;
+}
+
+/* The size of the reply in `slot`, and its bytes copied to `out` (room for
+ * REPLY_HEADER_SIZE + RC_INLINE_BODY bytes, or the size for a big one). */
+static size_t
+rc_reply_size(const unsigned char *slot, int big)
+{
+    if (big) {
+        return rc_buffer_size(rc_buffer(slot));
+    }
+    return REPLY_HEADER_SIZE + (size_t)((slot[RC_KIND] & RC_WHAT) - RC_INLINE);
+}
+
+static void
+rc_reply_copy(const unsigned char *slot, int big, unsigned char *out)
+{
+    if (big) {
+        const unsigned char *buffer = rc_buffer(slot);
+        memcpy(out, buffer + 4, rc_buffer_size(buffer));
+        return;
+    }
+    out[0] = REPLY_MAGIC;
+    out[1] = PROTOCOL_VERSION;
+    out[2] = slot[21];
+    out[3] = slot[22];
+    memcpy(out + 4, slot, 4);
+    if ((slot[RC_KIND] & RC_WHAT) > RC_INLINE) {
+        out[REPLY_HEADER_SIZE] = slot[23];
+    }
+}
+
+/* The reply in `slot` as a new bytes object. */
+static PyObject *
+rc_reply_bytes(const unsigned char *slot, int big)
+{
+    PyObject *reply = PyBytes_FromStringAndSize(NULL,
+                                                (Py_ssize_t)rc_reply_size(slot, big));
+    if (reply != NULL) {
+        rc_reply_copy(slot, big, (unsigned char *)PyBytes_AS_STRING(reply));
+    }
+    return reply;
+}
+
+/* Overwrites byte `at` of the reply kept under `key`, if it is still
+ * kept (the change it answers went on after it was stored). */
+static void
+rc_patch(ReplyCache *cache, const unsigned char *key, size_t at,
+         const unsigned char *bytes, size_t count)
+{
+    int big;
+    unsigned char *slot = rc_lookup(cache, key, &big, NULL);
+    if (slot == NULL || at + count > rc_reply_size(slot, big)) {
+        return;
+    }
+    if (big) {
+        memcpy(rc_buffer(slot) + 4 + at, bytes, count);
+        return;
+    }
+    for (size_t i = 0; i < count; i++) {
+        if (at + i == 2) {
+            slot[21] = bytes[i];
+        }
+        else if (at + i == 3) {
+            slot[22] = bytes[i];
+        }
+        else if (at + i == REPLY_HEADER_SIZE) {
+            slot[23] = bytes[i];
+        }
+    }
+}
+
+/* Takes the reply kept under `key` back out (its change failed). */
+static void
+rc_remove(ReplyCache *cache, const unsigned char *key)
+{
+    int big;
+    RcTable *table;
+    unsigned char *slot = rc_lookup(cache, key, &big, &table);
+    if (slot == NULL) {
+        return;
+    }
+    if (big) {
+        rc_free_buffer(slot, cache);
+    }
+    rc_erase(table, key, rc_hash(key));
+}
+
+/* Drops the previous generation and makes the current one previous;
+ * returns how many entries were dropped.  The new current generation's
+ * small table will start at the size that holds what the last one held
+ * (an eighth more), so that a steady rate of changes does not regrow it;
+ * and it starts in the dropped generation's small array, if that is at
+ * least that size and at most twice it, in the next epoch: no page of it
+ * is new to the process, so no insert pays the kernel for a page (a fresh
+ * array's first touches cost some 2 us a 4 KiB page here, 60 ms for the
+ * default cap's 120 MB, all in the first inserts of a generation).  An
+ * array is reused for RC_EPOCHS - 1 generations, then freed: its slots of
+ * an old epoch would read as that epoch's again. */
+static size_t
+rc_rotate(ReplyCache *cache)
+{
+    RcTable *dropped_small = &cache->generations[1].small;
+    size_t dropped = rc_entries(dropped_small) + rc_entries(&cache->generations[1].big);
+    unsigned char *reused = NULL;
+    size_t reused_capacity = dropped_small->capacity;
+    unsigned reused_epoch = dropped_small->epoch + 1;
+    if (dropped_small->slots != NULL && reused_epoch <= RC_EPOCHS) {
+        reused = dropped_small->slots;
+        dropped_small->slots = NULL;
+        dropped_small->capacity = 0;
+        dropped_small->count = 0;
+    }
+    rc_generation_free(cache, &cache->generations[1]);
+    size_t last = rc_entries(&cache->generations[0].small);
+    cache->generations[1] = cache->generations[0];
+    cache->generations[0].small = RC_TABLE(RC_SMALL_SLOT);
+    cache->generations[0].big = RC_TABLE(RC_BIG_SLOT);
+    size_t start = rc_slots_for(last + last / 8);
+    size_t ceiling = rc_slots_for((size_t)cache->current_limit);
+    start = start < RC_MIN_SMALL ? RC_MIN_SMALL : start > ceiling ? ceiling : start;
+    cache->start_slots = start;
+    if (reused != NULL) {
+        if (reused_capacity >= start && reused_capacity / 2 <= start) {
+            RcTable *small = &cache->generations[0].small;
+            small->slots = reused;
+            small->capacity = reused_capacity;
+            small->epoch = reused_epoch;
+        }
+        else {
+            rc_release(reused, reused_capacity * RC_SMALL_SLOT);
+        }
+    }
+    return dropped;
+}
+
+/* The cache key of request `data` into `out` (CACHE_KEY_SIZE bytes): its
+ * token, then XXH64(data, seed) big-endian. */
+static void
+rc_key(unsigned long long seed, const unsigned char *data, Py_ssize_t size,
+       unsigned char *out)
+{
+    memcpy(out, data + TOKEN_OFFSET, TOKEN_SIZE);
+    uint64_t digest = domus_xxh64(data, (size_t)size, seed);
+    for (int i = 0; i < 8; i++) {
+        out[TOKEN_SIZE + i] = (unsigned char)(digest >> (56 - 8 * i));
+    }
 }
 
 /* ------------------------------------------------------------ single keys */
@@ -859,11 +1537,11 @@ done:
 
 /* PUT.  The reply enters the cache before the record changes and leaves it
  * again if the change fails, so a change and its cached reply go together;
- * the `created` byte is written once the change is made, before anything
- * else can see the reply.  A failed database put is declined. */
+ * the `created` byte is written into both once the change is made, before
+ * anything else can see the reply.  A failed database put is declined. */
 static int
 change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
-           PyObject *current, PyObject *token, Reply *reply)
+           ReplyCache *cache, const unsigned char *token, Reply *reply)
 {
     Repo repo;
     Py_ssize_t key_end;
@@ -871,7 +1549,6 @@ change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
     if (result != HANDLED) {
         return result;
     }
-    PyObject *answer = NULL;
     Py_ssize_t rest = size - key_end;
     if (rest < 4) {
         result = DECLINED;
@@ -883,24 +1560,27 @@ change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
         result = DECLINED;
         goto done;
     }
-    answer = new_reply(ST_OK, data, 1, self->layout_tag);
-    if (answer == NULL || PyDict_SetItem(current, token, answer) < 0) {
+    unsigned char *answer = reply->head;
+    write_reply_header(answer, ST_OK, data, self->layout_tag);
+    answer[REPLY_HEADER_SIZE] = 0;
+    if (rc_store(cache, token, answer, REPLY_HEADER_SIZE + 1) < 0) {
         result = -1;
         goto done;
     }
     int created = repo_put(self, repo, data + KEYED_END, key_end - KEYED_END,
                            data + key_end + 4, (Py_ssize_t)value_length, NULL);
     if (created < 0) {
-        uncache(current, token);
+        rc_remove(cache, token);
         result = created == FAILED ? DECLINED : -1;
         goto done;
     }
-    PyBytes_AS_STRING(answer)[REPLY_HEADER_SIZE] = (char)created;
-    reply->whole = answer;
-    answer = NULL;
+    answer[REPLY_HEADER_SIZE] = (unsigned char)created;
+    if (created) {
+        rc_patch(cache, token, REPLY_HEADER_SIZE, answer + REPLY_HEADER_SIZE, 1);
+    }
+    reply->body = 1;
     result = HANDLED;
 done:
-    Py_XDECREF(answer);
     Py_DECREF(repo.object);
     return result;
 }
@@ -911,7 +1591,7 @@ done:
  * there written into the reply afterwards. */
 static int
 change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
-              PyObject *current, PyObject *token, Reply *reply)
+              ReplyCache *cache, const unsigned char *token, Reply *reply)
 {
     Repo repo;
     Py_ssize_t key_end;
@@ -919,7 +1599,6 @@ change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
     if (result != HANDLED) {
         return result;
     }
-    PyObject *answer = NULL;
     if (key_end != size) {
         result = DECLINED;
         goto done;
@@ -941,28 +1620,27 @@ change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
             goto done;
         }
     }
-    answer = new_reply(present ? ST_OK : ST_NOT_FOUND, data, 0,
+    unsigned char *answer = reply->head;
+    write_reply_header(answer, present ? ST_OK : ST_NOT_FOUND, data,
                        self->layout_tag);
-    if (answer == NULL || PyDict_SetItem(current, token, answer) < 0) {
+    if (rc_store(cache, token, answer, REPLY_HEADER_SIZE) < 0) {
         result = -1;
         goto done;
     }
     if (present) {
         int removed = repo_remove(self, repo, key, key_size);
         if (removed < 0) {
-            uncache(current, token);
+            rc_remove(cache, token);
             result = removed == FAILED ? DECLINED : -1;
             goto done;
         }
         if (!removed) {
-            PyBytes_AS_STRING(answer)[2] = (char)ST_NOT_FOUND;
+            answer[2] = ST_NOT_FOUND;
+            rc_patch(cache, token, 2, answer + 2, 1);
         }
     }
-    reply->whole = answer;
-    answer = NULL;
     result = HANDLED;
 done:
-    Py_XDECREF(answer);
     Py_DECREF(repo.object);
     return result;
 }
@@ -1162,7 +1840,7 @@ prefetch_entries(FastPath *self, const Entry *entries, Py_ssize_t count)
  * the whole request again, which stores the same values. */
 static int
 change_put_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
-                PyObject *current, PyObject *token, Reply *reply)
+                ReplyCache *cache, const unsigned char *token, Reply *reply)
 {
     Entry *entries;
     Py_ssize_t count;
@@ -1170,8 +1848,10 @@ change_put_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
     if (result != HANDLED) {
         return result;
     }
-    PyObject *answer = new_reply(ST_OK, data, 4, self->layout_tag);
-    if (answer == NULL || PyDict_SetItem(current, token, answer) < 0) {
+    unsigned char *answer = reply->head;
+    write_reply_header(answer, ST_OK, data, self->layout_tag);
+    memset(answer + REPLY_HEADER_SIZE, 0, 4);
+    if (rc_store(cache, token, answer, REPLY_HEADER_SIZE + 4) < 0) {
         result = -1;
         goto done;
     }
@@ -1186,22 +1866,20 @@ change_put_many(FastPath *self, const unsigned char *data, Py_ssize_t size,
                                &entry->previous);
         if (new_key < 0) {
             undo_puts(entries, i);
-            uncache(current, token);
+            rc_remove(cache, token);
             result = new_key == FAILED ? DECLINED : -1;
             goto done;
         }
         entry->created = new_key;
         created += (unsigned)new_key;
     }
-    unsigned char *body = (unsigned char *)PyBytes_AS_STRING(answer)
-                          + REPLY_HEADER_SIZE;
+    unsigned char *body = answer + REPLY_HEADER_SIZE;
     write_u16(body, (uint16_t)count);
     write_u16(body + 2, (uint16_t)created);
-    reply->whole = answer;
-    answer = NULL;
+    rc_patch(cache, token, REPLY_HEADER_SIZE, body, 4);
+    reply->body = 4;
     result = HANDLED;
 done:
-    Py_XDECREF(answer);
     entries_free(entries, count);
     return result;
 }
@@ -1312,59 +1990,43 @@ count_changes(FastPath *self, int op, const unsigned char *data,
     }
 }
 
-/* The reply cache key of request `data` (a new reference): its token, then
- * XXH64(data, cache_seed) big-endian. */
-static PyObject *
-cache_key(FastPath *self, const unsigned char *data, Py_ssize_t size)
-{
-    PyObject *key = PyBytes_FromStringAndSize(NULL, CACHE_KEY_SIZE);
-    if (key == NULL) {
-        return NULL;
-    }
-    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(key);
-    memcpy(out, data + TOKEN_OFFSET, TOKEN_SIZE);
-    uint64_t digest = domus_xxh64(data, (size_t)size, self->cache_seed);
-    for (int i = 0; i < 8; i++) {
-        out[TOKEN_SIZE + i] = (unsigned char)(digest >> (56 - 8 * i));
-    }
-    return key;
-}
-
 /* PUT, DELETE, PUT_MANY: answered from the reply cache when their key is
  * there (in either generation), else applied and their reply cached; BUSY
  * (not applied, not cached) when the current generation is full: an entry
- * that may still be retried is never dropped to make room. */
+ * that may still be retried is never dropped to make room.  No Python
+ * object is made, on a hit or a store, but for a cached reply too large
+ * for Reply.head (one put() was given by Python). */
 static int
 handle_change(FastPath *self, int op, const unsigned char *data,
               Py_ssize_t size, Reply *reply)
 {
-    PyObject *current, *previous;
-    int result = cache_generations(self, &current, &previous);
-    if (result != HANDLED) {
-        return result;
+    if (self->cache == NULL) {
+        return DECLINED;
     }
-    PyObject *token = cache_key(self, data, size);
-    if (token == NULL) {
-        result = -1;
-        goto done;
-    }
-    PyObject *cached = cache_lookup(current, previous, token);
+    ReplyCache *cache = (ReplyCache *)self->cache;
+    Py_INCREF(cache);       /* (a database call may let other threads run) */
+    unsigned char token[CACHE_KEY_SIZE];
+    rc_key(cache->seed, data, size, token);
+    int result;
+    int big;
+    const unsigned char *cached = rc_lookup(cache, token, &big, NULL);
     if (cached != NULL) {
-        if (!PyBytes_Check(cached)) {
-            result = DECLINED;
+        size_t cached_size = rc_reply_size(cached, big);
+        if (cached_size >= REPLY_HEADER_SIZE
+                && cached_size <= REPLY_HEADER_SIZE + REPLY_HEAD_BODY) {
+            rc_reply_copy(cached, big, reply->head);
+            reply->body = (int)(cached_size - REPLY_HEADER_SIZE);
+        }
+        else if (cached_size < 3
+                 || (reply->whole = rc_reply_bytes(cached, big)) == NULL) {
+            result = cached_size < 3 ? DECLINED : -1;
             goto done;
         }
-        Py_INCREF(cached);
-        reply->whole = cached;
         self->replayed++;
         result = HANDLED;
         goto done;
     }
-    if (PyErr_Occurred()) {
-        result = -1;
-        goto done;
-    }
-    if (PyDict_GET_SIZE(current) >= self->current_limit) {
+    if (rc_full(cache)) {
         /* (layout byte 0: the request is not parsed, its DHT not found) */
         write_reply_header(reply->head, ST_BUSY, data, 0);
         self->busy++;
@@ -1373,22 +2035,20 @@ handle_change(FastPath *self, int op, const unsigned char *data,
     }
     switch (op) {
     case OP_PUT:
-        result = change_put(self, data, size, current, token, reply);
+        result = change_put(self, data, size, cache, token, reply);
         break;
     case OP_DELETE:
-        result = change_delete(self, data, size, current, token, reply);
+        result = change_delete(self, data, size, cache, token, reply);
         break;
     default:
-        result = change_put_many(self, data, size, current, token, reply);
+        result = change_put_many(self, data, size, cache, token, reply);
         break;
     }
     if (result == HANDLED) {
         count_changes(self, op, data, size);
     }
 done:
-    Py_XDECREF(token);
-    Py_DECREF(current);
-    Py_DECREF(previous);
+    Py_DECREF(cache);
     return result;
 }
 
@@ -1608,23 +2268,404 @@ static PyTypeObject DatabaseRepositoryType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* ------------------------------------------------------------ ReplyCache, the type */
+
+static PyObject *
+ReplyCache_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    ReplyCache *self = (ReplyCache *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    for (int g = 0; g < 2; g++) {
+        self->generations[g].small = (RcTable){NULL, 0, 0, RC_SMALL_SLOT};
+        self->generations[g].big = (RcTable){NULL, 0, 0, RC_BIG_SLOT};
+    }
+    self->start_slots = RC_MIN_SMALL;
+    return (PyObject *)self;
+}
+
+static int
+ReplyCache_init(ReplyCache *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"current_limit", "seed", NULL};
+    Py_ssize_t current_limit;
+    unsigned long long seed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|K:ReplyCache", kwlist,
+                                     &current_limit, &seed)) {
+        return -1;
+    }
+    if (current_limit < 0) {
+        PyErr_Format(PyExc_ValueError, "current_limit must be >= 0, not %zd",
+                     current_limit);
+        return -1;
+    }
+    rc_generation_free(self, &self->generations[0]);
+    rc_generation_free(self, &self->generations[1]);
+    self->current_limit = current_limit;
+    self->start_slots = RC_MIN_SMALL;
+    self->seed = seed;
+    self->refused = 0;
+    self->hits = 0;
+    return 0;
+}
+
+static void
+ReplyCache_dealloc(ReplyCache *self)
+{
+    rc_generation_free(self, &self->generations[0]);
+    rc_generation_free(self, &self->generations[1]);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* `key` as the 20 bytes of a cache key, or NULL with ValueError set. */
+static const unsigned char *
+rc_key_arg(PyObject *key)
+{
+    if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != CACHE_KEY_SIZE) {
+        PyErr_Format(PyExc_ValueError, "a reply cache key is %d bytes "
+                     "(ReplyCache.key(request)), not %R", CACHE_KEY_SIZE, key);
+        return NULL;
+    }
+    return (const unsigned char *)PyBytes_AS_STRING(key);
+}
+
+PyDoc_STRVAR(ReplyCache_key_doc,
+"key($self, request, /)\n--\n\n"
+"The cache key of `request`: its token (bytes 4..16), then\n"
+"XXH64(request, seed) big-endian (domus.service.replycache.cache_key).");
+
+static PyObject *
+ReplyCache_key(ReplyCache *self, PyObject *request)
+{
+    Py_buffer data;
+    if (PyObject_GetBuffer(request, &data, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (data.len < TOKEN_OFFSET + TOKEN_SIZE) {
+        PyBuffer_Release(&data);
+        PyErr_Format(PyExc_ValueError, "a request of %zd bytes has no token "
+                     "(bytes 4..16)", data.len);
+        return NULL;
+    }
+    PyObject *key = PyBytes_FromStringAndSize(NULL, CACHE_KEY_SIZE);
+    if (key != NULL) {
+        rc_key(self->seed, data.buf, data.len,
+               (unsigned char *)PyBytes_AS_STRING(key));
+    }
+    PyBuffer_Release(&data);
+    return key;
+}
+
+PyDoc_STRVAR(ReplyCache_get_doc,
+"get($self, key, /)\n--\n\n"
+"The reply kept under `key` (in either generation), or None; counts a\n"
+"hit in `hits`.");
+
+static PyObject *
+ReplyCache_get(ReplyCache *self, PyObject *key)
+{
+    const unsigned char *bytes = rc_key_arg(key);
+    if (bytes == NULL) {
+        return NULL;
+    }
+    int big;
+    const unsigned char *slot = rc_lookup(self, bytes, &big, NULL);
+    if (slot == NULL) {
+        Py_RETURN_NONE;
+    }
+    self->hits++;
+    return rc_reply_bytes(slot, big);
+}
+
+PyDoc_STRVAR(ReplyCache_put_doc,
+"put($self, key, reply, /)\n--\n\n"
+"Keep the reply of a change; the first reply kept for a key stays.\n"
+"False if the cache is full (nothing kept, counted in `refused`: the\n"
+"caller must not have applied the change, see full()).");
+
+static PyObject *
+ReplyCache_put(ReplyCache *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put() takes a key and a reply");
+        return NULL;
+    }
+    const unsigned char *key = rc_key_arg(args[0]);
+    if (key == NULL) {
+        return NULL;
+    }
+    if (!PyBytes_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "a reply is bytes, not %.100s",
+                     Py_TYPE(args[1])->tp_name);
+        return NULL;
+    }
+    int big;
+    if (rc_lookup(self, key, &big, NULL) != NULL) {
+        Py_RETURN_TRUE;
+    }
+    if (rc_full(self)) {
+        self->refused++;
+        Py_RETURN_FALSE;
+    }
+    if (rc_store(self, key, (const unsigned char *)PyBytes_AS_STRING(args[1]),
+                 (size_t)PyBytes_GET_SIZE(args[1])) < 0) {
+        return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(ReplyCache_discard_doc,
+"discard($self, key, /)\n--\n\n"
+"Forget the reply kept under `key`, if any (what C does when the change\n"
+"a reply was kept for fails); whether there was one.");
+
+static PyObject *
+ReplyCache_discard(ReplyCache *self, PyObject *key)
+{
+    const unsigned char *bytes = rc_key_arg(key);
+    if (bytes == NULL) {
+        return NULL;
+    }
+    int big;
+    int kept = rc_lookup(self, bytes, &big, NULL) != NULL;
+    rc_remove(self, bytes);
+    return PyBool_FromLong(kept);
+}
+
+PyDoc_STRVAR(ReplyCache_full_doc,
+"full($self, /)\n--\n\n"
+"Whether a new entry must wait for the next rotation (the change that\n"
+"would make it is refused: BUSY).");
+
+static PyObject *
+ReplyCache_full(ReplyCache *self, PyObject *unused)
+{
+    return PyBool_FromLong(rc_full(self));
+}
+
+PyDoc_STRVAR(ReplyCache_rotate_doc,
+"rotate($self, /)\n--\n\n"
+"Forget the previous generation and start a new current one; returns how\n"
+"many entries were forgotten.  Frees the previous generation's tables\n"
+"whole: no work per entry kept inline.");
+
+static PyObject *
+ReplyCache_rotate(ReplyCache *self, PyObject *unused)
+{
+    return PyLong_FromSize_t(rc_rotate(self));
+}
+
+typedef struct {
+    PyObject *out;
+    int big;
+} RcDictFill;
+
+static int
+rc_dict_add(const unsigned char *slot, void *arg)
+{
+    RcDictFill *fill = arg;
+    PyObject *key = PyBytes_FromStringAndSize((const char *)slot, CACHE_KEY_SIZE);
+    PyObject *reply = key ? rc_reply_bytes(slot, fill->big) : NULL;
+    int failed = reply == NULL || PyDict_SetItem(fill->out, key, reply) < 0;
+    Py_XDECREF(key);
+    Py_XDECREF(reply);
+    return failed ? -1 : 0;
+}
+
+/* A generation's entries as a new dict: key -> reply. */
+static PyObject *
+rc_generation_dict(const RcGeneration *generation)
+{
+    RcDictFill fill = {PyDict_New(), 0};
+    if (fill.out == NULL) {
+        return NULL;
+    }
+    if (rc_each(&generation->small, rc_dict_add, &fill) < 0) {
+        Py_DECREF(fill.out);
+        return NULL;
+    }
+    fill.big = 1;
+    if (rc_each(&generation->big, rc_dict_add, &fill) < 0) {
+        Py_DECREF(fill.out);
+        return NULL;
+    }
+    return fill.out;
+}
+
+PyDoc_STRVAR(ReplyCache_snapshot_doc,
+"snapshot($self, /)\n--\n\n"
+"[current, previous]: each generation's entries as a new dict, key ->\n"
+"reply (for tests and the fuzzer, which compare caches).");
+
+static PyObject *
+ReplyCache_snapshot(ReplyCache *self, PyObject *unused)
+{
+    PyObject *current = rc_generation_dict(&self->generations[0]);
+    PyObject *previous = current ? rc_generation_dict(&self->generations[1]) : NULL;
+    PyObject *out = previous ? PyList_New(2) : NULL;
+    if (out == NULL) {
+        Py_XDECREF(current);
+        Py_XDECREF(previous);
+        return NULL;
+    }
+    PyList_SET_ITEM(out, 0, current);
+    PyList_SET_ITEM(out, 1, previous);
+    return out;
+}
+
+PyDoc_STRVAR(ReplyCache_restore_doc,
+"restore($self, snapshot, /)\n--\n\n"
+"Make the generations hold exactly `snapshot` ([current, previous] dicts\n"
+"of key -> reply, as snapshot() gives), whatever current_limit says.");
+
+static PyObject *
+ReplyCache_restore(ReplyCache *self, PyObject *snapshot)
+{
+    if (!PyList_Check(snapshot) || PyList_GET_SIZE(snapshot) != 2
+            || !PyDict_Check(PyList_GET_ITEM(snapshot, 0))
+            || !PyDict_Check(PyList_GET_ITEM(snapshot, 1))) {
+        PyErr_SetString(PyExc_TypeError, "a snapshot is a list of two dicts "
+                        "(current, previous)");
+        return NULL;
+    }
+    /* Checked whole first, so that a bad snapshot changes nothing. */
+    for (int g = 0; g < 2; g++) {
+        PyObject *entries = PyList_GET_ITEM(snapshot, g);
+        Py_ssize_t at = 0;
+        PyObject *key, *reply;
+        while (PyDict_Next(entries, &at, &key, &reply)) {
+            if (rc_key_arg(key) == NULL) {
+                return NULL;
+            }
+            if (!PyBytes_Check(reply)) {
+                PyErr_SetString(PyExc_TypeError, "a reply is bytes");
+                return NULL;
+            }
+        }
+    }
+    Py_ssize_t limit = self->current_limit;
+    self->current_limit = PY_SSIZE_T_MAX;
+    rc_generation_free(self, &self->generations[0]);
+    rc_generation_free(self, &self->generations[1]);
+    self->start_slots = RC_MIN_SMALL;
+    int failed = 0;
+    for (int g = 1; g >= 0 && !failed; g--) {
+        PyObject *entries = PyList_GET_ITEM(snapshot, g);
+        Py_ssize_t at = 0;
+        PyObject *key, *reply;
+        while (!failed && PyDict_Next(entries, &at, &key, &reply)) {
+            const unsigned char *bytes = (const unsigned char *)PyBytes_AS_STRING(key);
+            failed = rc_store(self, bytes,
+                              (const unsigned char *)PyBytes_AS_STRING(reply),
+                              (size_t)PyBytes_GET_SIZE(reply)) < 0;
+        }
+        if (g == 1) {
+            /* what was stored goes to the previous generation */
+            RcGeneration stored = self->generations[0];
+            self->generations[0] = self->generations[1];
+            self->generations[1] = stored;
+        }
+    }
+    self->current_limit = limit;
+    self->start_slots = RC_MIN_SMALL;
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t
+ReplyCache_length(ReplyCache *self)
+{
+    return (Py_ssize_t)(rc_generation_count(&self->generations[0])
+                        + rc_generation_count(&self->generations[1]));
+}
+
+static PyObject *
+ReplyCache_get_memory(ReplyCache *self, void *closure)
+{
+    size_t bytes = self->outside_bytes;
+    for (int g = 0; g < 2; g++) {
+        const RcGeneration *generation = &self->generations[g];
+        bytes += rc_table_bytes(&generation->small) + rc_table_bytes(&generation->big);
+    }
+    return PyLong_FromSize_t(bytes);
+}
+
+static PyMethodDef ReplyCache_methods[] = {
+    {"key", (PyCFunction)ReplyCache_key, METH_O, ReplyCache_key_doc},
+    {"get", (PyCFunction)ReplyCache_get, METH_O, ReplyCache_get_doc},
+    {"put", (PyCFunction)(void (*)(void))ReplyCache_put, METH_FASTCALL,
+     ReplyCache_put_doc},
+    {"discard", (PyCFunction)ReplyCache_discard, METH_O, ReplyCache_discard_doc},
+    {"full", (PyCFunction)ReplyCache_full, METH_NOARGS, ReplyCache_full_doc},
+    {"rotate", (PyCFunction)ReplyCache_rotate, METH_NOARGS, ReplyCache_rotate_doc},
+    {"snapshot", (PyCFunction)ReplyCache_snapshot, METH_NOARGS,
+     ReplyCache_snapshot_doc},
+    {"restore", (PyCFunction)ReplyCache_restore, METH_O, ReplyCache_restore_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef ReplyCache_members[] = {
+    {"current_limit", T_PYSSIZET, offsetof(ReplyCache, current_limit), READONLY,
+     "most entries the current generation holds; past it, changes are BUSY"},
+    {"seed", T_ULONGLONG, offsetof(ReplyCache, seed), READONLY,
+     "the keys' XXH64 seed"},
+    {"refused", T_ULONGLONG, offsetof(ReplyCache, refused), 0,
+     "put()s refused because the current generation was full"},
+    {"hits", T_ULONGLONG, offsetof(ReplyCache, hits), 0,
+     "get()s that found a reply (the C path's own are FastPath.replayed)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef ReplyCache_getset[] = {
+    {"memory", (getter)ReplyCache_get_memory, NULL,
+     "bytes the cache has allocated: its tables' slots (24 bytes each for\n"
+     "inline replies, 32 for others, 5/4 to 15/8 slots an entry) and the\n"
+     "buffers of the replies not kept inline", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods ReplyCache_as_sequence = {
+    .sq_length = (lenfunc)ReplyCache_length,
+};
+
+PyDoc_STRVAR(ReplyCache_doc,
+"ReplyCache(current_limit, seed=0)\n\n"
+"The reply cache's tables in C (domus.service.replycache.CompactReplyCache\n"
+"adds the ttl and the clock): two generations of fixed-size entries in\n"
+"open-addressed tables, which a FastPath given this cache reads and fills\n"
+"without calling Python.  The current generation holds at most\n"
+"`current_limit` entries.");
+
+static PyTypeObject ReplyCacheType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "domus._hotpath.ReplyCache",
+    .tp_basicsize = sizeof(ReplyCache),
+    .tp_dealloc = (destructor)ReplyCache_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = ReplyCache_doc,
+    .tp_methods = ReplyCache_methods,
+    .tp_members = ReplyCache_members,
+    .tp_getset = ReplyCache_getset,
+    .tp_as_sequence = &ReplyCache_as_sequence,
+    .tp_init = (initproc)ReplyCache_init,
+    .tp_new = ReplyCache_new,
+};
+
 /* ------------------------------------------------------------ the type */
 
 static int
 FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"dhts", "generations", "tree_type",
-                             "current_limit", "dict_type", "key", "cache_seed",
+    static char *kwlist[] = {"dhts", "cache", "tree_type", "dict_type", "key",
                              NULL};
-    PyObject *dhts, *generations, *tree_type = Py_None;
+    PyObject *dhts, *cache, *tree_type = Py_None;
     PyObject *dict_type = Py_None, *key = Py_None;
-    Py_ssize_t current_limit = PY_SSIZE_T_MAX;
-    unsigned long long cache_seed = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!|O$nOOK:FastPath", kwlist,
-                                     &PyDict_Type, &dhts, &PyList_Type,
-                                     &generations, &tree_type,
-                                     &current_limit, &dict_type, &key,
-                                     &cache_seed)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!|O$OO:FastPath", kwlist,
+                                     &PyDict_Type, &dhts, &ReplyCacheType,
+                                     &cache, &tree_type, &dict_type, &key)) {
         return -1;
     }
     if (key != Py_None && !(PyBytes_Check(key) && PyBytes_GET_SIZE(key) == 16)) {
@@ -1645,10 +2686,6 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
                         "dict_type must be a subclass of dict or None");
         return -1;
     }
-    if (current_limit < 0) {
-        PyErr_SetString(PyExc_ValueError, "current_limit must be >= 0");
-        return -1;
-    }
     const DomusRecordTreeAPI *tree_api = NULL;
     if (tree_type != Py_None) {
         /* Trees are driven only if domus._recordtree's C API is there and is
@@ -1663,8 +2700,8 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
     }
     Py_INCREF(dhts);
     Py_XSETREF(self->dhts, dhts);
-    Py_INCREF(generations);
-    Py_XSETREF(self->generations, generations);
+    Py_INCREF(cache);
+    Py_XSETREF(self->cache, cache);
     if (tree_type == Py_None) {
         Py_CLEAR(self->tree_type);
     }
@@ -1680,8 +2717,6 @@ FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
         Py_XSETREF(self->dict_type, dict_type);
     }
     self->tree_api = tree_api;
-    self->current_limit = current_limit;
-    self->cache_seed = cache_seed;
     self->keyed = key != Py_None;
     if (self->keyed) {
         memcpy(self->key, PyBytes_AS_STRING(key), 16);
@@ -1693,7 +2728,7 @@ static int
 FastPath_traverse(FastPath *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->dhts);
-    Py_VISIT(self->generations);
+    Py_VISIT(self->cache);
     Py_VISIT(self->tree_type);
     Py_VISIT(self->dict_type);
     Py_VISIT(self->thread_queue);
@@ -1705,7 +2740,7 @@ static int
 FastPath_clear(FastPath *self)
 {
     Py_CLEAR(self->dhts);
-    Py_CLEAR(self->generations);
+    Py_CLEAR(self->cache);
     Py_CLEAR(self->tree_type);
     Py_CLEAR(self->dict_type);
     Py_CLEAR(self->thread_queue);
@@ -1737,12 +2772,12 @@ reply_bytes(Reply *reply)
     }
     Py_ssize_t value_size = reply->value ? PyBytes_GET_SIZE(reply->value)
                                          : 0;
-    PyObject *out = PyBytes_FromStringAndSize(NULL,
-                                              REPLY_HEADER_SIZE + value_size);
+    Py_ssize_t head_size = REPLY_HEADER_SIZE + reply->body;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, head_size + value_size);
     if (out != NULL) {
-        memcpy(PyBytes_AS_STRING(out), reply->head, REPLY_HEADER_SIZE);
+        memcpy(PyBytes_AS_STRING(out), reply->head, (size_t)head_size);
         if (value_size) {
-            memcpy(PyBytes_AS_STRING(out) + REPLY_HEADER_SIZE,
+            memcpy(PyBytes_AS_STRING(out) + head_size,
                    PyBytes_AS_STRING(reply->value), (size_t)value_size);
         }
     }
@@ -1766,7 +2801,7 @@ FastPath_handle(FastPath *self, PyObject *args, PyObject *kwds)
                                      &limit)) {
         return NULL;
     }
-    Reply reply = {NULL, {0}, NULL};
+    Reply reply = {NULL, {0}, 0, NULL};
     int result = handle_request(self, data.buf, data.len, limit, &reply);
     PyBuffer_Release(&data);
     if (result < 0) {
@@ -1904,6 +2939,7 @@ batch_add_reply(FastPath *self, Batch *batch, Reply *reply,
     Reply *kept = &batch->replies[index];
     *kept = *reply;
     reply->whole = NULL;
+    reply->body = 0;
     reply->value = NULL;
     struct iovec *parts = batch->parts[index];
     struct msghdr *message = &batch->out[index].msg_hdr;
@@ -1918,7 +2954,7 @@ batch_add_reply(FastPath *self, Batch *batch, Reply *reply,
     }
     else {
         parts[0].iov_base = kept->head;
-        parts[0].iov_len = REPLY_HEADER_SIZE;
+        parts[0].iov_len = REPLY_HEADER_SIZE + (size_t)kept->body;
         message->msg_iovlen = 1;
         if (kept->value != NULL) {
             parts[1].iov_base = PyBytes_AS_STRING(kept->value);
@@ -2112,7 +3148,7 @@ batch_handle(FastPath *self, Batch *batch, int count,
             uint32_t skew = now_s - read_u32(stamp);
             fresh = skew <= TIME_WINDOW || (uint32_t)-skew <= TIME_WINDOW;
         }
-        Reply reply = {NULL, {0}, NULL};
+        Reply reply = {NULL, {0}, 0, NULL};
         if (fresh && self->shed_after_ns > 0 && length >= REQUEST_HEADER_SIZE
                 && data[0] == REQUEST_MAGIC && should_shed(self, header, now_ns)) {
             /* Behind: this request waited too long to be worth serving
@@ -2862,10 +3898,8 @@ static PyMemberDef FastPath_members[] = {
      READONLY, "bytes of the datagrams serve() read (declined and dropped ones too)"},
     {"unauthenticated", T_ULONGLONG, offsetof(FastPath, unauthenticated), READONLY,
      "datagrams serve() dropped: too short for a MAC, or one that did not check"},
-    {"current_limit", T_PYSSIZET, offsetof(FastPath, current_limit),
-     READONLY, "most entries C lets the current cache generation hold"},
-    {"cache_seed", T_ULONGLONG, offsetof(FastPath, cache_seed), READONLY,
-     "the seed of the reply cache keys' XXH64"},
+    {"cache", T_OBJECT, offsetof(FastPath, cache), READONLY,
+     "the reply cache (a ReplyCache) C reads and fills"},
     {"busy", T_ULONGLONG, offsetof(FastPath, busy), READONLY,
      "changes answered BUSY in C: the reply cache's current generation was full"},
     {"shed", T_ULONGLONG, offsetof(FastPath, shed), READONLY,
@@ -2908,18 +3942,16 @@ static PyGetSetDef FastPath_getset[] = {
 };
 
 PyDoc_STRVAR(FastPath_doc,
-"FastPath(dhts, generations, tree_type=None, *,\n"
-"         current_limit=sys.maxsize, dict_type=None, key=None, cache_seed=0)\n\n"
+"FastPath(dhts, cache, tree_type=None, *, dict_type=None, key=None)\n\n"
 "The C data path of a service.  `dhts` maps each active DHT's id to its\n"
-"dict of bucket -> repository; `generations` is the reply cache's\n"
-"[current, previous] list.  Both stay owned (and updated) by Python.\n"
+"dict of bucket -> repository; `cache` is the reply cache (a ReplyCache),\n"
+"which C reads and fills itself.  Both stay owned by Python.\n"
 "Repositories that are exactly dicts or `dict_type`, instances of\n"
 "`tree_type` (driven through domus._recordtree's C API) or of\n"
 "DatabaseRepository (driven through their database's methods) are handled\n"
 "in C; others are declined.\n"
-"A change that would grow the current generation past `current_limit`\n"
-"is answered BUSY (neither applied nor cached).  The cache is keyed by\n"
-"domus.service.replycache.cache_key(request, cache_seed).");
+"A change that would grow the cache's current generation past its\n"
+"`current_limit` is answered BUSY (neither applied nor cached).");
 
 static PyTypeObject FastPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -2949,7 +3981,8 @@ PyInit__hotpath(void)
 {
     if (PyType_Ready(&FastPathType) < 0
             || PyType_Ready(&DatabaseRepositoryType) < 0
-            || PyType_Ready(&BatonType) < 0) {
+            || PyType_Ready(&BatonType) < 0
+            || PyType_Ready(&ReplyCacheType) < 0) {
         return NULL;
     }
     static int at_fork_noted;
@@ -2984,7 +4017,8 @@ PyInit__hotpath(void)
     }
     if (PyModule_AddType(module, &FastPathType) < 0
             || PyModule_AddType(module, &DatabaseRepositoryType) < 0
-            || PyModule_AddType(module, &BatonType) < 0) {
+            || PyModule_AddType(module, &BatonType) < 0
+            || PyModule_AddType(module, &ReplyCacheType) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -51,7 +51,7 @@ import time
 from typing import Any
 
 from domus.service.handler import RequestHandler
-from domus.service.replycache import DEFAULT_MAX_ENTRIES, ReplyCache
+from domus.service.replycache import DEFAULT_MAX_ENTRIES, CompactReplyCache, ReplyCache
 from domus.storage import DictRepository, Repository, available_platforms
 from domus.storage.base import TrackedRepository
 from domus.wire import protocol as wire
@@ -187,8 +187,10 @@ def make_service(technology: str, small_cache: bool, data_dir: str | None,
 
     clock = FixedClock()
     # (one seed for both services: their caches' keys must be alike to be
-    # compared; a service draws its own at random)
-    cache = ReplyCache(max_entries=SMALL_CACHE if small_cache else DEFAULT_MAX_ENTRIES,
+    # compared; a service draws its own at random.  The reference keeps the
+    # pure-Python cache, the accelerated one the C cache its C path fills.)
+    cache_type = ReplyCache if reference or CompactReplyCache is None else CompactReplyCache
+    cache = cache_type(max_entries=SMALL_CACHE if small_cache else DEFAULT_MAX_ENTRIES,
                        clock=clock, seed=CACHE_SEED)
     handler = RequestHandler("s1", reply_cache=cache, clock=clock, data_dir=data_dir,
                              data_key=data_key)
@@ -314,7 +316,7 @@ class Pair:
         # after an input whose outcome depended on a clock that ticked
         # while it ran: fuzz/sealed.py), which compare() allows.
         self.counter_gap: dict[str, int] = {}
-        self.cache = [dict(generation) for generation in self.reference.reply_cache.generations]
+        self.cache = self.reference.reply_cache.snapshot()
         # Each service's open scans and their shared key snapshots, as set
         # up (restored whole before every input).
         self.scans = {id(handler): copy.deepcopy(tuple(getattr(handler, name)
@@ -337,7 +339,7 @@ class Pair:
             if records(self.accelerated) != self.records:
                 self.restore()
                 raise Finding(f"C declined {shown(message)} but changed records")
-            if self.accelerated.reply_cache.generations != self.cache:
+            if self.accelerated.reply_cache.snapshot() != self.cache:
                 self.restore()
                 raise Finding(f"C declined {shown(message)} but changed the reply cache")
             answer = self.accelerated.handle(message, limit)
@@ -372,7 +374,7 @@ class Pair:
         held = records(self.reference)
         if records(self.accelerated) != held:
             raise Finding(f"after {shown(message)}: the services hold different records")
-        if self.accelerated.reply_cache.generations != self.reference.reply_cache.generations:
+        if self.accelerated.reply_cache.snapshot() != self.reference.reply_cache.snapshot():
             raise Finding(f"after {shown(message)}: the reply caches differ")
         mine, theirs = counters(self.accelerated), counters(self.reference)
         if counter_gap(mine, theirs) != self.counter_gap:
@@ -406,8 +408,8 @@ class Pair:
                             repo.put(key, value)
                     if isinstance(repo, TrackedRepository):
                         repo.take_changes()
-            if cache.generations != self.cache:
-                cache.generations[:] = [dict(generation) for generation in self.cache]
+            if cache.snapshot() != self.cache:
+                cache.restore(self.cache)
             cache.refused = 0
             # (The handler has no public way to forget its scans: a harness
             # may reach in, to start every input from the same scans.)

@@ -42,7 +42,7 @@ from domus.service import holdings, hotpath
 from domus.service.hosted import MAX_NUMBERING, HostedDht
 from domus.service.limits import DEFAULT as DEFAULT_LIMITS
 from domus.service.limits import Limits
-from domus.service.replycache import ReplyCache
+from domus.service.replycache import ReplyCache, new_reply_cache
 from domus.storage import PLATFORMS, Repository, StorageFault, StorageFullFault
 from domus.storage.base import apply_batch
 from domus.storage.headroom import OK as ROOM_OK
@@ -196,7 +196,7 @@ class RequestHandler:
         self.data_dir = data_dir      # where disk DHTs keep their files
         self.dhts: dict[int, HostedDht] = {}
         # (An empty cache is falsy: it has a length.)
-        self.reply_cache = reply_cache if reply_cache is not None else ReplyCache(
+        self.reply_cache = reply_cache if reply_cache is not None else new_reply_cache(
             clock=clock, max_entries=max(limits.reply_cache_entries, 2))
         self._clock = clock
         self._requests = 0

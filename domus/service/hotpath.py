@@ -16,22 +16,21 @@ measurements, or to rule the C code out when hunting a bug).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from domus.storage.pydict import DictRepository
-
-if TYPE_CHECKING:
-    from domus.service.replycache import ReplyCache
 
 PURE_PYTHON = os.environ.get("DOMUS_PURE_PYTHON") == "1"
 
 FastPath: Any = None
+ReplyTables: Any = None  # the C reply cache's tables (domus.service.replycache)
 SAMPLE_EVERY = 16        # (the C path's own, when it is built)
 if not PURE_PYTHON:
     try:
         from domus._hotpath import SAMPLE_EVERY, FastPath  # noqa: F401 (re-exported)
+        from domus._hotpath import ReplyCache as ReplyTables
     except ImportError:  # not built: the Python path serves alone
-        FastPath = None
+        FastPath = ReplyTables = None
 
 
 def record_tree_type() -> type | None:
@@ -45,13 +44,14 @@ def record_tree_type() -> type | None:
 
 
 def make_fast_path(dhts: dict[int, tuple[dict[int, Any], int]],
-                   reply_cache: ReplyCache, key: bytes | None = None) -> Any:
+                   reply_cache: Any, key: bytes | None = None) -> Any:
     """A C FastPath over ``dhts`` (active DHT id -> (bucket -> repository,
     numbering << 8 | layout tag)) and ``reply_cache``, checking datagrams'
     MACs with ``key`` (None: an insecure deployment); None when the Python
-    path must serve alone."""
-    if FastPath is None:
+    path must serve alone: the C path is not built or switched off, or
+    ``reply_cache`` is not the C one (domus.service.replycache.
+    CompactReplyCache, which C reads and fills itself), as when a caller
+    gives a handler the pure-Python ReplyCache."""
+    if FastPath is None or not isinstance(reply_cache, ReplyTables):
         return None
-    return FastPath(dhts, reply_cache.generations, record_tree_type(),
-                    current_limit=reply_cache.current_limit, dict_type=DictRepository,
-                    key=key, cache_seed=reply_cache.seed)
+    return FastPath(dhts, reply_cache, record_tree_type(), dict_type=DictRepository, key=key)

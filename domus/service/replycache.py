@@ -20,24 +20,48 @@ another.  Only changes that were applied (OK, NOT_FOUND) are kept: a
 request that does not parse, or is refused, changed nothing, and its retry
 is judged afresh.
 
-The cache is two generations of plain dicts, ``generations = [current,
-previous]``, so that the C hot path (domus._hotpath) can read and fill it
-without calling Python: a key is looked up in both, a new reply goes into
-``current``.  Every ``ttl / 2`` seconds ``rotate`` drops ``previous``, makes
-``current`` the previous generation and starts an empty one, changing the
-list in place (the C side holds the list itself).  An entry therefore lives
-between ``ttl / 2`` and ``ttl`` seconds (plus the timer's period, since
-``expire`` is polled).  Clients stop retrying a request within
-``domus.wire.protocol.MAX_DEADLINE`` (``REPLY_CACHE_TTL / 2`` = 15 s) of its first
-send, and its reply is stored after that first send, so no retry can arrive
-after its entry is gone; the constructor refuses a ``ttl`` that would break
-this.
+The cache is two generations: a key is looked up in both, a new reply goes
+into the current one, and every ``ttl / 2`` seconds ``rotate`` drops the
+previous generation and makes the current one previous.  An entry
+therefore lives between ``ttl / 2`` and ``ttl`` seconds (plus the timer's
+period, since ``expire`` is polled).  Clients stop retrying a request within
+``domus.wire.protocol.MAX_DEADLINE`` (``REPLY_CACHE_TTL / 2`` = 15 s) of its
+first send, and its reply is stored after that first send, so no retry can
+arrive after its entry is gone; the constructor refuses a ``ttl`` that would
+break this.
 
-The current generation holds at most ``max_entries / 2`` entries (the
-most changes the service takes in ``ttl / 2`` seconds: 1,500,000 by default
-(``domus service --reply-cache-entries``), 100,000 a second sustained,
-about 155 bytes each); past that, changes get BUSY until the next rotation (counted
-in ``refused``).
+Two implementations keep this contract, chosen by ``new_reply_cache``:
+
+- ``CompactReplyCache`` (the tables of ``domus._hotpath.ReplyCache``, in C),
+  used whenever the C hot path is: each generation is an open-addressed
+  table of 24-byte entries, the key and the reply inline (a single-key
+  change's reply is its status and layout bytes, and at most one body byte:
+  the rest is implied by the key), plus a small table of 32-byte entries
+  whose reply has a buffer of its own (PUT_MANY's, 12 bytes).  The C path
+  (``FastPath``) reads and fills it without a Python object per change;
+  ``rotate`` drops a generation without touching its entries (its array is
+  freed whole, or taken by the next generation).  A table
+  grows by half as it fills (moving its entries a few per insert, so that
+  no change waits for a whole table to move) and is 8/15 to 4/5 full, so an
+  entry costs 30 to 45 bytes (30 once the generation is full: the last
+  growth stops at the size that holds ``max_entries / 2``; about 34 at a
+  steady rate, where a generation starts at the size the last one
+  reached, in the array of the generation it drops: no page of it new to
+  the process, whose first touch would cost the serving thread some 2 us a
+  page).
+- ``ReplyCache`` below, two plain dicts (about 155 bytes an entry), the
+  pure-Python twin the C one is held to, used when the C path is not.
+
+The current generation holds at most ``max_entries / 2`` entries (the most
+changes the service takes in ``ttl / 2`` seconds: 4,000,000 by default
+(``domus service --reply-cache-entries``), about 267,000 a second
+sustained); past that, changes get BUSY until the next rotation (counted in
+``refused``).  Worst case, both generations full of single-key replies, the
+compact cache holds 8,000,000 x 30 bytes = 240 MB by default (two tables of
+5,000,002 slots of 24 bytes; some 320 MB while the current one makes its
+last growth, its old and new arrays both held); PUT_MANY replies cost 32
+bytes of slot and a 16-byte buffer (with malloc's overhead, about 72 bytes)
+each.
 """
 
 from __future__ import annotations
@@ -45,13 +69,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import xxhash
 
+from domus.service import hotpath
 from domus.wire.protocol import MAX_DEADLINE, REPLY_CACHE_TTL
 
 DEFAULT_TTL = REPLY_CACHE_TTL
-DEFAULT_MAX_ENTRIES = 3_000_000       # (domus.service.limits.REPLY_CACHE_ENTRIES)
+DEFAULT_MAX_ENTRIES = 8_000_000       # (domus.service.limits.REPLY_CACHE_ENTRIES)
 TOKEN = slice(4, 16)
 
 
@@ -61,21 +87,31 @@ def cache_key(request: bytes, seed: int) -> bytes:
     return request[TOKEN] + xxhash.xxh64_intdigest(request, seed).to_bytes(8, "big")
 
 
+def _check(ttl: float, max_entries: int) -> None:
+    if ttl / 2 < MAX_DEADLINE:
+        raise ValueError(f"a reply cache with ttl {ttl}s may forget a reply after "
+                         f"{ttl / 2}s, before clients stop retrying ({MAX_DEADLINE}s); "
+                         f"use a ttl of at least {2 * MAX_DEADLINE}s")
+    if max_entries < 2:
+        raise ValueError(f"max_entries must be at least 2, not {max_entries}")
+
+
+def _random_seed() -> int:
+    return int.from_bytes(os.urandom(8), "big")
+
+
 class ReplyCache:
+    """The pure-Python reply cache: two dicts (see the module's doc)."""
+
     def __init__(self, ttl: float = DEFAULT_TTL, max_entries: int = DEFAULT_MAX_ENTRIES,
                  clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
-        if ttl / 2 < MAX_DEADLINE:
-            raise ValueError(f"a reply cache with ttl {ttl}s may forget a reply after "
-                             f"{ttl / 2}s, before clients stop retrying ({MAX_DEADLINE}s); "
-                             f"use a ttl of at least {2 * MAX_DEADLINE}s")
-        if max_entries < 2:
-            raise ValueError(f"max_entries must be at least 2, not {max_entries}")
+        _check(ttl, max_entries)
         self.ttl = ttl
         self.max_entries = max_entries
         # The most entries the current generation holds; past it, changes
         # are refused (BUSY) until the next rotation, in C and here alike.
         self.current_limit = max_entries // 2
-        self.seed = int.from_bytes(os.urandom(8), "big") if seed is None else seed
+        self.seed = _random_seed() if seed is None else seed
         self._clock = clock
         self.generations: list[dict[bytes, bytes]] = [{}, {}]
         self._next_rotation = clock() + ttl / 2
@@ -112,6 +148,14 @@ class ReplyCache:
         current[key] = reply
         return True
 
+    def discard(self, key: bytes) -> bool:
+        """Forget the reply kept under ``key``, if any (what the C path does
+        when the change a reply was kept for fails); whether there was one."""
+        found = False
+        for generation in self.generations:
+            found = generation.pop(key, None) is not None or found
+        return found
+
     def rotate(self) -> int:
         """Forget the previous generation and start a new current one;
         returns how many entries were forgotten."""
@@ -132,3 +176,57 @@ class ReplyCache:
     def __len__(self) -> int:
         current, previous = self.generations
         return len(current) + len(previous)
+
+    def snapshot(self) -> list[dict[bytes, bytes]]:
+        """[current, previous]: copies of the generations (for tests and the
+        fuzzer, which compare caches)."""
+        return [dict(generation) for generation in self.generations]
+
+    def restore(self, snapshot: list[dict[bytes, bytes]]) -> None:
+        """Make the generations hold exactly ``snapshot`` (as ``snapshot()``
+        gives it), whatever ``current_limit`` says."""
+        self.generations[:] = [dict(generation) for generation in snapshot]
+
+
+if hotpath.ReplyTables is not None:
+    class CompactReplyCache(hotpath.ReplyTables):  # type: ignore[misc, name-defined]
+        """The reply cache in C (``domus._hotpath.ReplyCache``'s tables; see
+        the module's doc), with the same constructor, methods and contract
+        as ``ReplyCache``; the C path reads and fills it itself."""
+
+        def __init__(self, ttl: float = DEFAULT_TTL, max_entries: int = DEFAULT_MAX_ENTRIES,
+                     clock: Callable[[], float] = time.monotonic,
+                     seed: int | None = None) -> None:
+            _check(ttl, max_entries)
+            super().__init__(max_entries // 2, _random_seed() if seed is None else seed)
+            self.ttl = ttl
+            self.max_entries = max_entries
+            self._clock = clock
+            self._next_rotation = clock() + ttl / 2
+
+        def rotate(self) -> int:
+            """Forget the previous generation (its tables are freed whole) and
+            start a new current one; returns how many entries were
+            forgotten."""
+            dropped: int = super().rotate()
+            self._next_rotation = self._clock() + self.ttl / 2
+            return dropped
+
+        def expire(self) -> int:
+            """Rotate if ``ttl / 2`` has passed since the last rotation; called
+            from a timer.  Returns how many entries were forgotten."""
+            if self._clock() < self._next_rotation:
+                return 0
+            return self.rotate()
+else:
+    CompactReplyCache = None
+
+
+def new_reply_cache(ttl: float = DEFAULT_TTL, max_entries: int = DEFAULT_MAX_ENTRIES,
+                    clock: Callable[[], float] = time.monotonic,
+                    seed: int | None = None) -> Any:
+    """A reply cache: the compact one in C when the C path is in use (it
+    needs one to serve changes), else the pure-Python one."""
+    if hotpath.FastPath is not None and CompactReplyCache is not None:
+        return CompactReplyCache(ttl, max_entries, clock, seed)
+    return ReplyCache(ttl, max_entries, clock, seed)

@@ -1247,6 +1247,6 @@ def test_the_reply_cache_takes_as_many_changes_as_the_service_is_told():
     statuses = [put(handler, key, b"v")[0] for key in keys]
     assert statuses == [wire.ST_OK] * 4 + [wire.ST_BUSY] * 2
     assert sorted(stored(handler)[2]) == sorted(keys[:4])
-    assert make_handler().reply_cache.current_limit == 1_500_000      # (the default)
+    assert make_handler().reply_cache.current_limit == 4_000_000      # (the default)
     with pytest.raises(ValueError, match="reply_cache_entries"):
         Limits(reply_cache_entries=0)

@@ -7,7 +7,10 @@ be the same bytes, a declined request must have changed nothing, and in the
 end both handlers must hold the same records (and record counts), the same
 reply cache and the same counters.  This holds on every storage technology C
 drives: dicts, RBTrees, and Berkeley DB databases (btree and hash, in RAM and
-on disk, with async and sync durability).
+on disk, with async and sync durability).  The reference handler keeps its
+replies in the pure-Python ``ReplyCache``, the accelerated one in the compact
+C cache that FastPath fills itself, so the two caches are held to each other
+too.
 """
 
 import errno
@@ -37,7 +40,12 @@ if hotpath.PURE_PYTHON:
                 allow_module_level=True)
 
 from domus.service.handler import RequestHandler  # noqa: E402
-from domus.service.replycache import DEFAULT_MAX_ENTRIES, ReplyCache, cache_key  # noqa: E402
+from domus.service.replycache import (  # noqa: E402
+    DEFAULT_MAX_ENTRIES,
+    CompactReplyCache,
+    ReplyCache,
+    cache_key,
+)
 from domus.storage import DictRepository, Repository, StorageFault  # noqa: E402
 from domus.wire import protocol as wire  # noqa: E402
 
@@ -138,12 +146,16 @@ OPEN_HANDLERS = []
 CACHE_SEED = 0x5EED
 
 
-def make_handler(platform="python-dict", max_entries=DEFAULT_MAX_ENTRIES, version=0):
+def make_handler(platform="python-dict", max_entries=DEFAULT_MAX_ENTRIES, version=0,
+                 cache_type=CompactReplyCache):
+    """A handler with the C path (its reply cache the C one), or, given
+    ``cache_type=ReplyCache``, a reference whose cache is the pure-Python
+    twin (its C path is then off: C needs the C cache)."""
     platform_name, medium, durability = TECHNOLOGIES[platform]
     clock = FakeClock()
     data_dir = tempfile.mkdtemp(prefix="domus-hotpath-") if medium == "disk" else None
     # (One seed for every handler: a pair's caches hold the same keys.)
-    handler = RequestHandler("s1", reply_cache=ReplyCache(max_entries=max_entries, clock=clock,
+    handler = RequestHandler("s1", reply_cache=cache_type(max_entries=max_entries, clock=clock,
                                                           seed=CACHE_SEED),
                              clock=clock, data_dir=data_dir)
     OPEN_HANDLERS.append((handler, data_dir))
@@ -202,7 +214,7 @@ def bucket_records(handler, dht_id, bucket):
 
 def state(handler):
     cache = handler.reply_cache
-    return records(handler), [dict(g) for g in cache.generations]
+    return records(handler), cache.snapshot()
 
 
 def counters(handler):
@@ -216,7 +228,7 @@ class Pair:
     """A reference handler and an accelerated one, fed the same requests."""
 
     def __init__(self, platform="python-dict", max_entries=DEFAULT_MAX_ENTRIES, version=0):
-        self.reference = make_handler(platform, max_entries, version)
+        self.reference = make_handler(platform, max_entries, version, cache_type=ReplyCache)
         self.accelerated = make_handler(platform, max_entries, version)
         assert self.accelerated.fast is not None
         self.handled_in_c = 0
@@ -255,6 +267,7 @@ def is_stats(data):
 def without_fallbacks(reply):
     stats = wire.unpack(reply[wire.REPLY_HEADER_SIZE:])
     del stats["hot_path_fallbacks"]
+    del stats["hot_path"]           # (the reference, with the Python cache, says "python")
     return reply[:wire.REPLY_HEADER_SIZE], stats
 
 
@@ -290,25 +303,38 @@ def test_the_handler_uses_the_c_path_unless_told_not_to(monkeypatch):
     assert hotpath.FastPath is _hotpath.FastPath
 
 
+def new_cache(max_entries=DEFAULT_MAX_ENTRIES):
+    return CompactReplyCache(max_entries=max_entries, clock=FakeClock(), seed=CACHE_SEED)
+
+
 def test_bad_constructor_arguments_are_type_errors():
     with pytest.raises(TypeError):
-        _hotpath.FastPath([], [{}, {}])
+        _hotpath.FastPath([], new_cache())
     with pytest.raises(TypeError):
-        _hotpath.FastPath({}, ({}, {}))
+        _hotpath.FastPath({}, [{}, {}])                 # the old dicts: not a cache
     with pytest.raises(TypeError):
-        _hotpath.FastPath({}, [{}, {}], 42)
+        _hotpath.FastPath({}, ReplyCache())             # the Python twin: C cannot fill it
     with pytest.raises(TypeError):
-        _hotpath.FastPath({}, [{}, {}], dict_type=list)
+        _hotpath.FastPath({}, new_cache(), 42)
+    with pytest.raises(TypeError):
+        _hotpath.FastPath({}, new_cache(), dict_type=list)
     with pytest.raises(ValueError):
-        _hotpath.FastPath({}, [{}, {}], current_limit=-1)
+        _hotpath.ReplyCache(-1)
+
+
+def test_a_handler_given_the_python_cache_serves_in_python():
+    handler = make_handler(cache_type=ReplyCache)
+    assert handler.fast is None and handler.backup_fast is None
+    put = keyed(wire.OP_PUT, b"\x03k", b"v")
+    assert handler.handle_fast(put) == wire.reply(wire.ST_OK, 1, b"\x01")
 
 
 def test_the_fast_path_is_seen_by_the_garbage_collector():
-    table, generations = {}, [{}, {}]
-    fast = _hotpath.FastPath(table, generations)
+    table, cache = {}, new_cache()
+    fast = _hotpath.FastPath(table, cache)
     referents = gc.get_referents(fast)
     assert any(r is table for r in referents)
-    assert any(r is generations for r in referents)
+    assert any(r is cache for r in referents)
 
 
 # ------------------------------------------------------------ what C answers
@@ -347,7 +373,7 @@ def test_changes_answered_in_c_are_cached_in_the_current_generation():
     handler = make_handler()
     request = keyed(wire.OP_PUT, b"\x03k", b"v", request_id=9)
     reply = handler.fast.handle(request)
-    current, previous = handler.reply_cache.generations
+    current, previous = handler.reply_cache.snapshot()
     assert current == {cache_key(request, CACHE_SEED): reply}
     assert previous == {}
 
@@ -559,7 +585,7 @@ def test_a_replicate_applied_by_c_is_counted_as_the_python_handler_counts_it():
     # counts it), whichever path applies the change; a retry is a replay.
     backed_up = dict(descriptor(5, "python-dict"), replicas=2,
                      storage_backups=[[[0, 4, "s2"], [4, 8, "s1"]]])
-    reference, accelerated = make_handler(), make_handler()
+    reference, accelerated = make_handler(cache_type=ReplyCache), make_handler()
     for handler in (reference, accelerated):
         handler.assign(backed_up)
     reference.backup_fast = None
@@ -574,17 +600,12 @@ def test_a_replicate_applied_by_c_is_counted_as_the_python_handler_counts_it():
     assert accelerated.stats()["replayed"] == 1
 
 
-def test_a_malformed_cache_list_makes_c_decline_changes_but_not_reads():
+def test_a_malformed_dht_table_makes_c_decline():
     repos = {0: {b"k": b"v"}}
-    for generations in ([{}], [{}, {}, {}], ["current", {}], [{}, []]):
-        fast = _hotpath.FastPath({DHT_ID: (repos, 0)}, generations)
-        assert fast.handle(keyed(wire.OP_PUT, b"k", b"w")) is None
-        assert fast.handle(keyed(wire.OP_GET, b"k")) == wire.reply(wire.ST_OK, 1, b"v")
-    assert repos == {0: {b"k": b"v"}}
     for entry in (["not a dict"], ("not a dict", 0), (repos,), (repos, "0"), (repos, -1),
                   (repos, 1 << 17), [repos, 0], repos):
         table = {DHT_ID: entry}
-        assert _hotpath.FastPath(table, [{}, {}]).handle(keyed(wire.OP_GET, b"k")) is None
+        assert _hotpath.FastPath(table, new_cache()).handle(keyed(wire.OP_GET, b"k")) is None
 
 
 # ------------------------------------------------------------ Berkeley DB
@@ -715,7 +736,7 @@ def test_database_repositories_need_c_methods_and_their_conventions():
         # One whose __init__ never ran is declined, not driven.
         table = {DHT_ID: ({0: repo, 1: _hotpath.DatabaseRepository.__new__(
             _hotpath.DatabaseRepository)}, 0)}
-        fast = _hotpath.FastPath(table, [{}, {}])
+        fast = _hotpath.FastPath(table, new_cache())
         assert fast.handle(keyed(wire.OP_PUT, b"k", b"v", bucket=0)) == \
             wire.reply(wire.ST_OK, 1, b"\x01")
         assert repo.record_count == 1
@@ -1039,7 +1060,7 @@ def test_serve_answers_over_real_sockets_and_falls_back_with_the_peer(family):
         ipv6_loopback_or_skip()
     sock_family, host = ((socket.AF_INET, "127.0.0.1") if family == "ipv4"
                          else (socket.AF_INET6, "::1"))
-    reference = make_handler()
+    reference = make_handler(cache_type=ReplyCache)
     handler = make_handler()
     fallen_back = []
 

@@ -1,13 +1,31 @@
-"""domus.service.replycache: the cache that makes a retried change apply once."""
+"""domus.service.replycache: the cache that makes a retried change apply once.
+
+Every test runs on both implementations: the pure-Python ``ReplyCache`` and
+the compact C one (``CompactReplyCache``, domus._hotpath's tables), which
+must not be told apart by anything their callers use.
+"""
+
+import random
 
 import pytest
 
 from domus.client import transport
 from domus.client.evented import EventedChannel
-from domus.service.replycache import DEFAULT_TTL, ReplyCache, cache_key
+from domus.service import replycache
+from domus.service.replycache import DEFAULT_TTL, cache_key
+from domus.wire import protocol as wire
 
 TTL = DEFAULT_TTL
 HALF = TTL / 2
+
+
+@pytest.fixture(params=["python", "c"])
+def ReplyCache(request):
+    if request.param == "python":
+        return replycache.ReplyCache
+    if replycache.CompactReplyCache is None:
+        pytest.skip("domus._hotpath is not built (or DOMUS_PURE_PYTHON=1): no C reply cache")
+    return replycache.CompactReplyCache
 
 
 class FakeClock:
@@ -19,24 +37,27 @@ class FakeClock:
 
 
 def token(number, client=1):
-    return number.to_bytes(4, "big") + client.to_bytes(8, "big")
+    """A cache key as ReplyCache.key makes them: the token (request id,
+    client id), then 8 bytes of hash."""
+    return (number.to_bytes(4, "big") + client.to_bytes(8, "big")
+            + (number * 0x9E3779B97F4A7C15 % 2**64).to_bytes(8, "big"))
 
 
-def test_a_stored_reply_is_returned_for_its_token():
+def test_a_stored_reply_is_returned_for_its_token(ReplyCache):
     cache = ReplyCache(clock=FakeClock())
     cache.put(token(1), b"reply-1")
     assert cache.get(token(1)) == b"reply-1"
     assert len(cache) == 1
 
 
-def test_an_unknown_token_gets_none():
+def test_an_unknown_token_gets_none(ReplyCache):
     cache = ReplyCache(clock=FakeClock())
     cache.put(token(1), b"reply-1")
     assert cache.get(token(2)) is None
     assert cache.get(token(1, client=2)) is None   # same request id, other client
 
 
-def test_hits_count_only_found_tokens_in_either_generation():
+def test_hits_count_only_found_tokens_in_either_generation(ReplyCache):
     cache = ReplyCache(clock=FakeClock())
     cache.put(token(1), b"r")
     cache.rotate()
@@ -47,7 +68,7 @@ def test_hits_count_only_found_tokens_in_either_generation():
     assert cache.hits == 2
 
 
-def test_the_first_reply_for_a_token_is_kept_even_across_a_rotation():
+def test_the_first_reply_for_a_token_is_kept_even_across_a_rotation(ReplyCache):
     # A retry is answered with what the first try answered, whatever a later
     # put for the same token carries.
     cache = ReplyCache(clock=FakeClock())
@@ -60,7 +81,7 @@ def test_the_first_reply_for_a_token_is_kept_even_across_a_rotation():
     assert len(cache) == 1
 
 
-def test_an_empty_reply_is_a_cached_reply():
+def test_an_empty_reply_is_a_cached_reply(ReplyCache):
     cache = ReplyCache(clock=FakeClock())
     cache.put(token(1), b"")
     assert cache.get(token(1)) == b""
@@ -68,7 +89,7 @@ def test_an_empty_reply_is_a_cached_reply():
     assert cache.get(token(1)) == b""
 
 
-def test_a_reply_outlives_the_longest_client_retry():
+def test_a_reply_outlives_the_longest_client_retry(ReplyCache):
     # docs/protocol.md: clients stop retrying after at most 15 s, and an
     # entry lives at least ttl / 2.
     assert transport.MAX_DEADLINE <= DEFAULT_TTL / 2
@@ -78,29 +99,25 @@ def test_a_reply_outlives_the_longest_client_retry():
     assert ReplyCache().ttl == DEFAULT_TTL
 
 
-def test_a_ttl_too_short_for_the_clients_retries_is_refused():
+def test_a_ttl_too_short_for_the_clients_retries_is_refused(ReplyCache):
     with pytest.raises(ValueError, match="before clients stop retrying"):
         ReplyCache(ttl=2 * transport.MAX_DEADLINE - 1)
     ReplyCache(ttl=2 * transport.MAX_DEADLINE)      # the least that is safe
 
 
-def test_rotation_keeps_the_generations_list_and_moves_current_to_previous():
-    # The C hot path holds the list itself: it must be changed in place.
+def test_rotation_moves_current_to_previous_and_forgets_the_previous(ReplyCache):
     cache = ReplyCache(clock=FakeClock())
-    generations = cache.generations
     cache.put(token(1), b"r1")
-    current = generations[0]
     assert cache.rotate() == 0
-    assert cache.generations is generations
-    assert generations[1] is current
-    assert generations[0] == {}
+    assert cache.snapshot() == [{}, {token(1): b"r1"}]
     cache.put(token(2), b"r2")
-    assert generations[0] == {token(2): b"r2"}
+    assert cache.snapshot() == [{token(2): b"r2"}, {token(1): b"r1"}]
     assert cache.rotate() == 1                       # token 1 forgotten
-    assert generations == [{}, {token(2): b"r2"}]
+    assert cache.snapshot() == [{}, {token(2): b"r2"}]
+    assert len(cache) == 1
 
 
-def test_entries_live_between_half_the_ttl_and_the_ttl():
+def test_entries_live_between_half_the_ttl_and_the_ttl(ReplyCache):
     clock = FakeClock()
     cache = ReplyCache(clock=clock)                  # first rotation due at +15 s
     cache.put(token(1), b"early")                    # lives the longest: ~30 s
@@ -121,17 +138,17 @@ def test_entries_live_between_half_the_ttl_and_the_ttl():
     assert len(cache) == 0
 
 
-def test_expire_with_nothing_due_is_a_no_op():
+def test_expire_with_nothing_due_is_a_no_op(ReplyCache):
     clock = FakeClock()
     cache = ReplyCache(clock=clock)
     cache.put(token(1), b"r")
     for _ in range(14):
         clock.now += 1
         assert cache.expire() == 0
-    assert cache.generations == [{token(1): b"r"}, {}]
+    assert cache.snapshot() == [{token(1): b"r"}, {}]
 
 
-def test_a_late_timer_does_not_shorten_the_next_rotation_interval():
+def test_a_late_timer_does_not_shorten_the_next_rotation_interval(ReplyCache):
     clock = FakeClock()
     cache = ReplyCache(clock=clock)
     clock.now += HALF + 5                             # the timer ran 5 s late
@@ -146,7 +163,7 @@ def test_a_late_timer_does_not_shorten_the_next_rotation_interval():
     assert cache.expire() == 1                        # gone 30 s after it came
 
 
-def test_an_expired_token_can_be_stored_again():
+def test_an_expired_token_can_be_stored_again(ReplyCache):
     clock = FakeClock()
     cache = ReplyCache(clock=clock)
     cache.put(token(1), b"old")
@@ -157,7 +174,7 @@ def test_an_expired_token_can_be_stored_again():
     assert cache.get(token(1)) == b"new"
 
 
-def test_a_full_cache_refuses_new_entries_and_drops_none_before_its_time():
+def test_a_full_cache_refuses_new_entries_and_drops_none_before_its_time(ReplyCache):
     # Issue 15: past 500k entries in 15 s, entries used to go early, and a
     # late retry was applied twice.  Now a full current generation refuses
     # (the handler answers BUSY) and every entry lives at least ttl / 2.
@@ -181,7 +198,7 @@ def test_a_full_cache_refuses_new_entries_and_drops_none_before_its_time():
     assert cache.get(token(3)) == b"b"
 
 
-def test_whatever_the_rate_an_entry_outlives_the_retry_deadline():
+def test_whatever_the_rate_an_entry_outlives_the_retry_deadline(ReplyCache):
     clock = FakeClock()
     cache = ReplyCache(max_entries=100, clock=clock)
     stored_at = {}
@@ -196,7 +213,7 @@ def test_whatever_the_rate_an_entry_outlives_the_retry_deadline():
     assert cache.refused > 0
 
 
-def test_the_key_ties_a_reply_to_the_whole_request():
+def test_the_key_ties_a_reply_to_the_whole_request(ReplyCache):
     seed = 99
     request = bytes(range(40))
     other = request[:-1] + b"\xff"                     # same token, other body
@@ -207,3 +224,158 @@ def test_the_key_ties_a_reply_to_the_whole_request():
     cache = ReplyCache(clock=FakeClock(), seed=seed)
     assert cache.key(request) == cache_key(request, seed)
     assert ReplyCache().seed != ReplyCache().seed       # drawn at random
+
+
+def reply(status, number, body=b"", tag=0):
+    return bytes((wire.REPLY_MAGIC, wire.VERSION, status, tag)) + number.to_bytes(4, "big") + body
+
+
+# Replies of every shape: a single-key change's (kept inline by the C
+# cache), a PUT_MANY's, and anything else put() may be given.
+SHAPES = [
+    lambda n: reply(wire.ST_OK, n, b"\x01"),
+    lambda n: reply(wire.ST_OK, n, b"\x00", tag=7),
+    lambda n: reply(wire.ST_NOT_FOUND, n),
+    lambda n: reply(wire.ST_OK, n, b"\x00\x03\x00\x02"),          # PUT_MANY
+    lambda n: reply(wire.ST_OK, n + 1, b"\x01"),                     # another request id
+    lambda n: b"\xd0" + reply(wire.ST_OK, n)[1:],                    # not a reply header
+    lambda n: reply(wire.ST_OK, n, b"\x01\x02"),
+    lambda n: b"",
+    lambda n: b"abc",
+    lambda n: reply(wire.ST_OK, n, bytes(range(256)) * 8),
+]
+
+
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_every_shape_of_reply_comes_back_as_it_was_put(ReplyCache, shape):
+    cache = ReplyCache(max_entries=200, clock=FakeClock())
+    for number in range(50):
+        assert cache.put(token(number), SHAPES[shape](number))
+    cache.rotate()
+    for number in range(50, 90):
+        assert cache.put(token(number), SHAPES[shape](number))
+    assert [cache.get(token(n)) for n in range(90)] == [SHAPES[shape](n) for n in range(90)]
+    assert len(cache) == 90
+    assert cache.discard(token(3)) and cache.discard(token(60))
+    assert not cache.discard(token(3))
+    assert cache.get(token(3)) is None and cache.get(token(60)) is None
+    assert len(cache) == 88
+
+
+def test_a_key_is_twenty_bytes_in_both(ReplyCache):
+    cache = ReplyCache(clock=FakeClock())
+    assert len(cache.key(bytes(range(30)))) == 20
+
+
+def test_rotation_frees_what_the_previous_generation_held(ReplyCache):
+    cache = ReplyCache(max_entries=40_000, clock=FakeClock())
+    for number in range(20_000):
+        cache.put(token(number), SHAPES[number % 4](number))
+    assert cache.full() and len(cache) == 20_000
+    memory = getattr(cache, "memory", None)
+    cache.rotate()
+    assert len(cache) == 20_000 and not cache.full()
+    cache.rotate()
+    assert len(cache) == 0
+    assert cache.get(token(5)) is None
+    if memory is not None:                       # the C cache: its tables are freed
+        assert cache.memory < memory / 10
+
+
+def test_the_c_cache_keeps_a_single_key_reply_in_thirty_bytes_when_full():
+    if replycache.CompactReplyCache is None:
+        pytest.skip("no C reply cache")
+    cache = replycache.CompactReplyCache(max_entries=200_000, clock=FakeClock())
+    for number in range(100_000):
+        assert cache.put(token(number), SHAPES[number % 3](number))
+    assert cache.full()
+    # (24-byte slots, at most 4/5 full: the last doubling stops at the size
+    # that holds the current generation's limit)
+    assert cache.memory <= 100_000 * 30 + 100
+    cache.rotate()
+    # A steady rate: the next generation starts at the size the last one
+    # reached (an eighth more), not at the bottom.
+    cache.put(token(10**6), SHAPES[0](10**6))
+    assert cache.memory <= 2 * (100_000 * 30 + 100)
+
+
+def test_both_caches_answer_alike_through_any_sequence_of_calls():
+    # The C cache's tables (linear probing, growth, deletion that moves
+    # entries back) held to the dicts: random calls, small tables, many
+    # collisions, every answer and the contents compared throughout.
+    if replycache.CompactReplyCache is None:
+        pytest.skip("no C reply cache")
+    rng = random.Random(17)
+    # (40,000: its tables grow several times, each growth moving entries a
+    # few per insert while lookups, puts and discards go on)
+    for max_entries in (2, 7, 100, 3000, 40_000):
+        seed = rng.getrandbits(64)
+        caches = [replycache.ReplyCache(max_entries=max_entries, clock=FakeClock(), seed=seed),
+                  replycache.CompactReplyCache(max_entries=max_entries, clock=FakeClock(),
+                                               seed=seed)]
+        keys = [token(n, client=rng.randrange(3)) for n in range(2 * max_entries + 20)]
+        for step in range(6000 if max_entries < 10_000 else 60_000):
+            action = rng.random()
+            key = rng.choice(keys)
+            if action < (0.5 if max_entries < 10_000 else 0.7):
+                made = SHAPES[rng.randrange(len(SHAPES))](rng.randrange(1000))
+                answers = [cache.put(key, made) for cache in caches]
+            elif action < 0.8:
+                answers = [cache.get(key) for cache in caches]
+            elif action < 0.95:
+                answers = [cache.discard(key) for cache in caches]
+            elif action < (0.99 if max_entries < 10_000 else 0.9995):
+                answers = [cache.full() for cache in caches]
+            else:
+                answers = [cache.rotate() for cache in caches]
+            assert answers[0] == answers[1], f"step {step}"
+            if step % 5000 == 0:
+                assert caches[0].snapshot() == caches[1].snapshot()
+        assert caches[0].snapshot() == caches[1].snapshot()
+        assert [len(c) for c in caches] == [len(caches[0])] * 2
+        assert caches[0].refused == caches[1].refused
+        assert caches[0].hits == caches[1].hits
+        assert caches[0].key(b"x" * 40) == caches[1].key(b"x" * 40)
+
+
+def test_restore_puts_back_a_snapshot(ReplyCache):
+    cache = ReplyCache(max_entries=6, clock=FakeClock())
+    cache.put(token(1), SHAPES[0](1))
+    cache.rotate()
+    cache.put(token(2), SHAPES[3](2))
+    saved = cache.snapshot()
+    for number in range(3, 6):
+        cache.put(token(number), b"x")
+    cache.rotate()
+    cache.restore(saved)
+    assert cache.snapshot() == saved
+    assert len(cache) == 2 and not cache.full()
+
+
+def test_a_steady_rate_reuses_the_c_cache_arrays_and_forgets_nothing_early_or_late():
+    # At a steady rate a generation starts in the array of the one dropped
+    # (its slots of the old epoch read as empty), for 62 generations, then
+    # in a fresh one: through 70 rotations the C cache holds what the dicts
+    # hold, no stale entry comes back and none goes early.
+    if replycache.CompactReplyCache is None:
+        pytest.skip("no C reply cache")
+    caches = [replycache.ReplyCache(max_entries=4000, clock=FakeClock()),
+              replycache.CompactReplyCache(max_entries=4000, clock=FakeClock())]
+    memory = []
+    for generation in range(70):
+        numbers = range(generation * 1500, (generation + 1) * 1500)
+        for number in numbers:
+            assert [cache.put(token(number), SHAPES[number % 3](number))
+                    for cache in caches] == [True, True]
+        for number in (numbers[0], numbers[-1], numbers[0] - 1500, numbers[0] - 1,
+                       numbers[0] - 1501, numbers[0] - 3000):
+            if number < 0:
+                continue
+            answers = [cache.get(token(number)) for cache in caches]
+            assert answers[0] == answers[1]
+            assert (answers[0] is not None) == (number >= numbers[0] - 1500)
+        assert caches[0].snapshot() == caches[1].snapshot()
+        assert [cache.rotate() for cache in caches] == [1500 if generation else 0] * 2
+        memory.append(caches[1].memory)
+    assert len(caches[1]) == 1500
+    assert max(memory[2:]) == min(memory[2:])       # no array more, none less
