@@ -260,6 +260,10 @@ typedef struct {
 
 /* Datagrams read (recvmmsg) and replies sent (sendmmsg) at a time. */
 #define BATCH_SIZE 32
+/* Batches the serving thread handles at most before it lets the GIL and
+ * the baton go (as many datagrams as the reactor's doRead reads at most,
+ * domus.service.udp.MAX_DATAGRAMS). */
+#define THREAD_ROUNDS 8
 
 /* A batch of datagrams and C's replies to them (see "batches" below). */
 typedef struct Batch {
@@ -3395,6 +3399,17 @@ baton_mine(Baton *baton)
     return mine;
 }
 
+/* Whether a reactor thread waits for the baton (its holder asks, to let
+ * it go soon). */
+static int
+baton_wanted(Baton *baton)
+{
+    pthread_mutex_lock(&baton->lock);
+    int wanted = baton->waiting > 0;
+    pthread_mutex_unlock(&baton->lock);
+    return wanted;
+}
+
 /* Lets go of the baton (its holder calls this). */
 static void
 baton_give(Baton *baton)
@@ -3585,11 +3600,34 @@ serve_in_thread(void *argument)
         PyEval_RestoreThread(state);
         batch_settle(self, batch);
         Declined declined = {fd, NULL, self->thread_queue, 0};
-        if (!atomic_load(&self->thread_stopping)
-                && batch_handle(self, batch, got, &now, &declined) < 0) {
-            /* (a MemoryError, say: the datagram is lost, the client retries) */
-            self->thread_errors++;
-            PyErr_WriteUnraisable((PyObject *)self);
+        /* While the socket has more and the reactor thread does not wait
+         * for the baton, the next batches are handled before the GIL goes
+         * (up to THREAD_ROUNDS in all): when the reactor thread runs
+         * Python without the baton (domus.service.udp, released), each
+         * time the GIL changes hands costs a switch interval. */
+        for (int round = 1; !atomic_load(&self->thread_stopping); round++) {
+            if (batch_handle(self, batch, got, &now, &declined) < 0) {
+                /* (a MemoryError, say: the datagram is lost, the client
+                 * retries) */
+                self->thread_errors++;
+                PyErr_WriteUnraisable((PyObject *)self);
+                break;
+            }
+            if (empty || round >= THREAD_ROUNDS || baton_wanted(baton)) {
+                break;
+            }
+            batch_send(self, fd, batch);
+            batch_settle(self, batch);
+            got = batch_receive(fd, batch, BATCH_SIZE);
+            if (got <= 0) {
+                /* (none, or an error: the loop above reads again, and
+                 * waits or reports as it does for any read) */
+                got = 0;
+                empty = 0;
+                break;
+            }
+            empty = got < BATCH_SIZE;
+            clock_gettime(CLOCK_REALTIME, &now);
         }
         state = PyEval_SaveThread();
         baton_give(baton);

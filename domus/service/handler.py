@@ -32,6 +32,7 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from twisted.logger import Logger
@@ -449,30 +450,46 @@ class RequestHandler:
                           service=self.service_name, problem=str(exc))
         return given
 
-    def tend_storage(self) -> None:
+    def tend_storage(self, released: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                     held: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
         """What the service does on a short timer (SAMPLE_INTERVAL): look at
         the free space (the C path follows its state), give space back
         while the disk is at its reserve (what deletes free there, at most
         each RECLAIM_INTERVAL), and
-        open again what failed to open when its time has come."""
+        open again what failed to open when its time has come.
+        ``released``: a context in which looking runs (the service's
+        UdpServer.released: asking the filesystem and comparing change
+        nothing the C path reads), so that a timer with nothing to do
+        never stops the serving thread; ``held``: the context in which
+        acting runs (UdpServer.held, for a caller that runs it released)."""
         headroom = self.headroom
-        if headroom is not None:
-            was_full = headroom.full
-            if headroom.sample():
-                self.room_changed()
-            now = self._clock()
-            if headroom.state != ROOM_OK:
-                self._checkpoint()
-            if headroom.full and (not was_full or now - self._reclaimed >= RECLAIM_INTERVAL):
-                self._reclaimed = now
-                given = self.reclaim(start=not was_full)
-                if given:
-                    log.info("service {service}: gave {bytes} back to the filesystem from "
-                             "deleted records", service=self.service_name,
-                             bytes=describe_bytes(given))
-                    if headroom.sample():
-                        self.room_changed()
-        self.retry_storage()
+        with released():
+            space = headroom.measure() if headroom is not None else None
+            acting = any(hosted.needs_retry() for hosted in self.dhts.values()) or (
+                headroom is not None and (headroom.state != ROOM_OK
+                                          or headroom.state_for(space) != headroom.state))
+            if not acting:
+                if headroom is not None:
+                    headroom.sample(space)      # (the state stays: only the figures move)
+                return
+        with held():
+            if headroom is not None:
+                was_full = headroom.full
+                if headroom.sample(space):
+                    self.room_changed()
+                now = self._clock()
+                if headroom.state != ROOM_OK:
+                    self._checkpoint()
+                if headroom.full and (not was_full or now - self._reclaimed >= RECLAIM_INTERVAL):
+                    self._reclaimed = now
+                    given = self.reclaim(start=not was_full)
+                    if given:
+                        log.info("service {service}: gave {bytes} back to the filesystem from "
+                                 "deleted records", service=self.service_name,
+                                 bytes=describe_bytes(given))
+                        if headroom.sample():
+                            self.room_changed()
+            self.retry_storage()
 
     def retry_storage(self) -> list[str]:
         """Open again, when their time has come (RETRY_DELAYS, from the

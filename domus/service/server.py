@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from twisted.application.service import Service
@@ -110,6 +111,7 @@ class DomusService(Service):
         self._ports: list[Any] = []
         self.udp: UdpServer | None = None
         self._timers: list[task.LoopingCall] = []
+        self._phased: list[Any] = []        # the timers' delayed starts
         self._link_factory: Any = None
         self._stopping = False
         self.exit_code = 0
@@ -146,22 +148,31 @@ class DomusService(Service):
         # The reply cache rotates its generations every ttl/2; polling each
         # second keeps that within a second.
         expire = task.LoopingCall(self._expire)
-        expire.start(1.0, now=False)
-        heartbeat = task.LoopingCall(self._heartbeat)
-        heartbeat.start(self.heartbeat_interval, now=False)
+        # These two run released, Twisted's scheduling of them included (a
+        # reactor turn of cold code is a millisecond), and take the baton
+        # for what changes or reads what C does.
+        heartbeat = _ReleasedLoopingCall(self._released, self._heartbeat)
         # Disk DHTs without sync durability are flushed on this interval and
         # when the service stops.
         flush = task.LoopingCall(self._flush)
-        flush.start(FLUSH_INTERVAL, now=False)
         # Free space against the reserve, and stores that failed to open.
-        storage = task.LoopingCall(self._tend_storage)
+        storage = _ReleasedLoopingCall(self._released, self._tend_storage)
         storage.start(SAMPLE_INTERVAL, now=True)
+        # The others start out of step with it and with each other, so that
+        # no reactor turn runs two of them: the serving thread waits for
+        # the longest one, not for their sum (domus.service.udp).
+        for timer, interval, phase in ((heartbeat, self.heartbeat_interval, 0.05),
+                                       (expire, 1.0, 0.35), (flush, FLUSH_INTERVAL, 0.65)):
+            self._phased.append(reactor.callLater(phase, timer.start, interval, now=False))
         self._timers += [expire, heartbeat, flush, storage]
         self._connect_supervisor()
 
     def stopService(self) -> defer.Deferred:
         self._stopping = True
         self.peers.close()
+        for start in self._phased:
+            if start.active():
+                start.cancel()
         for timer in self._timers:
             if timer.running:
                 timer.stop()
@@ -177,9 +188,18 @@ class DomusService(Service):
         super().stopService()
         return defer.DeferredList(stops)
 
+    def _released(self) -> AbstractContextManager[None]:
+        """A context in which the reactor thread lets the serving thread
+        serve (UdpServer.released): for what changes nothing C reads."""
+        return self.udp.released() if self.udp is not None else nullcontext()
+
+    def _held(self) -> AbstractContextManager[None]:
+        """The baton again, inside ``_released`` (UdpServer.held)."""
+        return self.udp.held() if self.udp is not None else nullcontext()
+
     def _tend_storage(self) -> None:
         try:
-            self.handler.tend_storage()
+            self.handler.tend_storage(self._released, self._held)
         except Exception:       # a bug: say so, and keep the timer going
             log.failure("service {name}: watching its storage failed", name=self.service_name)
 
@@ -202,7 +222,22 @@ class DomusService(Service):
         self.handler.counters["unauthenticated"] += 1
 
     def link_made(self, link: MessageProtocol) -> None:
+        self._write_released(link.transport)
         link.authenticated.addCallbacks(self._authenticated, self._not_authenticated)
+
+    def _write_released(self, transport: Any) -> None:
+        """Have the reactor write to the supervisor's link without the
+        baton (UdpServer.released): a write only moves bytes to the socket,
+        and the heartbeat's, sent in the reactor turn after it, was a cold
+        loopback send of about a millisecond (the kernel hands the bytes to
+        the supervisor within it) that stopped the serving thread."""
+        write = transport.doWrite
+
+        def released_write() -> Any:
+            with self._released():
+                return write()
+
+        transport.doWrite = released_write
 
     def _not_authenticated(self, failure: Any) -> None:
         from twisted.internet import reactor
@@ -284,32 +319,43 @@ class DomusService(Service):
                          lease=FREEZE_LEASE)
 
     def _heartbeat(self) -> None:
-        load = self.sampler.sample(self.handler.requests, time.monotonic(),
-                                   self.handler.by_op[wire.OP_LOOKUP])
-        if self.handler.headroom is not None:
-            load.update(self.handler.headroom.report())
+        # Sampling the load (psutil: /proc) and writing to the supervisor's
+        # link change nothing the C path reads: the serving thread serves
+        # meanwhile.  What the stats read (repositories, buckets: Berkeley
+        # DB's stat lets the GIL go) it reads holding the baton.
+        with self._released():
+            load = self.sampler.sample(self.handler.requests, time.monotonic(),
+                                       self.handler.by_op[wire.OP_LOOKUP])
+            if self.handler.headroom is not None:
+                load.update(self.handler.headroom.report())
         if self.link is None or not self.registered:
             return
+        with self._held():
+            fields = self._heartbeat_stats()
+        with self._released():
+            beat = self.link.call("heartbeat", name=self.service_name, load=load,
+                                  stats=fields, timeout=max(5.0, 3 * self.heartbeat_interval))
+            beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: "
+                                                     "{error}", name=self.service_name,
+                                                     error=failure.getErrorMessage()))
+
+    def _heartbeat_stats(self) -> dict[str, Any]:
+        """What a heartbeat says of the requests, DHTs and buckets (read
+        holding the baton)."""
         stats = self.handler.stats()
         now = time.monotonic()
         hot = self.handler.bucket_load(now - self._sampled_since)
         self._sampled_since = now
-        beat = self.link.call("heartbeat", name=self.service_name, load=load,
-                              stats={"requests": stats["requests"], "malformed": stats["malformed"],
-                                     "errors": stats["errors"], "replayed": stats["replayed"],
-                                     "storage_errors": stats["storage_errors"],
-                                     "internal_errors": stats["internal_errors"],
-                                     "hot_path": stats["hot_path"],
-                                     "dhts": stats["dhts"],
-                                     "bucket_records": {
-                                         hosted.name: hosted.bucket_records()
-                                         for hosted in self.handler.dhts.values()},
-                                     "bucket_requests": hot,
-                                     "orphans": self.handler.holdings(unclaimed=True)},
-                              timeout=max(5.0, 3 * self.heartbeat_interval))
-        beat.addErrback(lambda failure: log.warn("service {name}: heartbeat failed: {error}",
-                                                 name=self.service_name,
-                                                 error=failure.getErrorMessage()))
+        return {"requests": stats["requests"], "malformed": stats["malformed"],
+                "errors": stats["errors"], "replayed": stats["replayed"],
+                "storage_errors": stats["storage_errors"],
+                "internal_errors": stats["internal_errors"],
+                "hot_path": stats["hot_path"],
+                "dhts": stats["dhts"],
+                "bucket_records": {hosted.name: hosted.bucket_records()
+                                   for hosted in self.handler.dhts.values()},
+                "bucket_requests": hot,
+                "orphans": self.handler.holdings(unclaimed=True)}
 
     def _supervisor_control(self, body: dict[str, Any], link: MessageProtocol) -> Any:
         op = body["op"]
@@ -575,6 +621,21 @@ class PeerLinks:
             if link.transport is not None:
                 link.transport.loseConnection()
         self._links.clear()
+
+
+class _ReleasedLoopingCall(task.LoopingCall):
+    """A LoopingCall whose every call, Twisted's scheduling of the next
+    included, runs in ``released()`` (the service's UdpServer.released):
+    for a timer that changes nothing the C path reads unless it takes the
+    baton back (UdpServer.held)."""
+
+    def __init__(self, released: Any, f: Any) -> None:
+        super().__init__(f)
+        self._released = released
+
+    def __call__(self) -> None:
+        with self._released():
+            super().__call__()
 
 
 class _SupervisorLinkFactory(protocol.ReconnectingClientFactory):

@@ -23,6 +23,23 @@ queued for the reactor thread, woken through an eventfd, and answered by
 the Python handler as before.  ``DOMUS_SERVE_THREAD=0`` in the environment
 (or ``UdpServer(..., serve_thread=False)``) keeps the socket on the reactor.
 
+**What runs without the baton.**  Holding the baton, the reactor thread
+stops the serving thread for as long as it runs Python: a timer that takes
+5 ms is a 5 ms stall for every request that arrives meanwhile, and a
+service's timers are cold code (on a VM, at a hundredth of their warm
+speed: milliseconds every 0.1 s to look at the free disk space, tens of
+milliseconds a second for the heartbeat's load sample: the p99 latency of
+a busy service).  So work that changes nothing the C path reads (sampling the
+process's and node's load, asking the filesystem for its free space,
+writing to the supervisor's link) runs inside ``UdpServer.released()``:
+the baton is let go of, and the serving thread handles batches
+meanwhile, taking the GIL from the reactor thread within Python's switch
+interval (5 ms; a lower one made things worse on a busy machine: a thread
+that lets the GIL go on a switch request waits until the other has taken
+it, and the serving thread then waited for the reactor thread to be
+scheduled).  Anything that touches what C reads (the fast table, repositories, the
+reply cache, a bucket's state) stays outside it.
+
 A datagram or reply that is lost (a full socket buffer, an ICMP error from
 an earlier peer) is counted and forgotten: the client retries it.
 
@@ -60,6 +77,8 @@ import select
 import socket
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from twisted.internet.interfaces import IReadDescriptor
@@ -274,6 +293,7 @@ class UdpServer:
         self.address = self.socket.getsockname()
         self._fd = self.socket.fileno()
         self._reactor: Any = None
+        self._baton: Any = None
         self.send_errors = 0        # Python-path counts; the C ones are in handler.fast
         self.recv_errors = 0
         self.bytes_received = 0     # datagrams read in Python (C counts those serve() reads)
@@ -296,7 +316,40 @@ class UdpServer:
         except BaseException:
             self._close_waker()
             raise
+        self._baton = baton
         self.threaded = True
+
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        """Run the body without the baton, so that the serving thread
+        serves meanwhile (see the module): for code on the reactor thread
+        that changes nothing the C path reads.  Without a serving thread,
+        or on a thread that does not hold the baton, it changes nothing."""
+        baton = self._baton if self.threaded else None
+        if baton is None or not baton.held:
+            yield
+            return
+        baton.release()
+        try:
+            yield
+        finally:
+            baton.acquire()
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Run the body holding the baton, from inside ``released()`` (a
+        timer that runs released takes it for what changes what the C path
+        reads).  Where the baton is held already, or there is none, it
+        changes nothing."""
+        baton = self._baton
+        if baton is None or baton.held:
+            yield
+            return
+        baton.acquire()
+        try:
+            yield
+        finally:
+            baton.release()
 
     def _close_waker(self) -> None:
         if self._waker is not None:

@@ -136,24 +136,40 @@ class Headroom:
         self.refused = 0            # puts refused at the reserve, ever
         self.sample()
 
-    def sample(self) -> bool:
-        """Ask the filesystem now; True if the state changed.  A data dir
-        that cannot be asked (gone, or its filesystem unmounted) keeps the
-        last answer."""
+    def measure(self) -> tuple[int, int] | None:
+        """(free, total) bytes under the data dir as the filesystem says
+        now, or None if it cannot be asked (the data dir gone, or its
+        filesystem unmounted).  Changes nothing here."""
         try:
-            free, total = self._space(self.path)
+            return self._space(self.path)
         except OSError:
+            return None
+
+    def state_for(self, space: tuple[int, int] | None) -> str:
+        """The state a sample that measured ``space`` would leave (the
+        state as it is if None).  Changes nothing."""
+        if space is None:
+            return self.state
+        free, total = space
+        reserve = self.reserve.bytes_of(total)
+        if free < reserve or (self.state == FULL and free < reserve + hysteresis(reserve)):
+            return FULL
+        if free < reserve + MARGIN:
+            return NEAR
+        return OK
+
+    def sample(self, space: tuple[int, int] | None | bool = True) -> bool:
+        """Take the filesystem's answer (asked now unless ``space``, a
+        ``measure()`` taken just before, is given); True if the state
+        changed.  A data dir that cannot be asked keeps the last answer."""
+        if space is True:
+            space = self.measure()
+        if space is None or space is False:
             return False
         before = self.state
-        self.free, self.total = free, total
-        self.reserve_bytes = self.reserve.bytes_of(total)
-        if free < self.reserve_bytes or (
-                before == FULL and free < self.reserve_bytes + hysteresis(self.reserve_bytes)):
-            self.state = FULL
-        elif free < self.reserve_bytes + MARGIN:
-            self.state = NEAR
-        else:
-            self.state = OK
+        self.state = self.state_for(space)
+        self.free, self.total = space
+        self.reserve_bytes = self.reserve.bytes_of(self.total)
         return self.state != before
 
     @property

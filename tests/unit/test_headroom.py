@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
+from contextlib import contextmanager
 
 import pytest
 
@@ -192,6 +193,85 @@ def test_near_the_reserve_the_c_path_leaves_puts_to_python_which_asks_the_disk(t
     handler.tend_storage()
     assert handler.handle_fast(request(wire.OP_PUT, key, b"y"))[2] == wire.ST_OK
     assert handler.fast.fallbacks == fallbacks          # and puts are back in C
+
+
+def test_the_timer_looks_at_the_disk_released_and_acts_only_holding_the_baton(tmp_path):
+    # The service runs tend_storage's looking inside UdpServer.released (the
+    # serving thread serves meanwhile); what changes what C reads (the fast
+    # table, once the state changes) runs after it, holding the baton again.
+    space = Space(1 << 40)
+    handler = watched(tmp_path, space)
+    inside = []
+    asked = []
+    fast_table_updates = []
+    update = handler._update_fast_table
+
+    def asking(path):
+        asked.append(bool(inside))
+        return space(path)
+
+    def updating(dht_id):
+        fast_table_updates.append(bool(inside))
+        update(dht_id)
+
+    handler.headroom._space = asking
+    handler._update_fast_table = updating
+
+    @contextmanager
+    def released():
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    handler.tend_storage(released)                  # nothing to do: all of it released
+    assert asked == [True] and fast_table_updates == []
+    space.free = 9 * MIB                            # near the reserve: the state changes
+    handler.tend_storage(released)
+    assert handler.headroom.state == headroom.NEAR
+    assert asked == [True, True] and fast_table_updates and not any(fast_table_updates)
+    assert handler.headroom.free == 9 * MIB
+    space.free = (1 << 40) - 1                      # back: changed again, held again
+    fast_table_updates.clear()
+    handler.tend_storage(released)
+    assert handler.headroom.state == headroom.OK and handler.headroom.free == (1 << 40) - 1
+    assert fast_table_updates and not any(fast_table_updates)
+    fast_table_updates.clear()
+    space.free = (1 << 40) - 2                      # no change: only the figures move
+    handler.tend_storage(released)
+    assert handler.headroom.free == (1 << 40) - 2 and fast_table_updates == []
+
+    # As the service's timer runs it: all of it released, acting held.
+    @contextmanager
+    def held():
+        inside.append(False)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    def timer():
+        with released():
+            handler.tend_storage(released, lambda: held())
+
+    def asking_in_timer(path):
+        asked.append(inside[-1])
+        return space(path)
+
+    def updating_in_timer(dht_id):
+        fast_table_updates.append(inside[-1])
+        update(dht_id)
+
+    asked.clear()
+    handler.headroom._space = asking_in_timer
+    handler._update_fast_table = updating_in_timer
+    timer()
+    assert asked == [True] and fast_table_updates == []
+    space.free = 9 * MIB
+    timer()
+    assert handler.headroom.state == headroom.NEAR
+    assert asked == [True, True] and fast_table_updates and not any(fast_table_updates)
 
 
 def test_a_bucket_is_not_staged_onto_a_service_at_its_reserve(tmp_path):

@@ -456,6 +456,132 @@ def test_no_request_is_served_while_the_reactor_thread_runs_python():
         server.stop()
 
 
+def test_the_serving_thread_serves_while_the_reactor_thread_runs_released():
+    # UdpServer.released: the reactor thread lets go of the baton for work
+    # that changes nothing C reads (the service's load sampling), and the
+    # serving thread answers meanwhile, taking the GIL from this thread.
+    handler = make_handler("c")
+    reactor = epoll_reactor()
+    server, client = threaded_server(handler, reactor)
+    baton = reactor._poller.baton
+    try:
+        client.send(request(wire.OP_PUT, 1, value=b"v"))
+        assert iterated(reactor, client, 1) == [wire.reply(wire.ST_OK, 1, b"\x01")]
+        assert baton.held
+        with server.released():
+            assert not baton.held
+            client.send(request(wire.OP_GET, 2))
+            deadline = time.monotonic() + 5
+            reply = None
+            while reply is None and time.monotonic() < deadline:    # Python keeps running
+                try:
+                    reply = client.recv(65536)
+                except BlockingIOError:
+                    sum(range(1000))
+            assert reply == wire.reply(wire.ST_OK, 2, b"v")
+            # a burst of several batches, handled while this thread runs
+            # Python: every one answered once
+            burst = [request(wire.OP_PUT, 100 + n, key=b"\x03b" + bytes([n]), value=b"x")
+                     for n in range(200)]
+            for data in burst:
+                client.send(data)
+            replies = []
+            deadline = time.monotonic() + 5
+            while len(replies) < len(burst) and time.monotonic() < deadline:
+                try:
+                    replies.append(client.recv(65536))
+                except BlockingIOError:
+                    sum(range(1000))
+            assert sorted(replies) == sorted(wire.reply(wire.ST_OK, 100 + n, b"\x01")
+                                             for n in range(200))
+            with server.held():                     # the baton again, for a while
+                assert baton.held
+                client.send(request(wire.OP_GET, 2))
+                ready, _, _ = select.select([client], [], [], 0.3)
+                assert ready == []
+            assert not baton.held
+            replies = []
+            while not replies and time.monotonic() < deadline + 5:
+                try:
+                    replies.append(client.recv(65536))
+                except BlockingIOError:
+                    sum(range(1000))
+            assert replies == [wire.reply(wire.ST_OK, 2, b"v")]
+        assert baton.held
+        with server.held():                         # (held already: nothing changes)
+            assert baton.held
+        assert baton.held
+        # Outside it, nothing is served until the reactor waits in epoll.
+        client.send(request(wire.OP_GET, 3))
+        ready, _, _ = select.select([client], [], [], 0.3)
+        assert ready == [] and handler.fast.requests == 203
+        assert iterated(reactor, client, 1) == [wire.reply(wire.ST_OK, 3, b"v")]
+        # An exception in the body still takes the baton back.
+        with pytest.raises(KeyError), server.released():
+            {}["missing"]
+        assert baton.held
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_a_service_samples_its_load_and_writes_to_its_supervisor_without_the_baton(tmp_path):
+    # What a service's heartbeat does that changes nothing C reads (the load
+    # sample, the write to the supervisor's link, which the reactor sends a
+    # turn later) runs released; the stats it reads from the repositories
+    # are read holding the baton.
+    from domus.service.server import DomusService
+    from domus.wire.control import MessageProtocol
+
+    service = DomusService(supervisor="127.0.0.1:1", listen="127.0.0.1:1",
+                           data_dir=str(tmp_path / "s1"), name="s1")
+    if service.handler.fast is None:
+        pytest.skip("the C hot path is off (DOMUS_PURE_PYTHON=1, or domus._hotpath not built)")
+    reactor = epoll_reactor()
+    service.udp = UdpServer(service.handler, "127.0.0.1", 0)
+    service.udp.start(reactor)
+    baton = reactor._poller.baton
+    seen = []
+
+    class Transport:
+        def doWrite(self):          # (the reactor calls it when the socket takes more)
+            seen.append(("write", baton.held))
+
+    try:
+        link = MessageProtocol()
+        link.transport, link.clock = Transport(), reactor
+        service.link_made(link)
+        sample, stats = service.sampler.sample, service.handler.stats
+        service.sampler.sample = lambda *args: seen.append(("sample", baton.held)) or sample(*args)
+        service.handler.stats = lambda: seen.append(("stats", baton.held)) or stats()
+        service.link, service.registered = link, True
+        service._heartbeat()
+        link.transport.doWrite()
+        assert seen == [("sample", False), ("stats", True), ("write", False)]
+        assert baton.held and len(link._held) == 1      # (the heartbeat, queued to send)
+        # As its timer runs it: released, the stats read holding the baton.
+        seen.clear()
+        with service._released():
+            service._heartbeat()
+            assert not baton.held
+        assert seen == [("sample", False), ("stats", True)] and len(link._held) == 2
+    finally:
+        service.udp.stop()
+
+
+def test_released_without_a_serving_thread_changes_nothing():
+    handler = make_handler("c")
+    reactor = epoll_reactor()
+    server, client = threaded_server(handler, reactor, serve_thread=False)
+    try:
+        with server.released():                    # (no baton: the body just runs)
+            client.send(request(wire.OP_GET, 1))
+        assert iterated(reactor, client, 1) == [wire.reply(wire.ST_NOT_FOUND, 1)]
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_the_serving_thread_can_be_switched_off():
     handler = make_handler("c")
     reactor = epoll_reactor()
