@@ -349,7 +349,13 @@ def test_a_reply_read_from_inside_a_task_wakes_the_other_task_later(service_with
     does not, but nothing forbids it): a reply that wakes another task is
     then scheduled for the loop's next turn, never stepped inside the
     running task (asyncio forbids entering a task from another)."""
-    service = service_with(answering)
+    go = threading.Event()
+
+    def when_told(datagram: bytes, tries: int) -> list[bytes]:
+        go.wait(5)          # (the reply must not come while the loop polls)
+        return answering(datagram, tries)
+
+    service = service_with(when_told)
 
     async def job(requests: DatagramRequests) -> None:
         channel = channel_to(requests, service)
@@ -360,6 +366,7 @@ def test_a_reply_read_from_inside_a_task_wakes_the_other_task_later(service_with
 
         awaiting = asyncio.ensure_future(waiting())
         await asyncio.sleep(0)          # (the task is awaiting the reply)
+        go.set()                        # (from here this task does not yield until read)
         deadline = time.monotonic() + 5
         while requests.pending and time.monotonic() < deadline:
             requests._readable()       # (from inside this task)
