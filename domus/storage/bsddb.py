@@ -154,8 +154,11 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
         self.cache_bytes = cache_bytes
         # Counted once at open, then kept: DB->stat is a walk, or a guess.
         self.record_count = sum(1 for _ in self._keys())
-        # Its records when ``reclaim`` last looked (None: not yet).
-        self.reclaimed_at: int | None = None
+        # Its records when ``reclaim`` last looked, or when it opened: a
+        # bucket opened at the reserve (a service started again there) has
+        # the pages of what is deleted from it given back, even when the
+        # deletes come before the storage timer's first look at it.
+        self.reclaimed_at: int = self.record_count
 
     def _fault(self, exc: BaseException) -> StorageFault:
         found = fault(self.label, exc, self.where, self.cache_bytes)
@@ -598,7 +601,8 @@ class BerkeleyStore(Store):
 
     def reclaim(self, start: bool = False) -> int:
         """Checkpoint (a sync store: its old log files go), then compact
-        each database that lost records since the last call, so that the
+        each database that lost records since the last call (or since it
+        opened, if this is its first), so that the
         pages its deleted records freed go back to the filesystem (``start``:
         only note the records of each).  Only those: compacting moves
         records, which is logged, and the log is written inside the
@@ -613,8 +617,7 @@ class BerkeleyStore(Store):
             failures.append(str(exc))
         given = 0
         for repo in self._repos.values():
-            if not start and repo.reclaimed_at is not None \
-                    and repo.record_count < repo.reclaimed_at:
+            if not start and repo.record_count < repo.reclaimed_at:
                 try:
                     given += repo.reclaim()
                 except StorageFault as exc:

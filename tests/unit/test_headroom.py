@@ -274,6 +274,45 @@ def test_the_timer_looks_at_the_disk_released_and_acts_only_holding_the_baton(tm
     assert asked == [True, True] and fast_table_updates and not any(fast_table_updates)
 
 
+def database_bytes(tmp_path):
+    home = dht_home(str(tmp_path), DHT_ID)
+    return sum(os.path.getsize(os.path.join(home, name)) for name in os.listdir(home)
+               if not name.startswith(("log.", "__db")))
+
+
+def test_deletes_before_the_timer_first_sees_a_restarted_dhts_buckets_are_given_back(tmp_path):
+    """A service that starts again at its reserve: its storage timer first
+    runs before the supervisor hands it its DHTs, and the job deletes
+    records before the timer's next look.  Those deletes still give their
+    pages back (a bucket's records are counted when it opens, not when the
+    timer first sees it), so the disk leaves its reserve by itself."""
+    space = Space(1 << 40)
+    first = watched(tmp_path, space)
+    keys = [encode_key(number) for number in range(3000)]
+    for key in keys:
+        assert first.handle_fast(request(wire.OP_PUT, key, b"v" * 1000))[2] == wire.ST_OK
+    first.close()
+
+    clock = Clock()
+    space.free = 8 * MIB - 1                # (at the reserve from the start)
+    handler = RequestHandler("s1", data_dir=str(tmp_path), clock=clock)
+    handler.headroom = Headroom(str(tmp_path), Reserve(size=8 * MIB), "s1", space)
+    assert handler.headroom.full
+    handler.tend_storage()                  # (the first tick: no DHT here yet)
+    handler.assign(descriptor())
+    before = database_bytes(tmp_path)
+    for key in keys[:2500]:
+        assert handler.handle_fast(request(wire.OP_DELETE, key))[2] == wire.ST_OK
+    for _tick in range(3):
+        clock.now += RECLAIM_INTERVAL
+        handler.tend_storage()
+    assert database_bytes(tmp_path) < before / 2, (before, database_bytes(tmp_path))
+    for key in keys[2500:]:
+        assert status_and_message(handler.handle_fast(request(wire.OP_GET, key))) == (
+            wire.ST_OK, b"v" * 1000)
+    handler.close()
+
+
 def test_a_bucket_is_not_staged_onto_a_service_at_its_reserve(tmp_path):
     space = Space(1 << 40)
     handler = watched(tmp_path, space)
