@@ -1052,15 +1052,26 @@ run_redis_phase(Worker *w, uint64_t until, double rate)
             sent++;
         }
         w->sent += (uint64_t)sent;
-        int wait_ms = 10;
+        /* Wait for a reply or the next send, to the nanosecond (ppoll on
+         * the epoll descriptor), as the Domus path does: epoll_wait's
+         * millisecond timeout of 0 for a send due within a millisecond
+         * would spin, and a spinning client sees replies sooner than a
+         * sleeping one, which would make the two curves unlike. */
+        uint64_t wait_ns = 10000000ull;
         if (sending && interval > 0 && w->free_count > 0) {
             uint64_t due = next_intended > now ? next_intended - now : 0;
-            wait_ms = (int)(due / 1000000ull);
-            if (wait_ms > 10) {
-                wait_ms = 10;
+            if (due < wait_ns) {
+                wait_ns = due;
             }
         }
-        int ready = epoll_wait(watch, events, BATCH, wait_ms);
+        int ready = epoll_wait(watch, events, BATCH, 0);
+        if (ready == 0 && wait_ns > 0) {
+            struct timespec pause = {(time_t)(wait_ns / 1000000000ull),
+                                     (long)(wait_ns % 1000000000ull)};
+            struct pollfd readable = {watch, POLLIN, 0};
+            ppoll(&readable, 1, &pause, NULL);
+            ready = epoll_wait(watch, events, BATCH, 0);
+        }
         if (ready <= 0) {
             continue;
         }
