@@ -100,21 +100,42 @@ def _random_seed() -> int:
     return int.from_bytes(os.urandom(8), "big")
 
 
-class ReplyCache:
+class _Rotating:
+    """Rotation by time, for both caches: ``rotate`` every ``ttl / 2``
+    seconds, polled by ``expire`` (the cache's own ``rotate`` calls
+    ``_rotated`` once it has turned its generations)."""
+
+    def _start(self, ttl: float, max_entries: int, clock: Callable[[], float]) -> None:
+        _check(ttl, max_entries)
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._clock = clock
+        self._next_rotation = clock() + ttl / 2
+
+    def _rotated(self) -> None:
+        self._next_rotation = self._clock() + self.ttl / 2
+
+    rotate: Callable[[], int]       # (each cache's own)
+
+    def expire(self) -> int:
+        """Rotate if ``ttl / 2`` has passed since the last rotation; called
+        from a timer.  Returns how many entries were forgotten."""
+        if self._clock() < self._next_rotation:
+            return 0
+        return self.rotate()
+
+
+class ReplyCache(_Rotating):
     """The pure-Python reply cache: two dicts (see the module's doc)."""
 
     def __init__(self, ttl: float = DEFAULT_TTL, max_entries: int = DEFAULT_MAX_ENTRIES,
                  clock: Callable[[], float] = time.monotonic, seed: int | None = None) -> None:
-        _check(ttl, max_entries)
-        self.ttl = ttl
-        self.max_entries = max_entries
+        self._start(ttl, max_entries, clock)
         # The most entries the current generation holds; past it, changes
         # are refused (BUSY) until the next rotation, in C and here alike.
         self.current_limit = max_entries // 2
         self.seed = _random_seed() if seed is None else seed
-        self._clock = clock
         self.generations: list[dict[bytes, bytes]] = [{}, {}]
-        self._next_rotation = clock() + ttl / 2
         self.refused = 0
         self.hits = 0
 
@@ -163,15 +184,8 @@ class ReplyCache:
         dropped = len(generations[1])
         generations[1] = generations[0]
         generations[0] = {}
-        self._next_rotation = self._clock() + self.ttl / 2
+        self._rotated()
         return dropped
-
-    def expire(self) -> int:
-        """Rotate if ``ttl / 2`` has passed since the last rotation; called
-        from a timer.  Returns how many entries were forgotten."""
-        if self._clock() < self._next_rotation:
-            return 0
-        return self.rotate()
 
     def __len__(self) -> int:
         current, previous = self.generations
@@ -189,7 +203,7 @@ class ReplyCache:
 
 
 if hotpath.ReplyTables is not None:
-    class CompactReplyCache(hotpath.ReplyTables):  # type: ignore[misc, name-defined]
+    class CompactReplyCache(_Rotating, hotpath.ReplyTables):  # type: ignore[misc, name-defined]
         """The reply cache in C (``domus._hotpath.ReplyCache``'s tables; see
         the module's doc), with the same constructor, methods and contract
         as ``ReplyCache``; the C path reads and fills it itself."""
@@ -197,27 +211,16 @@ if hotpath.ReplyTables is not None:
         def __init__(self, ttl: float = DEFAULT_TTL, max_entries: int = DEFAULT_MAX_ENTRIES,
                      clock: Callable[[], float] = time.monotonic,
                      seed: int | None = None) -> None:
-            _check(ttl, max_entries)
+            self._start(ttl, max_entries, clock)      # (checks them first)
             super().__init__(max_entries // 2, _random_seed() if seed is None else seed)
-            self.ttl = ttl
-            self.max_entries = max_entries
-            self._clock = clock
-            self._next_rotation = clock() + ttl / 2
 
         def rotate(self) -> int:
             """Forget the previous generation (its tables are freed whole) and
             start a new current one; returns how many entries were
             forgotten."""
             dropped: int = super().rotate()
-            self._next_rotation = self._clock() + self.ttl / 2
+            self._rotated()
             return dropped
-
-        def expire(self) -> int:
-            """Rotate if ``ttl / 2`` has passed since the last rotation; called
-            from a timer.  Returns how many entries were forgotten."""
-            if self._clock() < self._next_rotation:
-                return 0
-            return self.rotate()
 else:
     CompactReplyCache = None
 
