@@ -470,12 +470,12 @@ class RequestHandler:
                                           or headroom.state_for(space) != headroom.state))
             if not acting:
                 if headroom is not None:
-                    headroom.sample(space)      # (the state stays: only the figures move)
+                    headroom.take(space)        # (the state stays: only the figures move)
                 return
         with held():
             if headroom is not None:
                 was_full = headroom.full
-                if headroom.sample(space):
+                if headroom.take(space):
                     self.room_changed()
                 now = self._clock()
                 if headroom.state != ROOM_OK:

@@ -158,13 +158,16 @@ class Headroom:
             return NEAR
         return OK
 
-    def sample(self, space: tuple[int, int] | None | bool = True) -> bool:
-        """Take the filesystem's answer (asked now unless ``space``, a
-        ``measure()`` taken just before, is given); True if the state
-        changed.  A data dir that cannot be asked keeps the last answer."""
-        if space is True:
-            space = self.measure()
-        if space is None or space is False:
+    def sample(self) -> bool:
+        """Ask the filesystem now and take its answer (``take``); True if
+        the state changed."""
+        return self.take(self.measure())
+
+    def take(self, space: tuple[int, int] | None) -> bool:
+        """Take ``space``, a ``measure()`` made just before; True if the
+        state changed.  None (the data dir could not be asked) keeps the
+        last answer."""
+        if space is None:
             return False
         before = self.state
         self.state = self.state_for(space)
