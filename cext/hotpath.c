@@ -1357,20 +1357,22 @@ rc_patch(ReplyCache *cache, const unsigned char *key, size_t at,
     }
 }
 
-/* Takes the reply kept under `key` back out (its change failed). */
-static void
+/* Takes the reply kept under `key` back out (its change failed); whether
+ * there was one. */
+static int
 rc_remove(ReplyCache *cache, const unsigned char *key)
 {
     int big;
     RcTable *table;
     unsigned char *slot = rc_lookup(cache, key, &big, &table);
     if (slot == NULL) {
-        return;
+        return 0;
     }
     if (big) {
         rc_free_buffer(slot, cache);
     }
     rc_erase(table, key, rc_hash(key));
+    return 1;
 }
 
 /* Drops the previous generation and makes the current one previous;
@@ -2427,10 +2429,7 @@ ReplyCache_discard(ReplyCache *self, PyObject *key)
     if (bytes == NULL) {
         return NULL;
     }
-    int big;
-    int kept = rc_lookup(self, bytes, &big, NULL) != NULL;
-    rc_remove(self, bytes);
-    return PyBool_FromLong(kept);
+    return PyBool_FromLong(rc_remove(self, bytes));
 }
 
 PyDoc_STRVAR(ReplyCache_full_doc,

@@ -204,7 +204,7 @@ class _Reply(asyncio.Future):
         """Set the result and run the callbacks now: only from a loop
         callback, outside any task."""
         super().set_result(reply)
-        waiters, self.waiters = self.waiters, []
+        waiters = self._taken()
         loop = self.get_loop()
         if asyncio.current_task(loop) is not None:
             self._schedule(waiters)

@@ -60,9 +60,9 @@ class EventedChannel:
     client's shared UDP socket (its ``requests``, a datagram layer of the
     client's own, with domus.client.transport's retry rule and this
     channel's window), or over the channel's own TCP connection when a
-    message does not fit a datagram.  A subclass supplies ``_request_tcp``
-    (one TCP exchange, reconnecting once) and its loop's clock and sleep
-    (``_clock``, ``_pause``)."""
+    message does not fit a datagram.  A subclass supplies ``request_tcp``
+    (one TCP exchange, reconnecting once), and gives ``_while_busy`` its
+    loop's clock and sleep."""
 
     def __init__(self, name: str, address: str, *, requests: Any, deadline: float,
                  first_timeout: float = FIRST_TIMEOUT, keys: Keys | None = None) -> None:
