@@ -29,9 +29,9 @@ UDP_REPLY_FACTOR = 16
 # The reply cache (domus.service.replycache): entries in its two generations
 # together; the current one takes half, so changes past REPLY_CACHE_ENTRIES / 2
 # in 15 s (MAX_DEADLINE) are answered BUSY.  8,000,000 is 266,667 changes a
-# second sustained, above what one service applies at its peak (some
-# 240,000-250,000 single puts a second: benchmarks.capacity), so a service
-# is never refused BUSY for its cache below its peak.  The C cache (the
+# second sustained, near what one service applies at its peak on the 2-core
+# development VM (benchmarks.capacity: docs/operations.md, Bounds, says
+# what that means and when to raise it).  The C cache (the
 # one a service with the C path uses) keeps a single-key change's reply in
 # 24 bytes, 30 with the table's slack when full: 240 MB at most, and only
 # at that rate (the pure-Python one, about 155 bytes an entry, 1.2 GB).

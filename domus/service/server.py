@@ -148,9 +148,9 @@ class DomusService(Service):
         # The reply cache rotates its generations every ttl/2; polling each
         # second keeps that within a second.
         expire = task.LoopingCall(self._expire)
-        # These two run released, Twisted's scheduling of them included (a
-        # reactor turn of cold code is a millisecond), and take the baton
-        # for what changes or reads what C does.
+        # These two run released, Twisted's scheduling of them included (cold
+        # code, slow), and take the baton for what changes or reads what C
+        # does.
         heartbeat = _ReleasedLoopingCall(self._released, self._heartbeat)
         # Disk DHTs without sync durability are flushed on this interval and
         # when the service stops.
@@ -228,9 +228,9 @@ class DomusService(Service):
     def _write_released(self, transport: Any) -> None:
         """Have the reactor write to the supervisor's link without the
         baton (UdpServer.released): a write only moves bytes to the socket,
-        and the heartbeat's, sent in the reactor turn after it, was a cold
-        loopback send of about a millisecond (the kernel hands the bytes to
-        the supervisor within it) that stopped the serving thread."""
+        and the heartbeat's, sent in the reactor turn after it, is a cold
+        send (the kernel hands the bytes to the supervisor within it) that
+        would stop the serving thread."""
         write = transport.doWrite
 
         def released_write() -> Any:
