@@ -464,11 +464,12 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             except Renumbered:          # the DHT was resized: hash the key anew
                 return self._keyed_request(op, key, value)
             except ServiceUnavailable as exc:
-                # (A replicated bucket's primary died while this request went
-                # its course: to its backup, once promoted, as it was.)
+                # (The service it went to is gone and the bucket stored
+                # elsewhere now: drained and removed, or a replicated
+                # bucket's primary died and its backup was promoted.  Sent
+                # again as it was.)
                 dead = self.cluster.channel(exc.service, exc.address) if exc.service else None
-                if (dead is None or not self.replicated
-                        or not self._owner_moved(bucket, dead, count)):
+                if dead is None or not self._owner_moved(bucket, dead, count):
                     raise
                 encode = self._encoder(op, key, value, encode.last)
                 first, skip = None, 0
@@ -686,18 +687,18 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         return state.found
 
     def _exchange(self, requests: list[tuple[ServiceChannel, bytes]]) -> list[bytes] | None:
-        """A batch's round trip; None when a replicated bucket's primary
-        was dead and its backup has taken over (the batch goes again: its
-        changes apply the same values again)."""
+        """A batch's round trip; None when a service it went to is gone and
+        its buckets are stored elsewhere now (a replicated bucket's backup
+        took over, or the service was drained and removed): the batch goes
+        again, its changes applying the same values again."""
         try:
             return exchange(requests, self.name)
         except ServiceUnavailable as exc:
-            if not (self.replicated and exc.service):
+            if not exc.service:
                 raise
             dead = self.cluster.channel(exc.service, exc.address)
-            buckets = [bucket for bucket in range(self.bucket_count)
-                       if self._owners[bucket] is dead] if self.bucket_count <= 1 << 16 else []
-            if not buckets or not self._owner_moved(buckets[0], dead, self.bucket_count):
+            bucket = self._dead_service(dead)
+            if bucket is not None and not self._owner_moved(bucket, dead, self.bucket_count):
                 raise
             return None
 

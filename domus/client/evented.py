@@ -203,10 +203,10 @@ class EventedDht(DirectLookup[Channel]):
             except Renumbered:          # the DHT was resized: hash the key anew
                 return await self._request(op, key, value)
             except ServiceUnavailable as exc:
-                # (As the synchronous client: to a promoted backup, as it was.)
+                # (As the synchronous client: to where the bucket is now, as it was.)
                 dead = self.cluster.channel(exc.service, exc.address) if exc.service else None
-                if (dead is None or not self.replicated
-                        or not await self._owner_moved(self._fetches, bucket, dead, count)):
+                if dead is None or not await self._owner_moved(self._fetches, bucket, dead,
+                                                               count):
                     raise
                 encode = self._encoder(op, key, value, encode.last)
                 first, skip, mark = None, 0, self._fetches
@@ -284,21 +284,20 @@ class EventedDht(DirectLookup[Channel]):
         return self._gather([channel.request(message, self.name) for channel, message in requests])
 
     async def _round(self, requests: list[tuple[Channel, bytes]]) -> list[bytes] | None:
-        """A batch's round trip; None when a replicated bucket's primary
-        was dead and its backup has taken over (as the synchronous client's
+        """A batch's round trip; None when a service it went to is gone and
+        its buckets are stored elsewhere now (as the synchronous client's
         _exchange: the batch goes again, its changes applying the same
         values again)."""
         mark = self._fetches
         try:
             return await self._exchange(requests)
         except ServiceUnavailable as exc:
-            if not (self.replicated and exc.service):
+            if not exc.service:
                 raise
             dead = self.cluster.channel(exc.service, exc.address)
-            buckets = [bucket for bucket in range(self.bucket_count)
-                       if self._owners[bucket] is dead] if self.bucket_count <= 1 << 16 else []
-            if not buckets or not await self._owner_moved(mark, buckets[0], dead,
-                                                          self.bucket_count):
+            bucket = self._dead_service(dead)
+            if bucket is not None and not await self._owner_moved(mark, bucket, dead,
+                                                                  self.bucket_count):
                 raise
             return None
 

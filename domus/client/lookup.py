@@ -637,6 +637,19 @@ class DirectLookup(Generic[Channel]):
         except KeyError:        # (emptied by another thread meanwhile)
             pass
 
+    def _dead_service(self, dead: Channel) -> int | None:
+        """After ``dead``'s service failed to answer: forget the cached
+        entries through it, and say the first bucket the layout has on it
+        (None if the layout has none there: whatever sent the request there
+        was out of date, and the layout's owners are the ones to try)."""
+        cache = self._cache
+        for bucket, (router, storage) in list(cache.items()):
+            if router is dead or storage is dead:
+                cache.pop(bucket, None)
+        owners = self._owners
+        return next((bucket for bucket in range(self.bucket_count) if owners[bucket] is dead),
+                    None)
+
     def _nearest_cached(self, target: int) -> tuple[Channel, int] | None:
         """(routing channel, bucket) of the cached entry nearest ``target``
         in the routing graph (among the first NEAR_PROBES candidates; else

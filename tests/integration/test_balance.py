@@ -280,19 +280,25 @@ def test_a_client_whose_layout_names_a_removed_service_finds_the_new_owners(depl
     """A job's client learnt the layout while s3 held buckets; s3 is then
     drained and removed.  Every key is still written and read through
     that client, whatever its lookup strategy: a request that finds s3
-    gone asks the supervisor where its bucket is now and goes there."""
+    gone asks the supervisor where its bucket is now and goes there.  The
+    same for a batch sent first on such a stale layout."""
     with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
         cluster.create_dht("leaving", buckets=32)
-        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as job:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as job, \
+                domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as other:
             dht = job.open_dht("leaving", lookup=lookup)
+            batches = other.open_dht("leaving", lookup=lookup)
             keys = list(range(400))
             for key in keys:
                 dht[key] = key
             assert any(owner_of(dht, key) == "s3" for key in keys)
+            assert batches.get_many(keys) == {key: key for key in keys}
             cluster.drain_service("s3")
             cluster.remove_service("s3")
             wait_until(lambda: deployment.services["s3"].poll() is not None, timeout=30,
                        what="the removed service to stop")
+            batches.put_many({key: 2 * key for key in keys})
+            assert batches.get_many(keys) == {key: 2 * key for key in keys}
             for key in keys:
                 dht[key] = -key
             assert dht.get_many(keys) == {key: -key for key in keys}

@@ -172,11 +172,24 @@ def test_blocking_batches_wait_for_the_new_primary_too(failing_over):
 
 
 def test_blocking_batches_of_a_dht_with_one_copy_do_not_wait(failing_over):
-    dht, sent, backup = failing_over(copies=1, old_answers=1, timeout=2.0)
+    """One copy: a batch that meets a dead service asks the supervisor once
+    whether its buckets are elsewhere now; they are not, so it fails at
+    once (no waiting for a promotion that cannot come)."""
+    dht, sent, backup = failing_over(copies=1, old_answers=10, timeout=2.0)
     for batch in (lambda: dht.put_many({"apple": 1}), lambda: dht.get_many(["apple"])):
         with pytest.raises(ServiceUnavailable):
             batch()
-    assert dht.cluster.supervisor.calls == 0 and backup.received == []
+    assert dht.cluster.supervisor.calls == 2 and backup.received == []
+
+
+def test_blocking_batches_of_a_dht_with_one_copy_follow_a_drained_service(failing_over):
+    """One copy, and the service a batch went to was drained and removed
+    since the client learnt the layout: the batch asks the supervisor,
+    which names the new owner, and goes there as it was."""
+    dht, _sent, backup = failing_over(copies=1, old_answers=0, timeout=2.0)
+    assert dht.put_many({"apple": 1, "pear": 2}) == 2
+    assert dht.get_many(["apple", "pear"]) == {"apple": "v", "pear": "v"}
+    assert len(backup.received) == 2 and dht.cluster.supervisor.calls == 1
 
 
 # ------------------------------------------------------------ the Twisted client
