@@ -450,13 +450,13 @@ find_buckets(FastPath *self, uint32_t dht_id, unsigned char numbering,
     if (numbering != 0 && numbering != (unsigned char)(layout >> 8)) {
         return DECLINED;
     }
+    PyObject *holders = PyTuple_GET_SIZE(found) == 3 ? PyTuple_GET_ITEM(found, 2) : NULL;
+    self->holders = holders != NULL && PyDict_Check(holders) ? holders : NULL;
+    self->found_layout = layout;        /* (before a decline: handle_change reads it) */
     if (changing && ((layout & LAYOUT_GUARDED)
                      || ((layout & LAYOUT_REPLICATED) && !self->apply_replicated))) {
         return DECLINED;
     }
-    PyObject *holders = PyTuple_GET_SIZE(found) == 3 ? PyTuple_GET_ITEM(found, 2) : NULL;
-    self->holders = holders != NULL && PyDict_Check(holders) ? holders : NULL;
-    self->found_layout = layout;
     self->layout_tag = (unsigned char)(layout & 0xFF);
     *buckets = PyTuple_GET_ITEM(found, 0);
     return HANDLED;
@@ -2049,7 +2049,15 @@ handle_change(FastPath *self, int op, const unsigned char *data,
     if (self->forwards == NULL || op == OP_PUT_MANY) {
         return apply_change(self, op, data, size, reply);
     }
-    int result = forward_change(self, op, data, size, reply);
+    /* (tried as any change first: a replicated DHT's is declined, and
+     * says so in found_layout; so an unreplicated change costs no more) */
+    self->found_layout = 0;
+    int result = apply_change(self, op, data, size, reply);
+    if (result != DECLINED || (self->found_layout & (LAYOUT_REPLICATED | LAYOUT_GUARDED))
+            != LAYOUT_REPLICATED) {
+        return result;
+    }
+    result = forward_change(self, op, data, size, reply);
     if (result != APPLY_HERE) {
         return result;
     }
