@@ -1,13 +1,16 @@
 """What copies cost, and how long writes wait when a service dies.
 
     python -m benchmarks.replication [--services 4] [--clients 1,4] [--seconds 4]
-                                     [--json FILE]
+                                     [--rounds 3] [--json FILE]
 
-1. *Throughput.*  One deployment of ``--services`` services; for each
-   ``replicas`` of 1, 2 and 3, a RAM DHT (64 buckets per service), then for
-   each number of client processes in ``--clients``: put1 (one put of a new
-   int key per round trip) for ``--seconds``, then get of those keys.
-   Prints puts and gets per second, and each as a ratio to replicas=1.
+1. *Throughput.*  One deployment of ``--services`` services and a RAM DHT
+   (64 buckets per service) for each ``replicas`` of 1, 2 and 3; for each
+   number of client processes in ``--clients``, ``--rounds`` rounds, each
+   measuring the three DHTs in turn: put1 (one put of a new int key per
+   round trip) for ``--seconds``, then get of those keys.  Prints the
+   median puts and gets per second, and the median of each round's ratio
+   to replicas=1 (the DHTs are measured side by side, so that a machine
+   whose speed drifts, as a shared VM's does, moves all three alike).
 2. *The failover window.*  A replicas=2 DHT on a fresh deployment; 4
    writer processes put continuously, noting when each put was sent and
    when it was acknowledged; one service is killed with SIGKILL.  The
@@ -23,6 +26,7 @@ import json
 import multiprocessing
 import os
 import signal
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -137,6 +141,7 @@ def main() -> None:
     parser.add_argument("--services", type=int, default=4)
     parser.add_argument("--clients", default="1,4")
     parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     client_counts = [int(part) for part in args.clients.split(",")]
@@ -150,21 +155,28 @@ def main() -> None:
                 deployment.connect(timeout=15) as cluster:
             os.environ.update(deployment.environment())   # (workers find its secret)
             for copies in (1, 2, 3):
-                name = f"r{copies}"
-                cluster.create_dht(name, buckets=64 * args.services, replicas=copies)
-                for clients in client_counts:
-                    measured = throughput(deployment.supervisor_address, name, clients,
-                                          args.seconds)
-                    rows.append({"replicas": copies, "clients": clients, **measured})
-                cluster.destroy_dht(name)
+                cluster.create_dht(f"r{copies}", buckets=64 * args.services, replicas=copies)
+            for clients in client_counts:
+                rounds = [{copies: throughput(deployment.supervisor_address, f"r{copies}",
+                                              clients, args.seconds)
+                           for copies in (1, 2, 3)} for _ in range(args.rounds)]
+                for copies in (1, 2, 3):
+                    rows.append({
+                        "replicas": copies, "clients": clients,
+                        "put_per_s": statistics.median(one[copies]["put_per_s"]
+                                                       for one in rounds),
+                        "get_per_s": statistics.median(one[copies]["get_per_s"]
+                                                       for one in rounds),
+                        "put_ratio": statistics.median(one[copies]["put_per_s"]
+                                                       / one[1]["put_per_s"] for one in rounds),
+                        "get_ratio": statistics.median(one[copies]["get_per_s"]
+                                                       / one[1]["get_per_s"] for one in rounds),
+                        "rounds": [one[copies] for one in rounds]})
     print(f"throughput: {args.services} services, RAM DHTs, put1 then get, "
-          f"{args.seconds:g} s each")
+          f"{args.seconds:g} s each, medians of {args.rounds} rounds")
     print(f"  {'replicas':>8} {'clients':>7} {'puts/s':>10} {'ratio':>6} {'gets/s':>10} "
           f"{'ratio':>6}")
-    for row in rows:
-        base = next(r for r in rows if r["replicas"] == 1 and r["clients"] == row["clients"])
-        row["put_ratio"] = row["put_per_s"] / base["put_per_s"]
-        row["get_ratio"] = row["get_per_s"] / base["get_per_s"]
+    for row in sorted(rows, key=lambda row: (row["replicas"], row["clients"])):
         print(f"  {row['replicas']:>8} {row['clients']:>7} {row['put_per_s']:>10,.0f} "
               f"{row['put_ratio']:>6.2f} {row['get_per_s']:>10,.0f} {row['get_ratio']:>6.2f}")
     with tempfile.TemporaryDirectory() as data_dir:

@@ -256,7 +256,6 @@ typedef struct {
     unsigned long long forward_resends; /* REPLICATEs sent again (no answer in time) */
     unsigned long long forward_failures;/* changes failed: a backup did not take them */
     unsigned long long replicated;      /* REPLICATEs applied here as a backup, in C */
-    unsigned long long stray_answers;   /* backups' answers to nothing in flight */
     long long spin_ns;                  /* the serving thread reads this long before it sleeps */
     unsigned long long spun;            /* batches it read so, without sleeping */
 } FastPath;
@@ -3857,9 +3856,11 @@ forwards_due(FastPath *self)
     return forwards_tick(self, forwards);
 }
 
-/* A datagram with a reply's magic, on a service that forwards: a backup's
- * answer to a REPLICATE (anything else is dropped, counted as a stray).
- * `size` is the whole datagram's.  0, or -1 with an exception set. */
+/* A datagram with a reply's magic, on a service that forwards: 1 if it is
+ * a backup's answer to a REPLICATE in flight (taken), 0 if not (it goes
+ * the way of any datagram: the Python handler counts it malformed, as a
+ * late answer to a REPLICATE sent twice is), or -1 with an exception set.
+ * `size` is the whole datagram's. */
 static int
 forward_answered(FastPath *self, const unsigned char *data, Py_ssize_t size,
                  const struct sockaddr_storage *peer)
@@ -3867,7 +3868,6 @@ forward_answered(FastPath *self, const unsigned char *data, Py_ssize_t size,
     Forwards *forwards = self->forwards;
     Py_ssize_t length = size - (self->keyed ? REPLY_TRAILER : 0);
     if (length < REPLY_HEADER_SIZE) {
-        self->stray_answers++;
         return 0;
     }
     uint32_t id = read_u32(data + 4);
@@ -3875,7 +3875,6 @@ forward_answered(FastPath *self, const unsigned char *data, Py_ssize_t size,
     Forward *entry = &forwards->slots[slot];
     if (entry->kind != FWD_C || entry->id != id || !entry->started
             || peer->ss_family != AF_INET) {
-        self->stray_answers++;
         return 0;
     }
     if (self->keyed) {
@@ -3887,8 +3886,7 @@ forward_answered(FastPath *self, const unsigned char *data, Py_ssize_t size,
         domus_sip_update(&sip, entry->request + 8, 8);
         domus_sip_update(&sip, time_bytes, 4);
         if (domus_sip_final(&sip) != read_u64(data + length)) {
-            self->unauthenticated++;
-            return 0;
+            return 0;                   /* (dropped as unauthenticated, below) */
         }
     }
     const struct sockaddr_in *from = (const struct sockaddr_in *)peer;
@@ -3900,23 +3898,22 @@ forward_answered(FastPath *self, const unsigned char *data, Py_ssize_t size,
         }
     }
     if (holder < 0) {
-        self->stray_answers++;
         return 0;
     }
     int status = data[2];
     int inner = length >= 2 * REPLY_HEADER_SIZE && data[REPLY_HEADER_SIZE] == REPLY_MAGIC
         ? data[REPLY_HEADER_SIZE + 2] : -1;
     if (status == ST_BUSY || inner == ST_BUSY) {
-        return 0;                       /* (sent again when its time comes) */
+        return 1;                       /* (sent again when its time comes) */
     }
     if (status != ST_OK || (inner != ST_OK && inner != ST_NOT_FOUND)) {
-        return forward_fail(self, forwards, slot, "the backup refused the change");
+        return forward_fail(self, forwards, slot, "the backup refused the change") < 0 ? -1 : 1;
     }
     entry->acked |= 1u << holder;
     if (entry->acked != (1u << entry->holder_count) - 1) {
-        return 0;
+        return 1;
     }
-    return forward_done(self, forwards, slot);
+    return forward_done(self, forwards, slot) < 0 ? -1 : 1;
 }
 
 /* A change to a replicated bucket, from the datagram being handled
@@ -4223,10 +4220,13 @@ batch_handle(FastPath *self, Batch *batch, int count,
         Py_ssize_t size = (Py_ssize_t)batch->in[i].msg_len;
         self->bytes_received += (unsigned long long)size;
         if (self->forwards != NULL && size > 0 && data[0] == REPLY_MAGIC) {
-            if (forward_answered(self, data, size, peer) < 0) {
+            int taken = forward_answered(self, data, size, peer);
+            if (taken < 0) {
                 return -1;
             }
-            continue;
+            if (taken) {
+                continue;
+            }
         }
         const unsigned char *stamp = NULL;
         Py_ssize_t length = size;
@@ -5318,8 +5318,6 @@ static PyMemberDef FastPath_members[] = {
      "the CPU in between, for this long before it sleeps in poll (0: never)"},
     {"spun", T_ULONGLONG, offsetof(FastPath, spun), READONLY,
      "batches the serving thread read while it spun, without sleeping"},
-    {"stray_answers", T_ULONGLONG, offsetof(FastPath, stray_answers), READONLY,
-     "replies read that answer nothing in flight (late, or not from a backup)"},
     {NULL, 0, 0, 0, NULL},
 };
 
