@@ -198,12 +198,17 @@ def _recv_whole(sock: socket.socket, size: int) -> bytes:
 
 def _send_frame(sock: socket.socket, message: bytes,
                 session: auth.Session | None = None) -> None:
-    tag = session.tag(message) if session is not None else b""
-    prefix = _FRAME.pack(len(message) + len(tag))
     if len(message) < LARGE_FRAME:
-        sock.sendall(prefix + message + tag)
+        tag = session.tag(message) if session is not None else b""
+        sock.sendall(_FRAME.pack(len(message) + len(tag)) + message + tag)
+    elif session is None:
+        _send_gathered(sock, [_FRAME.pack(len(message)), message])
     else:
-        _send_gathered(sock, [prefix, message, tag])
+        # The message first, its tag once hashed: the service hashes what
+        # it has of the message while this side does (its decoder hashes a
+        # large frame piece by piece as it comes).
+        _send_gathered(sock, [_FRAME.pack(len(message) + auth.TAG_BYTES), message])
+        sock.sendall(session.tag(message))
 
 
 def _send_gathered(sock: socket.socket, parts: list[bytes]) -> None:
