@@ -231,9 +231,15 @@ def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES,
         return _recv_exactly(sock, size)
     if size < LARGE_FRAME:
         return session.open(_recv_exactly(sock, size))
-    # (The frame and its tag apart: the frame is returned as it came.)
+    # (The frame and its tag apart: the frame is returned as it came.  It
+    # is hashed before its tag is read: the service sends a large frame
+    # before its tag and hashes it meanwhile.)
+    if size < auth.TAG_BYTES:
+        session.check(b"", b"")         # (raises)
     frame = _recv_exactly(sock, size - auth.TAG_BYTES)
-    session.check(frame, _recv_exactly(sock, auth.TAG_BYTES))
+    hashed = session.receiving()
+    hashed.update(frame)
+    session.check_received(hashed, _recv_exactly(sock, auth.TAG_BYTES))
     return frame
 
 
