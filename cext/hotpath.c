@@ -18,9 +18,12 @@
  * The state is owned by Python and shared, not copied:
  *   dhts         dict: DHT id -> (dict: bucket -> repository, layout), holding
  *                only the active DHTs (the handler keeps it up to date);
- *                `layout` is an int, replicated << 16 | numbering << 8 | tag:
- *                whether changes go to Python (a replicated DHT, whose
- *                primary writes to the bucket's backups first), the request
+ *                `layout` is an int, replicated << 17 | guarded << 16 |
+ *                numbering << 8 | tag: whether the DHT is replicated (its
+ *                changes go to the bucket's backups first: see
+ *                "replication"; an optional third item maps each bucket
+ *                stored here to its backups' addresses), whether changes go
+ *                to Python (a disk DHT near its reserve), the request
  *                header byte 3 that numbers buckets as this service does
  *                (a request that says another numbering is declined, and
  *                the Python handler translates it), and the reply header
@@ -93,6 +96,7 @@
 #define OP_CONTAINS 0x04
 #define OP_PUT_MANY 0x05
 #define OP_GET_MANY 0x06
+#define OP_REPLICATE 0x0D
 #define ST_OK 0x00
 #define ST_NOT_FOUND 0x01
 #define ST_BUSY 0x21
@@ -158,8 +162,15 @@
  * later and fewer datagrams are spent on refusals. */
 #define RETRY_AFTER_MAX_MS 2000
 
+/* The layout's flags (see `dhts` above). */
+#define LAYOUT_GUARDED 0x10000L
+#define LAYOUT_REPLICATED 0x20000L
+
 #define HANDLED 1
 #define DECLINED 0
+/* A change to a replicated bucket sent to its backups: answered later,
+ * when they have taken it (see "replication"). */
+#define QUEUED 2
 /* What a repository function returns when a database call failed: its
  * exception is cleared, and that call changed nothing. */
 #define FAILED (-2)
@@ -231,6 +242,20 @@ typedef struct {
     PyObject *thread_queue;             /* list: what C declined, for the reactor */
     PyObject *thread_baton;             /* Baton */
     unsigned long long thread_errors;   /* batches the thread failed to handle */
+    /* Replication (see "replication" below). */
+    PyObject *backup;                   /* the FastPath of the backups held here, or NULL */
+    PyObject *holders;                  /* the request's DHT's bucket -> backups (borrowed) */
+    long found_layout;                  /* the request's DHT's layout (find_buckets) */
+    const struct sockaddr_storage *current_peer;    /* the datagram handled, or NULL */
+    socklen_t current_peer_length;
+    const unsigned char *current_stamp; /* its time (a secure deployment), or NULL */
+    int apply_replicated;               /* apply a replicated change here (its backups have it) */
+    struct Forwards *forwards;          /* made by start_thread, NULL otherwise */
+    unsigned long long forwarded;       /* changes sent to backups from C */
+    unsigned long long forward_resends; /* REPLICATEs sent again (no answer in time) */
+    unsigned long long forward_failures;/* changes failed: a backup did not take them */
+    unsigned long long replicated;      /* REPLICATEs applied here as a backup, in C */
+    unsigned long long stray_answers;   /* backups' answers to nothing in flight */
 } FastPath;
 
 typedef enum {
@@ -411,20 +436,25 @@ find_buckets(FastPath *self, uint32_t dht_id, unsigned char numbering,
     if (found == NULL) {
         return PyErr_Occurred() ? -1 : DECLINED;
     }
-    if (!PyTuple_CheckExact(found) || PyTuple_GET_SIZE(found) != 2
+    if (!PyTuple_CheckExact(found)
+            || (PyTuple_GET_SIZE(found) != 2 && PyTuple_GET_SIZE(found) != 3)
             || !PyDict_Check(PyTuple_GET_ITEM(found, 0))
             || !PyLong_CheckExact(PyTuple_GET_ITEM(found, 1))) {
         return DECLINED;
     }
     long layout = PyLong_AsLong(PyTuple_GET_ITEM(found, 1));
-    if (layout < 0 || layout > 0x1FFFF) {
+    if (layout < 0 || layout > (LAYOUT_GUARDED | LAYOUT_REPLICATED | 0xFFFF)) {
         PyErr_Clear();
         return DECLINED;
     }
     if (numbering != 0 && numbering != (unsigned char)(layout >> 8)) {
         return DECLINED;
     }
-    if (changing && (layout >> 16)) {
+    PyObject *holders = PyTuple_GET_SIZE(found) == 3 ? PyTuple_GET_ITEM(found, 2) : NULL;
+    self->holders = holders != NULL && PyDict_Check(holders) ? holders : NULL;
+    self->found_layout = layout;        /* (before a decline: handle_change reads it) */
+    if (changing && ((layout & LAYOUT_GUARDED)
+                     || ((layout & LAYOUT_REPLICATED) && !self->apply_replicated))) {
         return DECLINED;
     }
     self->layout_tag = (unsigned char)(layout & 0xFF);
@@ -1998,9 +2028,78 @@ count_changes(FastPath *self, int op, const unsigned char *data,
  * that may still be retried is never dropped to make room.  No Python
  * object is made, on a hit or a store, but for a cached reply too large
  * for Reply.head (one put() was given by Python). */
+static int forward_change(FastPath *self, int op, const unsigned char *data,
+                          Py_ssize_t size, Reply *reply);
+
+static int
+apply_change(FastPath *self, int op, const unsigned char *data,
+             Py_ssize_t size, Reply *reply);
+
+/* What forward_change returns for a change to apply here at once: its DHT
+ * is not replicated, or its bucket has no backup left. */
+#define APPLY_HERE 3
+
+/* A change: sent to its bucket's backups first when the bucket is
+ * replicated and the serving thread forwards (QUEUED: see
+ * "replication"), else applied here (apply_change). */
 static int
 handle_change(FastPath *self, int op, const unsigned char *data,
               Py_ssize_t size, Reply *reply)
+{
+    if (self->forwards == NULL || op == OP_PUT_MANY) {
+        return apply_change(self, op, data, size, reply);
+    }
+    /* (tried as any change first: a replicated DHT's is declined, and
+     * says so in found_layout; so an unreplicated change costs no more) */
+    self->found_layout = 0;
+    int result = apply_change(self, op, data, size, reply);
+    if (result != DECLINED || (self->found_layout & (LAYOUT_REPLICATED | LAYOUT_GUARDED))
+            != LAYOUT_REPLICATED) {
+        return result;
+    }
+    result = forward_change(self, op, data, size, reply);
+    if (result != APPLY_HERE) {
+        return result;
+    }
+    self->apply_replicated = 1;
+    result = apply_change(self, op, data, size, reply);
+    self->apply_replicated = 0;
+    return result;
+}
+
+/* The reply cached under `token`, into *reply: HANDLED (counted as
+ * replayed), 0 when there is none, DECLINED (an entry too short to be a
+ * reply), or -1. */
+static int
+reply_from_cache(FastPath *self, ReplyCache *cache, const unsigned char *token,
+                 Reply *reply)
+{
+    int big;
+    const unsigned char *cached = rc_lookup(cache, token, &big, NULL);
+    if (cached == NULL) {
+        return 0;
+    }
+    size_t cached_size = rc_reply_size(cached, big);
+    if (cached_size >= REPLY_HEADER_SIZE
+            && cached_size <= REPLY_HEADER_SIZE + REPLY_HEAD_BODY) {
+        rc_reply_copy(cached, big, reply->head);
+        reply->body = (int)(cached_size - REPLY_HEADER_SIZE);
+    }
+    else if (cached_size < 3) {
+        return DECLINED;
+    }
+    else if ((reply->whole = rc_reply_bytes(cached, big)) == NULL) {
+        return -1;
+    }
+    self->replayed++;
+    return HANDLED;
+}
+
+/* Applies a change here: answered from the reply cache when its key is
+ * there, else applied and its reply cached (see handle_change). */
+static int
+apply_change(FastPath *self, int op, const unsigned char *data,
+             Py_ssize_t size, Reply *reply)
 {
     if (self->cache == NULL) {
         return DECLINED;
@@ -2009,23 +2108,8 @@ handle_change(FastPath *self, int op, const unsigned char *data,
     Py_INCREF(cache);       /* (a database call may let other threads run) */
     unsigned char token[CACHE_KEY_SIZE];
     rc_key(cache->seed, data, size, token);
-    int result;
-    int big;
-    const unsigned char *cached = rc_lookup(cache, token, &big, NULL);
-    if (cached != NULL) {
-        size_t cached_size = rc_reply_size(cached, big);
-        if (cached_size >= REPLY_HEADER_SIZE
-                && cached_size <= REPLY_HEADER_SIZE + REPLY_HEAD_BODY) {
-            rc_reply_copy(cached, big, reply->head);
-            reply->body = (int)(cached_size - REPLY_HEADER_SIZE);
-        }
-        else if (cached_size < 3
-                 || (reply->whole = rc_reply_bytes(cached, big)) == NULL) {
-            result = cached_size < 3 ? DECLINED : -1;
-            goto done;
-        }
-        self->replayed++;
-        result = HANDLED;
+    int result = reply_from_cache(self, cache, token, reply);
+    if (result != 0) {
         goto done;
     }
     if (rc_full(cache)) {
@@ -2070,7 +2154,11 @@ sample_request(FastPath *self, int op, const unsigned char *data,
     self->sampled++;
 }
 
+static int handle_replicate(FastPath *self, const unsigned char *data,
+                            Py_ssize_t size, Py_ssize_t limit, Reply *reply);
+
 /* Answers one request: HANDLED with *reply filled (the caller clears it),
+ * QUEUED (a replicated change sent to its backups: answered later),
  * DECLINED with nothing changed, or -1 with an exception set.  Counts the
  * request (handled or declined) in the counters: a handled one by its op
  * and by its reply's status byte, as the Python handler counts the
@@ -2096,8 +2184,17 @@ handle_request(FastPath *self, const unsigned char *data, Py_ssize_t size,
         case OP_PUT_MANY:
             result = handle_change(self, op, data, size, reply);
             break;
+        case OP_REPLICATE:
+            result = handle_replicate(self, data, size, limit, reply);
+            break;
         default:
             break;
+        }
+        if (result == QUEUED) {
+            /* (its reply, when its backups have it, is counted then) */
+            self->requests++;
+            self->by_op[op]++;
+            return QUEUED;
         }
         if (result == HANDLED) {
             if ((self->requests++ & (SAMPLE_EVERY - 1)) == 0) {
@@ -2655,6 +2752,9 @@ static PyTypeObject ReplyCacheType = {
 
 /* ------------------------------------------------------------ the type */
 
+struct Forwards;
+static void forwards_free(struct Forwards *forwards);
+
 static int
 FastPath_init(FastPath *self, PyObject *args, PyObject *kwds)
 {
@@ -2732,6 +2832,7 @@ FastPath_traverse(FastPath *self, visitproc visit, void *arg)
     Py_VISIT(self->dict_type);
     Py_VISIT(self->thread_queue);
     Py_VISIT(self->thread_baton);
+    Py_VISIT(self->backup);
     return 0;
 }
 
@@ -2744,6 +2845,7 @@ FastPath_clear(FastPath *self)
     Py_CLEAR(self->dict_type);
     Py_CLEAR(self->thread_queue);
     Py_CLEAR(self->thread_baton);
+    Py_CLEAR(self->backup);
     self->tree_api = NULL;
     return 0;
 }
@@ -2757,6 +2859,7 @@ FastPath_dealloc(FastPath *self)
         batch_settle(self, self->batch);        /* (nothing is pending; to be sure) */
         batch_free(self->batch);
     }
+    forwards_free(self->forwards);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -3097,6 +3200,992 @@ retry_after_ms(FastPath *self)
     return (uint16_t)(wait < RETRY_AFTER_MAX_MS ? wait : RETRY_AFTER_MAX_MS);
 }
 
+static void thread_wake(FastPath *self);
+
+/* ------------------------------------------------------------ replication
+ *
+ * A replicated bucket's primary sends each change to the bucket's backups
+ * before it applies it (domus.service.handler, "replication", is the
+ * reference).  With the serving thread, C does so itself for PUT and
+ * DELETE: the change is sent as a REPLICATE datagram from the service's
+ * own UDP socket to each backup's, where the backup's C path applies it
+ * (handle_replicate, through the FastPath of the backups held there) and
+ * answers; once every backup has answered, the primary applies the change
+ * (apply_change, caching its reply as always) and answers the client.
+ *
+ * Order.  Each backup must apply a bucket's changes in the order its
+ * primary does.  So a bucket has a *line*: the changes to it not yet
+ * applied here, first come first; only the first is sent, and the next
+ * only once the first has been applied (or has failed).  The Python path's
+ * replicated changes (PUT_MANY, values over TCP, whatever C declines)
+ * take their turn in the same lines (claim/release: a change of several
+ * buckets is in the line of each and goes when it is first in all of
+ * them, so the lines, filled in one order, never wait on each other), so
+ * the backups see one order whichever path a change took.
+ *
+ * Loss.  A REPLICATE not answered is sent again (after 20 ms, doubling up
+ * to 320 ms); a backup that has applied it already answers again from its
+ * reply cache (its entry is keyed by the client's own request), so a
+ * change is applied once.  A change its backups have not all answered
+ * within FWD_TIMEOUT_NS, or that a backup refused, fails: it is handed to
+ * Python, which reports the backup to the supervisor (copy_failed) and
+ * answers MOVING (nothing was acknowledged; the client retries).  So do
+ * the other changes waiting for that backup.  When the supervisor takes a
+ * backup off a bucket, the changes in flight stop waiting for it
+ * (FastPath.recheck).
+ *
+ * A change its backups took but that C cannot apply here (the bucket
+ * frozen for a move meanwhile, a database error) is handed to Python,
+ * which applies it as handle(forward=False) does.  Everything here is
+ * touched holding the baton and the GIL (on the serving thread, or on the
+ * reactor thread through the methods), so it needs no lock of its own. */
+
+#define FWD_SLOT_BITS 12
+#define FWD_SLOTS (1 << FWD_SLOT_BITS)
+#define FWD_MAX_HOLDERS 2
+#define HOLDER_SIZE 6               /* IPv4 address and port, as Python packs them */
+#define FWD_FIRST_RETRY_NS 20000000LL
+#define FWD_MAX_RETRY_NS 320000000LL
+#define FWD_TIMEOUT_NS 2000000000LL
+
+enum { FWD_FREE = 0, FWD_C, FWD_PY };
+
+typedef struct FwdNode {
+    uint32_t slot;
+    struct FwdNode *next;
+} FwdNode;
+
+typedef struct {
+    uint64_t key;                   /* DHT id << 32 | bucket */
+    FwdNode *head, *tail;
+    int used;
+} FwdLine;
+
+typedef struct {
+    int kind;
+    uint32_t id;                    /* slot | generation << FWD_SLOT_BITS */
+    uint32_t dht_id;
+    int bucket_count;               /* the lines it is in */
+    uint32_t *buckets;
+    int waiting;                    /* lines in which it is not first yet */
+    int started;
+    /* FWD_C: the client's request, without its trailer, and where from */
+    int op;
+    unsigned char *request;
+    Py_ssize_t size;
+    unsigned char token[CACHE_KEY_SIZE];
+    struct sockaddr_storage peer;
+    socklen_t peer_length;
+    unsigned char stamp[4];
+    int stamped;
+    struct sockaddr_in holders[FWD_MAX_HOLDERS];
+    int holder_count;
+    unsigned acked;                 /* a bit per holder that took it (or left) */
+    uint32_t sent_time;             /* the REPLICATE's time (a secure deployment) */
+    long long deadline_ns, retry_ns, backoff_ns;
+} Forward;
+
+typedef struct Forwards {
+    Forward slots[FWD_SLOTS];
+    uint32_t generations[FWD_SLOTS];
+    uint32_t free_slots[FWD_SLOTS];
+    int free_count;
+    FwdLine *lines;
+    size_t line_capacity;           /* a power of two */
+    size_t line_count;
+    int fd;                         /* the service's UDP socket */
+    int started_c;                  /* C changes sent and not yet answered */
+    _Atomic long long next_ns;      /* the next resend or timeout; 0: none */
+    unsigned char out[RECV_BUFFER_SIZE + REQUEST_HEADER_SIZE + REQUEST_TRAILER];
+} Forwards;
+
+static long long
+monotonic_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+}
+
+static Forwards *
+forwards_new(int fd)
+{
+    Forwards *forwards = PyMem_RawCalloc(1, sizeof(Forwards));
+    if (forwards == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    forwards->line_capacity = 256;
+    forwards->lines = PyMem_RawCalloc(forwards->line_capacity, sizeof(FwdLine));
+    if (forwards->lines == NULL) {
+        PyMem_RawFree(forwards);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (int i = 0; i < FWD_SLOTS; i++) {
+        forwards->free_slots[i] = (uint32_t)(FWD_SLOTS - 1 - i);
+    }
+    forwards->free_count = FWD_SLOTS;
+    forwards->fd = fd;
+    return forwards;
+}
+
+static void
+forward_clear(Forward *entry)
+{
+    PyMem_RawFree(entry->request);
+    PyMem_RawFree(entry->buckets);
+    memset(entry, 0, sizeof(*entry));
+}
+
+static void
+forwards_free(Forwards *forwards)
+{
+    if (forwards == NULL) {
+        return;
+    }
+    for (size_t i = 0; i < forwards->line_capacity; i++) {
+        FwdNode *node = forwards->lines[i].used ? forwards->lines[i].head : NULL;
+        while (node != NULL) {
+            FwdNode *next = node->next;
+            PyMem_RawFree(node);
+            node = next;
+        }
+    }
+    for (int i = 0; i < FWD_SLOTS; i++) {
+        forward_clear(&forwards->slots[i]);
+    }
+    PyMem_RawFree(forwards->lines);
+    PyMem_RawFree(forwards);
+}
+
+static size_t
+line_home(uint64_t key, size_t capacity)
+{
+    return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> 20) & (capacity - 1);
+}
+
+/* The line of `key`, made if `make` (NULL: none, or no memory with
+ * `make`, MemoryError set). */
+static FwdLine *
+line_of(Forwards *forwards, uint64_t key, int make)
+{
+    if (make && (forwards->line_count + 1) * 2 > forwards->line_capacity) {
+        size_t capacity = forwards->line_capacity * 2;
+        FwdLine *lines = PyMem_RawCalloc(capacity, sizeof(FwdLine));
+        if (lines == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        for (size_t i = 0; i < forwards->line_capacity; i++) {
+            FwdLine *line = &forwards->lines[i];
+            if (line->used) {
+                size_t at = line_home(line->key, capacity);
+                while (lines[at].used) {
+                    at = (at + 1) & (capacity - 1);
+                }
+                lines[at] = *line;
+            }
+        }
+        PyMem_RawFree(forwards->lines);
+        forwards->lines = lines;
+        forwards->line_capacity = capacity;
+    }
+    size_t mask = forwards->line_capacity - 1;
+    size_t at = line_home(key, forwards->line_capacity);
+    while (forwards->lines[at].used) {
+        if (forwards->lines[at].key == key) {
+            return &forwards->lines[at];
+        }
+        at = (at + 1) & mask;
+    }
+    if (!make) {
+        return NULL;
+    }
+    FwdLine *line = &forwards->lines[at];
+    line->used = 1;
+    line->key = key;
+    line->head = line->tail = NULL;
+    forwards->line_count++;
+    return line;
+}
+
+/* Takes an emptied line out of the table (linear probing: the entries
+ * after it move back where their home allows). */
+static void
+line_remove(Forwards *forwards, FwdLine *line)
+{
+    size_t mask = forwards->line_capacity - 1;
+    size_t hole = (size_t)(line - forwards->lines);
+    size_t at = hole;
+    forwards->lines[hole].used = 0;
+    forwards->line_count--;
+    for (;;) {
+        at = (at + 1) & mask;
+        if (!forwards->lines[at].used) {
+            return;
+        }
+        size_t home = line_home(forwards->lines[at].key, forwards->line_capacity);
+        /* (moves back unless its home lies after the hole, up to it) */
+        if (((at - home) & mask) >= ((at - hole) & mask)) {
+            forwards->lines[hole] = forwards->lines[at];
+            forwards->lines[at].used = 0;
+            hole = at;
+        }
+    }
+}
+
+/* A free slot, its entry cleared and given an id (-1: all in use). */
+static int
+forward_take_slot(Forwards *forwards, int kind, uint32_t dht_id)
+{
+    if (forwards->free_count == 0) {
+        return -1;
+    }
+    uint32_t slot = forwards->free_slots[--forwards->free_count];
+    Forward *entry = &forwards->slots[slot];
+    memset(entry, 0, sizeof(*entry));
+    entry->kind = kind;
+    entry->dht_id = dht_id;
+    uint32_t generation = ++forwards->generations[slot];
+    entry->id = slot | (generation << FWD_SLOT_BITS);
+    return (int)slot;
+}
+
+static void
+forward_give_slot(Forwards *forwards, uint32_t slot)
+{
+    forward_clear(&forwards->slots[slot]);
+    forwards->free_slots[forwards->free_count++] = slot;
+}
+
+/* Puts the entry in `slot` at the end of the line of each of its buckets:
+ * 0, or -1 with MemoryError set (it is in none then). */
+static int
+forward_enqueue(Forwards *forwards, uint32_t slot)
+{
+    Forward *entry = &forwards->slots[slot];
+    FwdNode *nodes[1];
+    FwdNode **made = entry->bucket_count == 1 ? nodes
+        : PyMem_RawCalloc((size_t)entry->bucket_count, sizeof(FwdNode *));
+    if (made == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int failed = 0;
+    for (int i = 0; i < entry->bucket_count; i++) {
+        made[i] = PyMem_RawMalloc(sizeof(FwdNode));
+        failed |= made[i] == NULL;
+    }
+    /* (lines made before a failure stay, empty, until one is needed again
+     * and used; an empty line is harmless) */
+    FwdLine *lines_ok = NULL;
+    for (int i = 0; i < entry->bucket_count && !failed; i++) {
+        uint64_t key = (uint64_t)entry->dht_id << 32 | entry->buckets[i];
+        lines_ok = line_of(forwards, key, 1);
+        failed |= lines_ok == NULL;
+    }
+    if (failed) {
+        for (int i = 0; i < entry->bucket_count; i++) {
+            PyMem_RawFree(made[i]);
+        }
+        if (made != nodes) {
+            PyMem_RawFree(made);
+        }
+        if (!PyErr_Occurred()) {
+            PyErr_NoMemory();
+        }
+        return -1;
+    }
+    entry->waiting = 0;
+    for (int i = 0; i < entry->bucket_count; i++) {
+        uint64_t key = (uint64_t)entry->dht_id << 32 | entry->buckets[i];
+        FwdLine *line = line_of(forwards, key, 0);
+        FwdNode *node = made[i];
+        node->slot = slot;
+        node->next = NULL;
+        if (line->tail == NULL) {
+            line->head = line->tail = node;
+        }
+        else {
+            line->tail->next = node;
+            line->tail = node;
+            entry->waiting++;
+        }
+    }
+    if (made != nodes) {
+        PyMem_RawFree(made);
+    }
+    return 0;
+}
+
+/* Sends the REPLICATE of a C entry to each backup that has not taken it. */
+static void
+forward_send(FastPath *self, Forwards *forwards, Forward *entry)
+{
+    unsigned char *out = forwards->out;
+    out[0] = REQUEST_MAGIC;
+    out[1] = PROTOCOL_VERSION;
+    out[2] = OP_REPLICATE;
+    out[3] = 0;
+    write_u32(out + 4, entry->id);
+    memcpy(out + 8, entry->request + 8, 8);     /* (the client's id) */
+    memcpy(out + REQUEST_HEADER_SIZE, entry->request, (size_t)entry->size);
+    size_t length = REQUEST_HEADER_SIZE + (size_t)entry->size;
+    if (self->keyed) {
+        write_u32(out + length, entry->sent_time);
+        uint64_t tag = domus_siphash24(self->key, out, length + 4);
+        for (int i = 0; i < 8; i++) {
+            out[length + 4 + i] = (unsigned char)(tag >> (56 - 8 * i));
+        }
+        length += REQUEST_TRAILER;
+    }
+    for (int i = 0; i < entry->holder_count; i++) {
+        if (!(entry->acked & (1u << i))) {
+            /* (a send that fails is a datagram lost: sent again later) */
+            (void)sendto(forwards->fd, out, length, MSG_DONTWAIT | MSG_NOSIGNAL,
+                         (const struct sockaddr *)&entry->holders[i],
+                         sizeof(entry->holders[i]));
+        }
+    }
+}
+
+static void
+forwards_wake(FastPath *self)
+{
+    thread_wake(self);
+}
+
+/* Appends `item` to the queue the reactor thread reads (see the serving
+ * thread) and wakes it: 0, or -1 with an exception set. */
+static int
+forward_queue(FastPath *self, PyObject *item)
+{
+    if (item == NULL) {
+        return -1;
+    }
+    int failed = PyList_Append(self->thread_queue, item);
+    Py_DECREF(item);
+    if (failed == 0) {
+        forwards_wake(self);
+    }
+    return failed;
+}
+
+/* An entry that is first in all its lines goes: a C change is sent to its
+ * backups, a Python one's claim is handed back to Python (its int id in
+ * the queue), which sends it.  0, or -1 with an exception set. */
+static int
+forward_start(FastPath *self, Forwards *forwards, uint32_t slot)
+{
+    Forward *entry = &forwards->slots[slot];
+    entry->started = 1;
+    if (entry->kind == FWD_PY) {
+        return forward_queue(self, PyLong_FromUnsignedLong(entry->id));
+    }
+    long long now = monotonic_ns();
+    entry->sent_time = (uint32_t)time(NULL);
+    entry->deadline_ns = now + FWD_TIMEOUT_NS;
+    entry->backoff_ns = FWD_FIRST_RETRY_NS;
+    entry->retry_ns = now + entry->backoff_ns;
+    forwards->started_c++;
+    long long next = atomic_load(&forwards->next_ns);
+    if (next == 0 || entry->retry_ns < next) {
+        atomic_store(&forwards->next_ns, entry->retry_ns);
+        if (self->thread_running && !pthread_equal(pthread_self(), self->thread)) {
+            /* (the serving thread waits for less than it did now) */
+            uint64_t one = 1;
+            while (write(self->thread_stop_fd, &one, sizeof(one)) < 0 && errno == EINTR) {
+            }
+        }
+    }
+    self->forwarded++;
+    if (entry->acked != (1u << entry->holder_count) - 1) {
+        forward_send(self, forwards, entry);
+    }
+    return 0;
+}
+
+/* The entry in `slot` leaves its lines and its slot is freed; where it
+ * was first, the next in the line may now be first in all of its own
+ * lines, and starts.  0, or -1 with an exception set (the lines are right
+ * whatever happens). */
+static int
+forward_finish(FastPath *self, Forwards *forwards, uint32_t slot)
+{
+    Forward *entry = &forwards->slots[slot];
+    if (entry->kind == FWD_C && entry->started) {
+        forwards->started_c--;
+    }
+    int failed = 0;
+    for (int i = 0; i < entry->bucket_count; i++) {
+        uint64_t key = (uint64_t)entry->dht_id << 32 | entry->buckets[i];
+        FwdLine *line = line_of(forwards, key, 0);
+        FwdNode *before = NULL;
+        FwdNode *node = line != NULL ? line->head : NULL;
+        while (node != NULL && node->slot != slot) {
+            before = node;
+            node = node->next;
+        }
+        if (node == NULL) {
+            continue;                   /* (never: it is in each) */
+        }
+        if (before != NULL) {
+            before->next = node->next;  /* (not first: no one moves up) */
+            if (line->tail == node) {
+                line->tail = before;
+            }
+            PyMem_RawFree(node);
+            continue;
+        }
+        line->head = node->next;
+        PyMem_RawFree(node);
+        if (line->head == NULL) {
+            line->tail = NULL;
+            line_remove(forwards, line);
+            continue;
+        }
+        uint32_t next = line->head->slot;
+        Forward *after = &forwards->slots[next];
+        if (--after->waiting == 0 && !after->started) {
+            failed |= forward_start(self, forwards, next) < 0;
+        }
+    }
+    forward_give_slot(forwards, slot);
+    return failed ? -1 : 0;
+}
+
+/* "host:port" of a holder (a new reference, or NULL). */
+static PyObject *
+holder_name(const struct sockaddr_in *holder)
+{
+    char host[INET_ADDRSTRLEN];
+    if (inet_ntop(AF_INET, &holder->sin_addr, host, sizeof(host)) == NULL) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyUnicode_FromFormat("%s:%d", host, (int)ntohs(holder->sin_port));
+}
+
+/* Hands a C entry to Python, in the queue: (request, peer, stamp, failed),
+ * `failed` the list of the backups (host:port) that did not take it and
+ * `why`, or None when they all did and Python is to apply it here. */
+static int
+forward_hand_over(FastPath *self, Forward *entry, int failed, const char *why)
+{
+    PyObject *request = PyBytes_FromStringAndSize((const char *)entry->request,
+                                                  entry->size);
+    PyObject *peer = request ? peer_address(&entry->peer) : NULL;
+    PyObject *stamp = NULL;
+    if (peer != NULL) {
+        stamp = entry->stamped ? PyBytes_FromStringAndSize((const char *)entry->stamp, 4)
+                               : Py_NewRef(Py_None);
+    }
+    PyObject *outcome = NULL;
+    if (stamp != NULL) {
+        if (!failed) {
+            outcome = Py_NewRef(Py_None);
+        }
+        else {
+            PyObject *holders = PyList_New(0);
+            for (int i = 0; holders != NULL && i < entry->holder_count; i++) {
+                if (entry->acked & (1u << i)) {
+                    continue;
+                }
+                PyObject *name = holder_name(&entry->holders[i]);
+                if (name == NULL || PyList_Append(holders, name) < 0) {
+                    Py_CLEAR(holders);
+                }
+                Py_XDECREF(name);
+            }
+            if (holders != NULL) {
+                outcome = Py_BuildValue("(Ns)", holders, why);
+            }
+        }
+    }
+    PyObject *item = outcome ? PyTuple_Pack(4, request, peer, stamp, outcome) : NULL;
+    Py_XDECREF(request);
+    Py_XDECREF(peer);
+    Py_XDECREF(stamp);
+    Py_XDECREF(outcome);
+    return forward_queue(self, item);
+}
+
+static int send_reply_now(FastPath *self, int fd, Reply *reply,
+                          const struct sockaddr_storage *peer, socklen_t peer_length,
+                          const unsigned char *request, const unsigned char *stamp);
+
+/* Every backup has taken the C entry in `slot`: applied here (its reply
+ * cached) and answered, or handed to Python when C cannot apply it.
+ * 0, or -1 with an exception set. */
+static int
+forward_done(FastPath *self, Forwards *forwards, uint32_t slot)
+{
+    Forward *entry = &forwards->slots[slot];
+    Reply reply = {NULL, {0}, 0, NULL};
+    self->apply_replicated = 1;
+    int result = apply_change(self, entry->op, entry->request, entry->size, &reply);
+    self->apply_replicated = 0;
+    int failed = 0;
+    if (result == HANDLED) {
+        unsigned char status = reply.whole != NULL
+            ? (unsigned char)PyBytes_AS_STRING(reply.whole)[2] : reply.head[2];
+        self->by_status[status]++;
+        failed = send_reply_now(self, forwards->fd, &reply, &entry->peer,
+                                entry->peer_length, entry->request,
+                                entry->stamped ? entry->stamp : NULL) < 0;
+    }
+    else {
+        if (result < 0) {
+            PyErr_Clear();      /* (Python meets it again, and says so) */
+        }
+        failed = forward_hand_over(self, entry, 0, NULL) < 0;
+    }
+    reply_clear(&reply);
+    failed |= forward_finish(self, forwards, slot) < 0;
+    return failed ? -1 : 0;
+}
+
+/* Whether C entry `entry` waits for one of `missing` (not taken yet). */
+static int
+forward_waits_for(const Forward *entry, const struct sockaddr_in *missing, int count)
+{
+    for (int i = 0; i < entry->holder_count; i++) {
+        for (int j = 0; j < count; j++) {
+            if (!(entry->acked & (1u << i))
+                    && entry->holders[i].sin_addr.s_addr == missing[j].sin_addr.s_addr
+                    && entry->holders[i].sin_port == missing[j].sin_port) {
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The C entry in `slot` failed (`why`): handed to Python with the
+ * backups that did not take it; so are the other C changes waiting for
+ * one of those backups, rather than each waiting for its own timeout.
+ * 0, or -1 with an exception set. */
+static int
+forward_fail(FastPath *self, Forwards *forwards, uint32_t slot, const char *why)
+{
+    Forward *entry = &forwards->slots[slot];
+    struct sockaddr_in missing[FWD_MAX_HOLDERS];
+    int missing_count = 0;
+    for (int i = 0; i < entry->holder_count; i++) {
+        if (!(entry->acked & (1u << i))) {
+            missing[missing_count++] = entry->holders[i];
+        }
+    }
+    int failed = 0;
+    /* (first the ones not first in their line, which leave it without
+     * starting anyone; then those sent, whose leaving starts the next) */
+    for (int pass = 0; pass < 2; pass++) {
+        for (uint32_t other = 0; other < FWD_SLOTS; other++) {
+            Forward *candidate = &forwards->slots[other];
+            if (candidate->kind != FWD_C || candidate->started != pass
+                    || !(other == slot
+                         || forward_waits_for(candidate, missing, missing_count))) {
+                continue;
+            }
+            self->forward_failures++;
+            failed |= forward_hand_over(self, candidate, 1, why) < 0;
+            failed |= forward_finish(self, forwards, other) < 0;
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* Resends what waited too long for an answer and fails what timed out;
+ * sets next_ns.  0, or -1 with an exception set. */
+static int
+forwards_tick(FastPath *self, Forwards *forwards)
+{
+    long long now = monotonic_ns();
+    long long next = 0;
+    int failed = 0;
+    for (uint32_t slot = 0; slot < FWD_SLOTS && forwards->started_c > 0; slot++) {
+        Forward *entry = &forwards->slots[slot];
+        if (entry->kind != FWD_C || !entry->started) {
+            continue;
+        }
+        if (entry->acked == (1u << entry->holder_count) - 1) {
+            failed |= forward_done(self, forwards, slot) < 0;   /* (see recheck) */
+            continue;
+        }
+        if (now >= entry->deadline_ns) {
+            failed |= forward_fail(self, forwards, slot, "no answer in time") < 0;
+            continue;
+        }
+        if (now >= entry->retry_ns) {
+            self->forward_resends++;
+            forward_send(self, forwards, entry);
+            entry->backoff_ns = entry->backoff_ns * 2 > FWD_MAX_RETRY_NS
+                ? FWD_MAX_RETRY_NS : entry->backoff_ns * 2;
+            entry->retry_ns = now + entry->backoff_ns;
+            if (entry->retry_ns > entry->deadline_ns) {
+                entry->retry_ns = entry->deadline_ns;
+            }
+        }
+    }
+    /* (the next one due, counting those started meanwhile) */
+    for (uint32_t slot = 0; slot < FWD_SLOTS && forwards->started_c > 0; slot++) {
+        Forward *entry = &forwards->slots[slot];
+        if (entry->kind == FWD_C && entry->started
+                && (next == 0 || entry->retry_ns < next)) {
+            next = entry->retry_ns;
+        }
+    }
+    atomic_store(&forwards->next_ns, forwards->started_c > 0 ? next : 0);
+    return failed ? -1 : 0;
+}
+
+/* If a resend or a timeout is due: forwards_tick. */
+static int
+forwards_due(FastPath *self)
+{
+    Forwards *forwards = self->forwards;
+    if (forwards == NULL) {
+        return 0;
+    }
+    long long next = atomic_load(&forwards->next_ns);
+    if (next == 0 || monotonic_ns() < next) {
+        return 0;
+    }
+    return forwards_tick(self, forwards);
+}
+
+/* A datagram with a reply's magic, on a service that forwards: a backup's
+ * answer to a REPLICATE (anything else is dropped, counted as a stray).
+ * `size` is the whole datagram's.  0, or -1 with an exception set. */
+static int
+forward_answered(FastPath *self, const unsigned char *data, Py_ssize_t size,
+                 const struct sockaddr_storage *peer)
+{
+    Forwards *forwards = self->forwards;
+    Py_ssize_t length = size - (self->keyed ? REPLY_TRAILER : 0);
+    if (length < REPLY_HEADER_SIZE) {
+        self->stray_answers++;
+        return 0;
+    }
+    uint32_t id = read_u32(data + 4);
+    uint32_t slot = id & (FWD_SLOTS - 1);
+    Forward *entry = &forwards->slots[slot];
+    if (entry->kind != FWD_C || entry->id != id || !entry->started
+            || peer->ss_family != AF_INET) {
+        self->stray_answers++;
+        return 0;
+    }
+    if (self->keyed) {
+        DomusSip sip;
+        unsigned char time_bytes[4];
+        write_u32(time_bytes, entry->sent_time);
+        domus_sip_init(&sip, self->key);
+        domus_sip_update(&sip, data, (size_t)length);
+        domus_sip_update(&sip, entry->request + 8, 8);
+        domus_sip_update(&sip, time_bytes, 4);
+        if (domus_sip_final(&sip) != read_u64(data + length)) {
+            self->unauthenticated++;
+            return 0;
+        }
+    }
+    const struct sockaddr_in *from = (const struct sockaddr_in *)peer;
+    int holder = -1;
+    for (int i = 0; i < entry->holder_count; i++) {
+        if (entry->holders[i].sin_addr.s_addr == from->sin_addr.s_addr
+                && entry->holders[i].sin_port == from->sin_port) {
+            holder = i;
+        }
+    }
+    if (holder < 0) {
+        self->stray_answers++;
+        return 0;
+    }
+    int status = data[2];
+    int inner = length >= 2 * REPLY_HEADER_SIZE && data[REPLY_HEADER_SIZE] == REPLY_MAGIC
+        ? data[REPLY_HEADER_SIZE + 2] : -1;
+    if (status == ST_BUSY || inner == ST_BUSY) {
+        return 0;                       /* (sent again when its time comes) */
+    }
+    if (status != ST_OK || (inner != ST_OK && inner != ST_NOT_FOUND)) {
+        return forward_fail(self, forwards, slot, "the backup refused the change");
+    }
+    entry->acked |= 1u << holder;
+    if (entry->acked != (1u << entry->holder_count) - 1) {
+        return 0;
+    }
+    return forward_done(self, forwards, slot);
+}
+
+/* A change to a replicated bucket, from the datagram being handled
+ * (self->current_peer): QUEUED in its bucket's line (sent to the backups
+ * now if it is first); HANDLED with *reply filled (a reply cached, BUSY);
+ * APPLY_HERE (not replicated, or no backup left); DECLINED (Python's to
+ * answer: it will forward it itself); or -1. */
+static int
+forward_change(FastPath *self, int op, const unsigned char *data,
+               Py_ssize_t size, Reply *reply)
+{
+    Forwards *forwards = self->forwards;
+    if (size < KEYED_END) {
+        return DECLINED;
+    }
+    uint32_t dht_id = read_u32(data + 16);
+    uint32_t bucket = read_u32(data + 20);
+    uint16_t key_length = read_u16(data + 24);
+    if (key_length == 0 || key_length > MAX_KEY_BYTES
+            || (Py_ssize_t)KEYED_END + key_length > size) {
+        return DECLINED;
+    }
+    PyObject *buckets;
+    int found = find_buckets(self, dht_id, data[3], 0, &buckets);
+    if (found != HANDLED) {
+        return found;
+    }
+    if (!(self->found_layout & LAYOUT_REPLICATED)) {
+        return APPLY_HERE;
+    }
+    PyObject *holders = self->holders;
+    if ((self->found_layout & LAYOUT_GUARDED) || holders == NULL
+            || self->current_peer == NULL || self->cache == NULL) {
+        return DECLINED;
+    }
+    Repo repo;
+    found = find_repo(self, buckets, bucket, &repo);
+    if (found != HANDLED) {
+        return found;
+    }
+    Py_DECREF(repo.object);
+    /* (checked as the change itself is: one that every copy would refuse
+     * is not sent, and Python says why) */
+    Py_ssize_t key_end = KEYED_END + key_length;
+    if (op == OP_PUT) {
+        Py_ssize_t rest = size - key_end;
+        if (rest < 4 || (uint64_t)read_u32(data + key_end) != (uint64_t)(rest - 4)
+                || rest - 4 > MAX_VALUE_BYTES) {
+            return DECLINED;
+        }
+    }
+    else if (key_end != size) {
+        return DECLINED;
+    }
+    if (size + REQUEST_HEADER_SIZE + REQUEST_TRAILER > MAX_UDP_PAYLOAD) {
+        return DECLINED;
+    }
+    PyObject *number = PyLong_FromUnsignedLong(bucket);
+    if (number == NULL) {
+        return -1;
+    }
+    PyObject *backups = PyDict_GetItemWithError(holders, number);
+    Py_DECREF(number);
+    if (backups == NULL) {
+        return PyErr_Occurred() ? -1 : DECLINED;
+    }
+    if (!PyBytes_Check(backups) || PyBytes_GET_SIZE(backups) % HOLDER_SIZE != 0
+            || PyBytes_GET_SIZE(backups) > FWD_MAX_HOLDERS * HOLDER_SIZE) {
+        return DECLINED;
+    }
+    int holder_count = (int)(PyBytes_GET_SIZE(backups) / HOLDER_SIZE);
+    if (holder_count == 0) {
+        return APPLY_HERE;
+    }
+    ReplyCache *cache = (ReplyCache *)self->cache;
+    unsigned char token[CACHE_KEY_SIZE];
+    rc_key(cache->seed, data, size, token);
+    int result = reply_from_cache(self, cache, token, reply);
+    if (result != 0) {
+        return result;
+    }
+    /* A retry of a change in its line waits with it (its reply goes
+     * where the first try came from). */
+    FwdLine *line = line_of(forwards, (uint64_t)dht_id << 32 | bucket, 0);
+    for (FwdNode *node = line ? line->head : NULL; node != NULL; node = node->next) {
+        Forward *entry = &forwards->slots[node->slot];
+        if (entry->kind == FWD_C && memcmp(entry->token, token, CACHE_KEY_SIZE) == 0) {
+            self->replayed++;
+            return QUEUED;
+        }
+    }
+    int slot = rc_full(cache) ? -1 : forward_take_slot(forwards, FWD_C, dht_id);
+    if (slot < 0) {
+        /* (too many changes waiting for backups, or a full reply cache:
+         * the client backs off, nothing was applied) */
+        write_reply_header(reply->head, ST_BUSY, data, 0);
+        self->busy++;
+        return HANDLED;
+    }
+    Forward *entry = &forwards->slots[slot];
+    entry->buckets = PyMem_RawMalloc(sizeof(uint32_t));
+    entry->request = PyMem_RawMalloc((size_t)size);
+    if (entry->buckets == NULL || entry->request == NULL) {
+        forward_give_slot(forwards, (uint32_t)slot);
+        PyErr_NoMemory();
+        return -1;
+    }
+    entry->buckets[0] = bucket;
+    entry->bucket_count = 1;
+    entry->op = op;
+    memcpy(entry->request, data, (size_t)size);
+    entry->size = size;
+    memcpy(entry->token, token, CACHE_KEY_SIZE);
+    memcpy(&entry->peer, self->current_peer, self->current_peer_length);
+    entry->peer_length = self->current_peer_length;
+    if (self->current_stamp != NULL) {
+        memcpy(entry->stamp, self->current_stamp, 4);
+        entry->stamped = 1;
+    }
+    const unsigned char *packed = (const unsigned char *)PyBytes_AS_STRING(backups);
+    for (int i = 0; i < holder_count; i++) {
+        struct sockaddr_in *holder = &entry->holders[i];
+        holder->sin_family = AF_INET;
+        memcpy(&holder->sin_addr.s_addr, packed + i * HOLDER_SIZE, 4);
+        memcpy(&holder->sin_port, packed + i * HOLDER_SIZE + 4, 2);
+    }
+    entry->holder_count = holder_count;
+    if (forward_enqueue(forwards, (uint32_t)slot) < 0) {
+        forward_give_slot(forwards, (uint32_t)slot);
+        return -1;
+    }
+    if (entry->waiting == 0 && forward_start(self, forwards, (uint32_t)slot) < 0) {
+        return -1;
+    }
+    return QUEUED;
+}
+
+/* REPLICATE, at a backup: the change it carries applied to the backups
+ * held here, by their FastPath (`backup`), as Python's _replicate_in does;
+ * the reply is OK with the change's own reply after the header.  Declined
+ * (for Python) when that FastPath declines the change. */
+static int
+handle_replicate(FastPath *self, const unsigned char *data, Py_ssize_t size,
+                 Py_ssize_t limit, Reply *reply)
+{
+    if (self->backup == NULL) {
+        return DECLINED;
+    }
+    const unsigned char *inner = data + REQUEST_HEADER_SIZE;
+    Py_ssize_t inner_size = size - REQUEST_HEADER_SIZE;
+    if (inner_size < 20 || inner[0] != REQUEST_MAGIC || inner[1] != PROTOCOL_VERSION
+            || (inner[2] != OP_PUT && inner[2] != OP_DELETE && inner[2] != OP_PUT_MANY)) {
+        return DECLINED;
+    }
+    FastPath *backup = (FastPath *)self->backup;
+    Py_INCREF(backup);
+    Reply answer = {NULL, {0}, 0, NULL};
+    int result = handle_request(backup, inner, inner_size, limit - REPLY_HEADER_SIZE,
+                                &answer);
+    if (result == HANDLED) {
+        PyObject *change = reply_bytes(&answer);
+        if (change == NULL) {
+            result = -1;
+        }
+        else {
+            reply->whole = new_reply(ST_OK, data, PyBytes_GET_SIZE(change), 0);
+            if (reply->whole == NULL) {
+                result = -1;
+            }
+            else {
+                memcpy(PyBytes_AS_STRING(reply->whole) + REPLY_HEADER_SIZE,
+                       PyBytes_AS_STRING(change), (size_t)PyBytes_GET_SIZE(change));
+                self->replicated++;
+            }
+            Py_DECREF(change);
+        }
+    }
+    else if (result != QUEUED) {
+        reply_clear(&answer);
+    }
+    Py_DECREF(backup);
+    return result == QUEUED ? DECLINED : result;
+}
+
+/* Sends one reply at once (sealed as batch_add_reply seals), outside a
+ * batch; a reply the kernel refuses is counted, the client retries.  0. */
+static int
+send_reply_now(FastPath *self, int fd, Reply *reply,
+               const struct sockaddr_storage *peer, socklen_t peer_length,
+               const unsigned char *request, const unsigned char *stamp)
+{
+    struct iovec parts[3];
+    unsigned char mac[REPLY_TRAILER];
+    struct msghdr message;
+    memset(&message, 0, sizeof(message));
+    message.msg_name = (void *)peer;
+    message.msg_namelen = peer_length;
+    message.msg_iov = parts;
+    if (reply->whole != NULL) {
+        parts[0].iov_base = PyBytes_AS_STRING(reply->whole);
+        parts[0].iov_len = (size_t)PyBytes_GET_SIZE(reply->whole);
+        message.msg_iovlen = 1;
+    }
+    else {
+        parts[0].iov_base = reply->head;
+        parts[0].iov_len = REPLY_HEADER_SIZE + (size_t)reply->body;
+        message.msg_iovlen = 1;
+        if (reply->value != NULL) {
+            parts[1].iov_base = PyBytes_AS_STRING(reply->value);
+            parts[1].iov_len = (size_t)PyBytes_GET_SIZE(reply->value);
+            message.msg_iovlen = 2;
+        }
+    }
+    if (stamp != NULL) {
+        DomusSip sip;
+        domus_sip_init(&sip, self->key);
+        for (size_t i = 0; i < message.msg_iovlen; i++) {
+            domus_sip_update(&sip, parts[i].iov_base, parts[i].iov_len);
+        }
+        domus_sip_update(&sip, request + 8, 8);
+        domus_sip_update(&sip, stamp, 4);
+        uint64_t tag = domus_sip_final(&sip);
+        for (int i = 0; i < REPLY_TRAILER; i++) {
+            mac[i] = (unsigned char)(tag >> (56 - 8 * i));
+        }
+        parts[message.msg_iovlen].iov_base = mac;
+        parts[message.msg_iovlen].iov_len = REPLY_TRAILER;
+        message.msg_iovlen++;
+    }
+    ssize_t sent;
+    do {
+        sent = sendmsg(fd, &message, MSG_DONTWAIT | MSG_NOSIGNAL);
+    } while (sent < 0 && errno == EINTR);
+    if (sent < 0) {
+        atomic_fetch_add_explicit(&self->send_errors, 1, memory_order_relaxed);
+    }
+    else {
+        atomic_fetch_add_explicit(&self->bytes_sent, (unsigned long long)sent,
+                                  memory_order_relaxed);
+    }
+    return 0;
+}
+
+/* When the serving thread stops: every C change not yet answered is
+ * handed to Python as failed (nothing was applied here; the client
+ * retries), every Python claim waiting its turn is let go; the lines are
+ * freed.  0, or -1 with an exception set. */
+static int
+forwards_stop(FastPath *self)
+{
+    Forwards *forwards = self->forwards;
+    if (forwards == NULL) {
+        return 0;
+    }
+    int failed = 0;
+    for (uint32_t slot = 0; slot < FWD_SLOTS; slot++) {
+        Forward *entry = &forwards->slots[slot];
+        if (entry->kind == FWD_C) {
+            /* (no backup failed: none is named, none reported) */
+            entry->acked = (1u << entry->holder_count) - 1;
+            failed |= forward_hand_over(self, entry, 1,
+                                        "the service's serving thread stopped") < 0;
+        }
+        else if (entry->kind == FWD_PY && !entry->started) {
+            failed |= forward_queue(self, PyLong_FromUnsignedLong(entry->id)) < 0;
+        }
+    }
+    self->forwards = NULL;
+    forwards_free(forwards);
+    return failed ? -1 : 0;
+}
+
 /* What becomes of a datagram C declines: `fallback` is called with it at
  * once (serve(), on the reactor thread; the batch's earlier replies are
  * sent first, so replies leave in the order of their requests), or, from
@@ -3130,6 +4219,12 @@ batch_handle(FastPath *self, Batch *batch, int count,
         socklen_t peer_length = header->msg_namelen;
         Py_ssize_t size = (Py_ssize_t)batch->in[i].msg_len;
         self->bytes_received += (unsigned long long)size;
+        if (self->forwards != NULL && size > 0 && data[0] == REPLY_MAGIC) {
+            if (forward_answered(self, data, size, peer) < 0) {
+                return -1;
+            }
+            continue;
+        }
         const unsigned char *stamp = NULL;
         Py_ssize_t length = size;
         int fresh = 1;
@@ -3169,10 +4264,18 @@ batch_handle(FastPath *self, Batch *batch, int count,
                 && (limit + self->reply_factor - 1) / self->reply_factor > length) {
             limit = length * self->reply_factor;   /* (anyone may spoof a source) */
         }
+        self->current_peer = peer;
+        self->current_peer_length = peer_length;
+        self->current_stamp = stamp;
         int result = fresh ? handle_request(self, data, length, limit, &reply)
                            : DECLINED;
+        self->current_peer = NULL;
+        self->current_stamp = NULL;
         if (result < 0) {
             return -1;
+        }
+        if (result == QUEUED) {
+            continue;
         }
         if (result == HANDLED) {
             batch_add_reply(self, batch, &reply, peer, peer_length, data, stamp);
@@ -3563,12 +4666,37 @@ serve_in_thread(void *argument)
         if (empty) {
             struct pollfd ready[2] = {{fd, POLLIN, 0},
                                       {self->thread_stop_fd, POLLIN, 0}};
-            if (poll(ready, 2, -1) < 0 && errno != EINTR) {
+            /* (until the next resend of a replicated change, if any) */
+            Forwards *forwards = self->forwards;
+            long long due = forwards != NULL ? atomic_load(&forwards->next_ns) : 0;
+            int timeout = -1;
+            if (due != 0) {
+                long long left = due - monotonic_ns();
+                timeout = left <= 0 ? 0 : (int)((left + 999999) / 1000000);
+            }
+            int events = poll(ready, 2, timeout);
+            if (events < 0 && errno != EINTR) {
                 error = errno;
                 break;
             }
+            if (events == 0) {
+                baton_take(baton, 0);
+                PyEval_RestoreThread(state);
+                if (forwards_due(self) < 0) {
+                    self->thread_errors++;
+                    PyErr_WriteUnraisable((PyObject *)self);
+                }
+                state = PyEval_SaveThread();
+                baton_give(baton);
+                continue;
+            }
             if (ready[1].revents != 0) {
-                continue;                   /* (stopping) */
+                /* (stopping, or woken to wait for a resend: see kick) */
+                uint64_t count;
+                while (read(self->thread_stop_fd, &count, sizeof(count)) < 0
+                       && errno == EINTR) {
+                }
+                continue;
             }
             if (ready[0].revents & (POLLERR | POLLNVAL)) {
                 if (ready[0].revents & POLLNVAL) {
@@ -3611,6 +4739,10 @@ serve_in_thread(void *argument)
                 self->thread_errors++;
                 PyErr_WriteUnraisable((PyObject *)self);
                 break;
+            }
+            if (forwards_due(self) < 0) {
+                self->thread_errors++;
+                PyErr_WriteUnraisable((PyObject *)self);
             }
             if (empty || round >= THREAD_ROUNDS || baton_wanted(baton)) {
                 break;
@@ -3683,8 +4815,13 @@ FastPath_start_thread(FastPath *self, PyObject *args, PyObject *kwds)
     if (self->batch == NULL && (self->batch = batch_new()) == NULL) {
         return NULL;
     }
+    if (self->forwards == NULL && (self->forwards = forwards_new(fd)) == NULL) {
+        return NULL;
+    }
     int stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (stop_fd < 0) {
+        forwards_free(self->forwards);
+        self->forwards = NULL;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     Py_INCREF(queue);
@@ -3699,6 +4836,8 @@ FastPath_start_thread(FastPath *self, PyObject *args, PyObject *kwds)
     int failed = pthread_create(&self->thread, NULL, serve_in_thread, self);
     if (failed != 0) {
         Py_DECREF(self);
+        forwards_free(self->forwards);
+        self->forwards = NULL;
         close(stop_fd);
         self->thread_stop_fd = -1;
         errno = failed;
@@ -3729,6 +4868,8 @@ FastPath_stop_thread(FastPath *self, PyObject *unused)
          * was copied with the rest and is dropped here) */
         close(self->thread_stop_fd);
         self->thread_stop_fd = -1;
+        forwards_free(self->forwards);
+        self->forwards = NULL;
         Py_DECREF(self);
         Py_RETURN_NONE;
     }
@@ -3750,10 +4891,228 @@ FastPath_stop_thread(FastPath *self, PyObject *unused)
         baton_take(baton, 1);
     }
     Py_END_ALLOW_THREADS
+    /* (what waited for backups is Python's now: see forwards_stop) */
+    if (forwards_stop(self) < 0) {
+        PyErr_WriteUnraisable((PyObject *)self);
+    }
     close(self->thread_stop_fd);
     self->thread_stop_fd = -1;
     Py_DECREF(self);
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(FastPath_claim_doc,
+"claim($self, dht_id, buckets, /)\n--\n\n"
+"A replicated change the Python handler sends to the backups of\n"
+"`buckets` (of DHT `dht_id`) takes its turn in their lines (see\n"
+"\"replication\" in cext/hotpath.c): (claim, ready).  When ready is\n"
+"False, claim (an int) is appended to the serving thread's queue once it\n"
+"is the change's turn.  The handler calls release(claim) once the\n"
+"backups answered.  None when no serving thread forwards changes (the\n"
+"handler goes ahead).  BufferError when too many changes wait.");
+
+static PyObject *
+FastPath_claim(FastPath *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "claim(dht_id, buckets)");
+        return NULL;
+    }
+    unsigned long dht_id = PyLong_AsUnsignedLong(args[0]);
+    if (dht_id == (unsigned long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (dht_id > 0xFFFFFFFFUL) {
+        PyErr_SetString(PyExc_OverflowError, "dht_id is a u32");
+        return NULL;
+    }
+    Forwards *forwards = self->forwards;
+    if (forwards == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *buckets = PySequence_Fast(args[1], "buckets must be a sequence");
+    if (buckets == NULL) {
+        return NULL;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(buckets);
+    if (count < 1 || count > 0xFFFF) {
+        Py_DECREF(buckets);
+        PyErr_SetString(PyExc_ValueError, "a claim names 1 to 65535 buckets");
+        return NULL;
+    }
+    uint32_t *numbers = PyMem_RawMalloc((size_t)count * sizeof(uint32_t));
+    if (numbers == NULL) {
+        Py_DECREF(buckets);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        unsigned long bucket = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(buckets, i));
+        if ((bucket == (unsigned long)-1 && PyErr_Occurred()) || bucket > 0xFFFFFFFFUL) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_OverflowError, "a bucket is a u32");
+            }
+            PyMem_RawFree(numbers);
+            Py_DECREF(buckets);
+            return NULL;
+        }
+        for (Py_ssize_t j = 0; j < i; j++) {
+            if (numbers[j] == bucket) {
+                PyErr_SetString(PyExc_ValueError, "a claim names each bucket once");
+                PyMem_RawFree(numbers);
+                Py_DECREF(buckets);
+                return NULL;
+            }
+        }
+        numbers[i] = (uint32_t)bucket;
+    }
+    Py_DECREF(buckets);
+    int slot = forward_take_slot(forwards, FWD_PY, (uint32_t)dht_id);
+    if (slot < 0) {
+        PyMem_RawFree(numbers);
+        PyErr_SetString(PyExc_BufferError, "too many replicated changes wait for backups");
+        return NULL;
+    }
+    Forward *entry = &forwards->slots[slot];
+    entry->buckets = numbers;
+    entry->bucket_count = (int)count;
+    if (forward_enqueue(forwards, (uint32_t)slot) < 0) {
+        forward_give_slot(forwards, (uint32_t)slot);
+        return NULL;
+    }
+    entry->started = entry->waiting == 0;
+    return Py_BuildValue("(kO)", (unsigned long)entry->id,
+                         entry->started ? Py_True : Py_False);
+}
+
+PyDoc_STRVAR(FastPath_release_doc,
+"release($self, claim, /)\n--\n\n"
+"The change of `claim` (see claim()) is done, or given up: it leaves its\n"
+"lines, and the changes it held back go.  A claim not known is ignored.");
+
+static PyObject *
+FastPath_release(FastPath *self, PyObject *claim)
+{
+    unsigned long id = PyLong_AsUnsignedLong(claim);
+    if (id == (unsigned long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Forwards *forwards = self->forwards;
+    if (forwards == NULL || id > 0xFFFFFFFFUL) {
+        Py_RETURN_NONE;
+    }
+    uint32_t slot = (uint32_t)id & (FWD_SLOTS - 1);
+    Forward *entry = &forwards->slots[slot];
+    if (entry->kind != FWD_PY || entry->id != (uint32_t)id) {
+        Py_RETURN_NONE;
+    }
+    if (forward_finish(self, forwards, slot) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(FastPath_recheck_doc,
+"recheck($self, dht_id, /)\n--\n\n"
+"The backups of DHT `dht_id`'s buckets changed (its entry in `dhts`):\n"
+"C changes waiting for a backup that no longer backs their bucket stop\n"
+"waiting for it (applied and answered once the others have answered).");
+
+static PyObject *
+FastPath_recheck(FastPath *self, PyObject *arg)
+{
+    unsigned long dht_id = PyLong_AsUnsignedLong(arg);
+    if (dht_id == (unsigned long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Forwards *forwards = self->forwards;
+    if (forwards == NULL || self->dhts == NULL) {
+        Py_RETURN_NONE;
+    }
+    PyObject *found = PyDict_GetItemWithError(self->dhts, arg);
+    if (found == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    if (!PyTuple_CheckExact(found) || PyTuple_GET_SIZE(found) != 3
+            || !PyDict_Check(PyTuple_GET_ITEM(found, 2))) {
+        Py_RETURN_NONE;
+    }
+    PyObject *table = PyTuple_GET_ITEM(found, 2);
+    Py_INCREF(table);
+    int due = 0;
+    for (uint32_t slot = 0; slot < FWD_SLOTS; slot++) {
+        Forward *entry = &forwards->slots[slot];
+        if (entry->kind != FWD_C || entry->dht_id != (uint32_t)dht_id) {
+            continue;
+        }
+        PyObject *number = PyLong_FromUnsignedLong(entry->buckets[0]);
+        if (number == NULL) {
+            Py_DECREF(table);
+            return NULL;
+        }
+        PyObject *backups = PyDict_GetItemWithError(table, number);
+        Py_DECREF(number);
+        if (backups == NULL && PyErr_Occurred()) {
+            Py_DECREF(table);
+            return NULL;
+        }
+        if (backups == NULL || !PyBytes_Check(backups)) {
+            continue;           /* (not a primary here now, or Python's: it fails or times out) */
+        }
+        const unsigned char *packed = (const unsigned char *)PyBytes_AS_STRING(backups);
+        Py_ssize_t holders = PyBytes_GET_SIZE(backups) / HOLDER_SIZE;
+        for (int i = 0; i < entry->holder_count; i++) {
+            int still = 0;
+            for (Py_ssize_t j = 0; j < holders && !still; j++) {
+                still = memcmp(&entry->holders[i].sin_addr.s_addr, packed + j * HOLDER_SIZE, 4) == 0
+                        && memcmp(&entry->holders[i].sin_port, packed + j * HOLDER_SIZE + 4, 2) == 0;
+            }
+            if (!still) {
+                entry->acked |= 1u << i;
+            }
+        }
+        if (entry->started && entry->acked == (1u << entry->holder_count) - 1) {
+            due = 1;
+        }
+    }
+    Py_DECREF(table);
+    if (due) {
+        /* (forwards_tick applies and answers them, and starts what they held back) */
+        atomic_store(&forwards->next_ns, 1);
+        if (forwards_due(self) < 0) {
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+FastPath_get_forwarding(FastPath *self, void *closure)
+{
+    return PyBool_FromLong(self->forwards != NULL);
+}
+
+static PyObject *
+FastPath_get_backup(FastPath *self, void *closure)
+{
+    return Py_NewRef(self->backup != NULL ? self->backup : Py_None);
+}
+
+static int
+FastPath_set_backup(FastPath *self, PyObject *value, void *closure)
+{
+    if (value != NULL && value != Py_None && !PyObject_TypeCheck(value, Py_TYPE(self))) {
+        PyErr_SetString(PyExc_TypeError, "backup must be a FastPath or None");
+        return -1;
+    }
+    if (value == (PyObject *)self) {
+        PyErr_SetString(PyExc_ValueError, "a FastPath cannot be its own backup");
+        return -1;
+    }
+    Py_XSETREF(self->backup, value != NULL && value != Py_None ? Py_NewRef(value) : NULL);
+    return 0;
 }
 
 static PyObject *
@@ -3883,6 +5242,10 @@ static PyMethodDef FastPath_methods[] = {
      METH_VARARGS | METH_KEYWORDS, FastPath_start_thread_doc},
     {"stop_thread", (PyCFunction)FastPath_stop_thread, METH_NOARGS,
      FastPath_stop_thread_doc},
+    {"claim", (PyCFunction)(void (*)(void))FastPath_claim, METH_FASTCALL,
+     FastPath_claim_doc},
+    {"release", (PyCFunction)FastPath_release, METH_O, FastPath_release_doc},
+    {"recheck", (PyCFunction)FastPath_recheck, METH_O, FastPath_recheck_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -3921,6 +5284,16 @@ static PyMemberDef FastPath_members[] = {
      "as unraisable; their datagrams are lost and retried)"},
     {"reply_factor", T_INT, offsetof(FastPath, reply_factor), 0,
      "without a key: a reply is at most this many times its request (0: any)"},
+    {"forwarded", T_ULONGLONG, offsetof(FastPath, forwarded), READONLY,
+     "replicated changes C sent to their backups"},
+    {"forward_resends", T_ULONGLONG, offsetof(FastPath, forward_resends), READONLY,
+     "REPLICATEs C sent again, not answered in time"},
+    {"forward_failures", T_ULONGLONG, offsetof(FastPath, forward_failures), READONLY,
+     "replicated changes C handed to Python as failed (a backup did not take them)"},
+    {"replicated", T_ULONGLONG, offsetof(FastPath, replicated), READONLY,
+     "REPLICATEs applied in C as a backup"},
+    {"stray_answers", T_ULONGLONG, offsetof(FastPath, stray_answers), READONLY,
+     "replies read that answer nothing in flight (late, or not from a backup)"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -3937,6 +5310,12 @@ static PyGetSetDef FastPath_getset[] = {
      "bytes of the replies C sent (not those the fallback sends)", NULL},
     {"threaded", (getter)FastPath_get_threaded, NULL,
      "whether a serving thread of this process reads the socket", NULL},
+    {"forwarding", (getter)FastPath_get_forwarding, NULL,
+     "whether C sends replicated changes to their backups (with the serving "
+     "thread)", NULL},
+    {"backup", (getter)FastPath_get_backup, (setter)FastPath_set_backup,
+     "the FastPath of the backups held here, which applies the REPLICATEs "
+     "this one reads (or None: they go to Python)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

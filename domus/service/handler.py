@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -145,7 +146,7 @@ class _Join:
     """The backups' answers to one replicated change, counted as they
     come; the handler takes over once the last has."""
 
-    __slots__ = ("handler", "hosted", "data", "token", "limit", "left", "failed")
+    __slots__ = ("handler", "hosted", "data", "token", "limit", "left", "failed", "claim")
 
     def __init__(self, handler: RequestHandler, hosted: HostedDht, holders: list[str],
                  data: bytes, token: bytes, limit: int) -> None:
@@ -153,6 +154,7 @@ class _Join:
         self.token, self.limit = token, limit
         self.left = len(holders)
         self.failed: dict[str, str] = {}
+        self.claim: int | None = None     # its turn in its buckets' lines (FastPath.claim)
 
     def took(self, reply: bytes | BaseException, holder: str) -> None:
         if isinstance(reply, BaseException):
@@ -165,6 +167,16 @@ class _Join:
         self.left -= 1
         if self.left == 0:
             self.handler._replicated(self)
+
+
+def _packed_address(address: str) -> bytes | None:
+    """"host:port" as 4 bytes of IPv4 address and 2 of port (big-endian),
+    or None if the host is not an IPv4 address."""
+    host, _, port = address.rpartition(":")
+    try:
+        return socket.inet_pton(socket.AF_INET, host) + int(port).to_bytes(2, "big")
+    except (OSError, ValueError, OverflowError):
+        return None
 
 
 class _Snapshot:
@@ -249,9 +261,15 @@ class RequestHandler:
         # backups, by token.
         self.backup_table: dict[int, tuple[dict[int, Repository], int]] = {}
         self.backup_fast = hotpath.make_fast_path(self.backup_table, self.reply_cache)
+        if self.fast is not None and self.backup_fast is not None:
+            # (a REPLICATE the serving thread reads is applied by C too)
+            self.fast.backup = self.backup_fast
         self.replicator: Replicator | None = None
         self.copy_failed: Callable[[HostedDht, str, str], None] | None = None
         self._in_flight: dict[bytes, Later] = {}
+        # Changes waiting for their turn in their buckets' lines (those C
+        # sends itself go first: see "replication"), by claim.
+        self._parked: dict[int, tuple[_Join, list[str]]] = {}
         self._as_backup = False
         # What is held here and whose (domus.service.holdings): DHTs found
         # on disk at start that are not hosted (id -> identity), and the ids
@@ -564,8 +582,38 @@ class RequestHandler:
         if not holders:
             return None                     # (degraded: this copy alone)
         assert self.replicator is not None
+        fast = self.fast
+        ticket = None
+        if fast is not None and fast.forwarding:
+            # (C sends changes to backups too: this one takes its turn in
+            # its buckets' lines, so that the backups see one order)
+            try:
+                ticket = fast.claim(hosted.id, buckets)
+            except BufferError:
+                self.counters["busy"] += 1
+                busy = Later()
+                busy.fire(bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_BUSY, 0)) + data[4:8])
+                return busy
         waiting = self._in_flight[token] = Later()
         join = _Join(self, hosted, holders, data, token, limit)
+        if ticket is not None:
+            join.claim = ticket[0]
+            if not ticket[1]:
+                self._parked[ticket[0]] = (join, holders)
+                return waiting
+        self._send_replicas(join, holders)
+        return waiting
+
+    def claim_ready(self, claim: int) -> None:
+        """A parked change's turn has come (the serving thread's queue says
+        so, or the thread stopped): sent to its backups now."""
+        parked = self._parked.pop(claim, None)
+        if parked is not None:
+            self._send_replicas(*parked)
+
+    def _send_replicas(self, join: _Join, holders: list[str]) -> None:
+        hosted, data = join.hosted, join.data
+        assert self.replicator is not None
         for holder in holders:
             try:
                 self.replicator(holder, hosted.addresses.get(holder, ""), data, join.took,
@@ -574,26 +622,13 @@ class RequestHandler:
                 # (A replicator that raises at once is a backup that failed,
                 # not a handler that raises, nor a token left in flight.)
                 join.took(exc, holder)
-        return waiting
 
     def _replicated(self, join: _Join) -> None:
         """Every backup of a change has answered (``join.failed``: those
         that did not take it)."""
-        hosted, data = join.hosted, join.data
-        failed = join.failed
-        if failed:
-            self.counters["replication_failures"] += 1
-            for holder, why in sorted(failed.items()):
-                log.warn("service {service}: DHT {dht!r}: the backup on {holder} did not take "
-                         "a change: {why}", service=self.service_name, dht=hosted.name,
-                         holder=holder, why=why)
-                if self.copy_failed is not None:
-                    self.copy_failed(hosted, holder, why)
-            answer = self._error(wire.ST_MOVING, data[4:8],
-                                 f"a backup of DHT {hosted.name!r} on {sorted(failed)} did not "
-                                 f"take the change; retry shortly (it was not acknowledged)")
-            if hosted.layout_tag:
-                answer = answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
+        data = join.data
+        if join.failed:
+            answer = self._failed_copies(join)
         else:
             try:
                 answer = self.handle(data, join.limit, forward=False)  # applied, cached
@@ -604,6 +639,55 @@ class RequestHandler:
         waiting = self._in_flight.pop(join.token, None)
         if waiting is not None:
             waiting.fire(answer)            # type: ignore[arg-type]
+        if join.claim is not None and self.fast is not None:
+            self.fast.release(join.claim)   # (the changes it held back go)
+
+    def forwarded(self, data: bytes, outcome: tuple[list[str], str] | None,
+                  limit: int) -> bytes:
+        """The reply to a replicated change C sent to its backups and handed
+        back (domus.service.udp reads it from the serving thread's queue):
+        with ``outcome`` None every backup took it, and it is applied here
+        as handle(forward=False) applies it; else (the backups, as host:port,
+        that did not take it, and why) it failed as _replicated fails one:
+        reported to the supervisor, answered MOVING."""
+        hosted = self.dhts.get(wire.U32.unpack_from(data, 16)[0]) if len(data) >= 20 else None
+        if outcome is None or hosted is None:
+            answer = self.handle(data, limit, forward=False)
+            if answer is None or isinstance(answer, Later):   # (neither can be)
+                answer = self._error(wire.ST_INTERNAL, data[4:8], "a replicated change "
+                                     "was lost on its way back")
+        elif not outcome[0]:
+            # (no backup failed: the serving thread stopped with it in flight)
+            answer = self._error(wire.ST_MOVING, data[4:8],
+                                 f"DHT {hosted.name!r}: the change was not acknowledged "
+                                 f"({outcome[1]}); retry shortly")
+        else:
+            named = {address: name for name, address in hosted.addresses.items()}
+            holders, why = outcome
+            join = _Join(self, hosted, [], data, b"", limit)
+            join.failed = {named.get(address, address): why for address in holders}
+            answer = self._failed_copies(join)
+        self.by_status[answer[2]] += 1
+        return answer
+
+    def _failed_copies(self, join: _Join) -> bytes:
+        """A change some backups did not take (``join.failed``): each is
+        reported to the supervisor, which takes it off the bucket; the
+        answer is MOVING (nothing was acknowledged: the client retries)."""
+        hosted, data, failed = join.hosted, join.data, join.failed
+        self.counters["replication_failures"] += 1
+        for holder, why in sorted(failed.items()):
+            log.warn("service {service}: DHT {dht!r}: the backup on {holder} did not take "
+                     "a change: {why}", service=self.service_name, dht=hosted.name,
+                     holder=holder, why=why)
+            if self.copy_failed is not None:
+                self.copy_failed(hosted, holder, why)
+        answer = self._error(wire.ST_MOVING, data[4:8],
+                             f"a backup of DHT {hosted.name!r} on {sorted(failed)} did not "
+                             f"take the change; retry shortly (it was not acknowledged)")
+        if hosted.layout_tag:
+            answer = answer[:3] + bytes((hosted.layout_tag,)) + answer[4:]
+        return answer
 
     def _changed_buckets(self, hosted: HostedDht, data: bytes) -> list[int]:
         """The buckets (this DHT's numbering) a change writes to, each one
@@ -1127,6 +1211,7 @@ class RequestHandler:
             by_status = [mine + theirs for mine, theirs in zip(by_status, fast.by_status)]
             counters["busy"] += fast.busy
             counters["shed"] += fast.shed
+            counters["replicated"] += fast.replicated
         for path in self._fast_paths():     # (a retried REPLICATE is a replay either way)
             counters["replayed"] += path.replayed
             counters["unauthenticated"] += path.unauthenticated
@@ -1140,6 +1225,9 @@ class RequestHandler:
             "hot_path": "c" if fast is not None else "python",
             "serving_thread": bool(fast is not None and fast.threaded),
             "kernel_drops": fast.kernel_drops if fast is not None else 0,
+            # (replicated changes C sent to their backups, and sent again)
+            "forwarded": fast.forwarded if fast is not None else 0,
+            "forward_resends": fast.forward_resends if fast is not None else 0,
             "hot_path_fallbacks": sum(path.fallbacks for path in self._fast_paths()),
             "reply_cache": len(self.reply_cache),
             "reply_cache_limit": self.reply_cache.current_limit,
@@ -1227,15 +1315,39 @@ class RequestHandler:
         hosted = self.dhts.get(dht_id)
         if hosted is not None and hosted.active:
             layout = hosted.numbering << 8 | hosted.layout_tag
-            # (Bit 16: C leaves changes to Python; see room_changed.)
+            # (Bit 16: C leaves changes to Python, see room_changed; bit 17:
+            # replicated, C sends changes to the backups named by bucket.)
             guarded = (hosted.medium == "disk" and self.headroom is not None
                        and self.headroom.state != ROOM_OK)
-            self.fast_table[dht_id] = (hosted.repos,
-                                       layout | (hosted.replicated or guarded) << 16)
+            if hosted.replicated:
+                self.fast_table[dht_id] = (hosted.repos, layout | guarded << 16 | 1 << 17,
+                                           self._backup_addresses(hosted))
+            else:
+                self.fast_table[dht_id] = (hosted.repos, layout | guarded << 16)
             self.backup_table[dht_id] = (hosted.backups, layout)
+            if self.fast is not None and hosted.replicated:
+                self.fast.recheck(dht_id)
         else:
             self.fast_table.pop(dht_id, None)
             self.backup_table.pop(dht_id, None)
+
+    def _backup_addresses(self, hosted: HostedDht) -> dict[int, bytes | None]:
+        """For each bucket stored here, its backups' UDP addresses as C
+        sends REPLICATEs to them (IPv4 address and port, 6 bytes each;
+        b"" for none left), or None where one is not an IPv4 address (the
+        Python path forwards those over TCP)."""
+        packed: dict[str, bytes | None] = {}
+        table: dict[int, bytes | None] = {}
+        for bucket in hosted.repos:
+            holders = hosted.backups_of(bucket)
+            parts = []
+            for holder in holders:
+                address = hosted.addresses.get(holder, "")
+                if address not in packed:
+                    packed[address] = _packed_address(address)
+                parts.append(packed[address])
+            table[bucket] = None if None in parts else b"".join(parts)  # type: ignore[arg-type]
+        return table
 
     def drop(self, named: dict[str, Any]) -> bool:
         """Delete a DHT held here, memory and files, as the supervisor says:

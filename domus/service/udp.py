@@ -395,7 +395,14 @@ class UdpServer:
                         self._reactor.addReader(self)
                 continue
             try:
-                self._answer_in_python(*item)
+                if isinstance(item, int):       # a replicated change's turn (handler.claim)
+                    self.handler.claim_ready(item)
+                elif len(item) == 4:            # one C sent to its backups, handed back
+                    data, peer, stamp, outcome = item
+                    answer = self.handler.forwarded(data, outcome, self._limit(data, stamp))
+                    self._send_later(answer, peer, data, stamp)
+                else:
+                    self._answer_in_python(*item)
             except Exception:
                 self.handler.counters["internal_errors"] += 1
                 log.failure("service {service}: error serving UDP",

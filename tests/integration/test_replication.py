@@ -7,6 +7,9 @@ raise DataLost, never KeyError, until the loss is accepted."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import random
 import signal
 import threading
 import time
@@ -17,7 +20,14 @@ import domus
 from domus.errors import DataLost
 
 from .conftest import TrackedDeployment, start_deployment
-from .support import CLIENT_TIMEOUT, first_difference, owner_of, wait_until
+from .support import (
+    CLIENT_TIMEOUT,
+    first_difference,
+    owner_of,
+    service_addresses,
+    service_stats,
+    wait_until,
+)
 
 
 class Writer:
@@ -203,3 +213,122 @@ def free_port() -> int:
     from domus.ops.deploy import free_port_block
 
     return free_port_block(1)
+
+
+def forwarded(cluster: domus.Cluster) -> dict[str, int]:
+    """Replicated changes each service's C path sent to backups."""
+    return {name: service_stats(address)["forwarded"]
+            for name, address in service_addresses(cluster).items()}
+
+
+@pytest.mark.timeout(180)
+def test_single_changes_and_batches_reach_the_backups_in_the_primarys_order(tmp_path):
+    """Puts and deletes of single keys (which the C path sends to the
+    backups) race with put_many batches (which the Python path sends) on
+    the same few keys, from four clients.  The backups apply each bucket's
+    changes in the order its primary does, whichever path sent them: once
+    a primary is killed, its promoted backup holds exactly what it held."""
+    deployment = start_deployment(tmp_path, services=2)
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            cluster.create_dht("order", buckets=8, replicas=2)
+            keys = [f"k{number}" for number in range(40)]
+            stop = threading.Event()
+            errors: list[BaseException] = []
+            done = [0, 0, 0, 0]
+
+            def change(seed: int, batches: bool) -> None:
+                with domus.connect(deployment.supervisor_address,
+                                   timeout=CLIENT_TIMEOUT) as own:
+                    dht = own.open_dht("order")
+                    pick = random.Random(seed)
+                    while not stop.is_set():
+                        try:
+                            if batches:
+                                dht.put_many({pick.choice(keys): [seed, done[seed], n]
+                                              for n in range(6)})
+                            elif pick.random() < 0.25:
+                                with contextlib.suppress(KeyError):
+                                    del dht[pick.choice(keys)]
+                            else:
+                                dht[pick.choice(keys)] = [seed, done[seed]]
+                        except Exception as exc:  # counted: none is allowed
+                            errors.append(exc)
+                        done[seed] += 1
+
+            threads = [threading.Thread(target=change, args=(seed, seed >= 2))
+                       for seed in range(4)]
+            for thread in threads:
+                thread.start()
+            try:
+                wait_until(lambda: min(done) >= 1200 and sum(forwarded(cluster).values()) >= 3000,
+                           timeout=90, what="changes by both paths")
+            finally:
+                stop.set()
+                for thread in threads:
+                    thread.join(60)
+            assert [repr(exc) for exc in errors] == []
+            dht = cluster.open_dht("order")
+            held = dht.get_many(keys)
+            on_s1 = [key for key in keys if owner_of(dht, key) == "s1"]
+            assert on_s1 and len(on_s1) < len(keys)
+            deployment.kill_service("s1", signal.SIGKILL)
+            with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as fresh:
+                promoted = fresh.open_dht("order").get_many(keys)
+            assert first_difference(promoted, held) == []
+    finally:
+        deployment.stop_everything()
+
+
+@pytest.mark.timeout(120)
+def test_a_backup_that_pauses_delays_writes_and_loses_none(tmp_path):
+    """A backup stopped for a moment (SIGSTOP) does not answer the
+    REPLICATEs its primary sends: the primary sends them again until it
+    answers, and the writes that waited for it are acknowledged then, none
+    failed, none lost."""
+    deployment = start_deployment(tmp_path, services=2)
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            cluster.create_dht("pause", buckets=8, replicas=2)
+            addresses = service_addresses(cluster)
+            dht = cluster.open_dht("pause")
+            # (keys whose primary is s1, so that the writer never waits for s2 itself)
+            keys = [key for key in range(2_000) if owner_of(dht, key) == "s1"]
+            acknowledged: dict[int, int] = {}
+            errors: list[BaseException] = []
+            stop = threading.Event()
+
+            def write() -> None:
+                for round_ in itertools.count():
+                    for key in keys:
+                        if stop.is_set():
+                            return
+                        try:
+                            dht[key] = round_
+                        except Exception as exc:  # counted: none is allowed
+                            errors.append(exc)
+                        else:
+                            acknowledged[key] = round_
+
+            writer = threading.Thread(target=write)
+            writer.start()
+            try:
+                wait_until(lambda: len(acknowledged) >= 200, timeout=30, what="writes")
+                resent = service_stats(addresses["s1"])["forward_resends"]
+                backup = deployment.services["s2"]
+                backup.send_signal(signal.SIGSTOP)
+                try:
+                    time.sleep(0.3)             # (the pause under test)
+                finally:
+                    backup.send_signal(signal.SIGCONT)
+                mark = sum(acknowledged.values())
+                wait_until(lambda: sum(acknowledged.values()) >= mark + 500, timeout=30,
+                           what="writes after the pause")
+            finally:
+                stop.set()
+                writer.join(60)
+            assert [repr(exc) for exc in errors] == []
+            assert service_stats(addresses["s1"])["forward_resends"] > resent
+            assert first_difference(dht.get_many(list(acknowledged)), acknowledged) == []
+    finally:
+        deployment.stop_everything()

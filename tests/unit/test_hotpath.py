@@ -603,7 +603,7 @@ def test_a_replicate_applied_by_c_is_counted_as_the_python_handler_counts_it():
 def test_a_malformed_dht_table_makes_c_decline():
     repos = {0: {b"k": b"v"}}
     for entry in (["not a dict"], ("not a dict", 0), (repos,), (repos, "0"), (repos, -1),
-                  (repos, 1 << 17), [repos, 0], repos):
+                  (repos, 1 << 18), [repos, 0], repos):
         table = {DHT_ID: entry}
         assert _hotpath.FastPath(table, new_cache()).handle(keyed(wire.OP_GET, b"k")) is None
 
@@ -1271,3 +1271,35 @@ def test_big_batches_on_record_trees_get_identical_replies_and_effects():
                                        [(bucket(key), key) for key in wanted]), limit)
     assert pair.handled_in_c == request_id
     pair.check()
+
+
+def test_a_replicate_the_c_path_reads_is_applied_as_the_python_handler_applies_it():
+    # The serving FastPath hands a REPLICATE's change to the backups'
+    # FastPath (handler.fast.backup): the same reply, records, reply cache
+    # and counters as the Python handler's _replicate_in; a change C cannot
+    # apply (a bucket not backed up here) declines the whole REPLICATE.
+    backed_up = dict(descriptor(5, "python-dict"), replicas=2,
+                     storage_backups=[[[0, 4, "s2"], [4, 8, "s1"]]])
+    reference, accelerated = make_handler(cache_type=ReplyCache), make_handler()
+    for handler in (reference, accelerated):
+        handler.assign(backed_up)
+    reference.backup_fast = None
+    assert accelerated.fast.backup is accelerated.backup_fast
+    changes = [wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, 5, 4, b"\x03k", b"v"),
+               wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, 5, 4, b"\x03k", b"v"),   # a retry
+               wire.encode_keyed(wire.OP_DELETE, 2, CLIENT_A, 5, 5, b"\x03j"),
+               wire.encode_put_many(3, CLIENT_A, 5, [(4, b"\x03a", b"1"), (6, b"\x03b", b"2")])]
+    for request_id, change in enumerate(changes, 10):
+        request = wire.encode_replicate(request_id, 0x5A, change)
+        assert accelerated.fast.handle(request) == reference.handle(request)
+    declined = wire.encode_replicate(20, 0x5A, wire.encode_keyed(
+        wire.OP_PUT, 4, CLIENT_A, 5, 0, b"\x03k", b"v"))        # (bucket 0: s2 backs it up)
+    assert accelerated.fast.handle(declined) is None
+    assert accelerated.handle(declined) == reference.handle(declined)
+    for handler in (reference, accelerated):
+        assert dict(handler.dhts[5].backups[4]) == {b"\x03k": b"v", b"\x03a": b"1"}
+    assert counters(accelerated) == counters(reference)
+    assert accelerated.stats()["replicated"] == reference.stats()["replicated"] == 5
+    with pytest.raises(TypeError):
+        accelerated.fast.backup = "not a FastPath"
+    assert accelerated.fast.claim(5, [4]) is None       # (no serving thread: nothing to order)
