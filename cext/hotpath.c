@@ -74,6 +74,7 @@
 #include <sys/uio.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <sys/eventfd.h>
@@ -256,6 +257,8 @@ typedef struct {
     unsigned long long forward_failures;/* changes failed: a backup did not take them */
     unsigned long long replicated;      /* REPLICATEs applied here as a backup, in C */
     unsigned long long stray_answers;   /* backups' answers to nothing in flight */
+    long long spin_ns;                  /* the serving thread reads this long before it sleeps */
+    unsigned long long spun;            /* batches it read so, without sleeping */
 } FastPath;
 
 typedef enum {
@@ -4663,7 +4666,23 @@ serve_in_thread(void *argument)
     int empty = 1;          /* the last read found the socket drained */
     int error = 0;
     while (!atomic_load(&self->thread_stopping)) {
-        if (empty) {
+        int got = -1;
+        if (empty && self->spin_ns > 0) {
+            /* (a moment of reading without sleeping, yielding the CPU to
+             * whatever else may run, before poll: see spin_ns) */
+            long long until = monotonic_ns() + self->spin_ns;
+            do {
+                got = batch_receive(fd, batch, BATCH_SIZE);
+                if (got >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+                    break;
+                }
+                sched_yield();
+            } while (monotonic_ns() < until && !atomic_load(&self->thread_stopping));
+            if (got >= 0) {
+                self->spun++;
+            }
+        }
+        if (empty && got < 0) {
             struct pollfd ready[2] = {{fd, POLLIN, 0},
                                       {self->thread_stop_fd, POLLIN, 0}};
             /* (until the next resend of a replicated change, if any) */
@@ -4706,7 +4725,9 @@ serve_in_thread(void *argument)
                 /* (POLLERR: an ICMP error; recvmmsg reports and clears it) */
             }
         }
-        int got = batch_receive(fd, batch, BATCH_SIZE);
+        if (got < 0) {
+            got = batch_receive(fd, batch, BATCH_SIZE);
+        }
         if (got < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
                 empty = errno != EINTR;
@@ -5292,6 +5313,11 @@ static PyMemberDef FastPath_members[] = {
      "replicated changes C handed to Python as failed (a backup did not take them)"},
     {"replicated", T_ULONGLONG, offsetof(FastPath, replicated), READONLY,
      "REPLICATEs applied in C as a backup"},
+    {"spin_ns", T_LONGLONG, offsetof(FastPath, spin_ns), 0,
+     "once the socket is empty, the serving thread reads it again, yielding "
+     "the CPU in between, for this long before it sleeps in poll (0: never)"},
+    {"spun", T_ULONGLONG, offsetof(FastPath, spun), READONLY,
+     "batches the serving thread read while it spun, without sleeping"},
     {"stray_answers", T_ULONGLONG, offsetof(FastPath, stray_answers), READONLY,
      "replies read that answer nothing in flight (late, or not from a backup)"},
     {NULL, 0, 0, 0, NULL},

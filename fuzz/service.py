@@ -272,15 +272,18 @@ def counters(handler: RequestHandler) -> tuple[Any, ...]:
     by_op = handler.by_op
     replayed = handler.counters["replayed"]
     unauthenticated = handler.counters["unauthenticated"]
+    replicated = handler.counters["replicated"]
     if handler.fast is not None:
         by_op = [mine + theirs for mine, theirs in zip(by_op, handler.fast.by_op)]
+        replicated += handler.fast.replicated   # (REPLICATEs the C path applied)
     for fast in (handler.fast, handler.backup_fast):
         if fast is not None:
             replayed += fast.replayed
             unauthenticated += fast.unauthenticated
     cache = handler.reply_cache
     return (handler.requests, by_op, {**handler.counters, "replayed": replayed,
-                                      "unauthenticated": unauthenticated},
+                                      "unauthenticated": unauthenticated,
+                                      "replicated": replicated},
             len(cache), cache.refused)
 
 

@@ -77,6 +77,7 @@ _KEYS = _number(int, 1, 2 ** 40, "key counts")
 _CACHE = _number(int, 2, 2 ** 32, "reply cache sizes")
 _FACTOR = _number(int, 0, 65_507, "reply factors")
 _SHED_AFTER = _number(float, 0.0, 3600.0, "seconds")
+_SPIN = _number(float, 0.0, 0.01, "seconds")
 
 
 def _fraction(text: str) -> float:
@@ -936,6 +937,10 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="N", help="replies of changes kept so that a retry is applied "
                         "once; N/2 changes per 15 s at most, past that BUSY (about 30 bytes "
                         "each with the C path, 155 without; default %(default)s)")
+    bounds.add_argument("--spin", type=_SPIN, default=limits.SPIN, metavar="SECONDS",
+                        help="once its socket is empty, the serving thread reads it again "
+                        "for this long, yielding the CPU, before it sleeps (0: sleep at "
+                        "once; default %(default)s)")
     svc.set_defaults(func=cmd_service)
 
     secret_parser = commands.add_parser("secret", help="make a deployment secret (for job "

@@ -39,6 +39,12 @@ REPLY_CACHE_ENTRIES = 8_000_000
 # Overload: a datagram that waited longer than this in the socket's queue
 # is answered BUSY instead of served (0: never).
 SHED_AFTER = 0.1
+# The serving thread, once its socket is empty, reads it again for this
+# long, yielding the CPU between reads, before it sleeps in poll (0: it
+# sleeps at once).  A datagram that comes meanwhile costs no wakeup: on
+# the development VM a sleep and a wakeup cost more CPU than a request
+# (benchmarks.capacity, put1 CPU: docs/operations.md, Bounds).
+SPIN = 20e-6
 
 
 def descriptor_headroom() -> int:
@@ -64,6 +70,7 @@ class Limits:
     udp_reply_factor: int = UDP_REPLY_FACTOR
     shed_after: float = SHED_AFTER
     reply_cache_entries: int = REPLY_CACHE_ENTRIES
+    spin: float = SPIN
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -97,6 +104,7 @@ FLAGS = {
     "input_budget": "--input-budget", "max_scans": "--max-scans",
     "max_scan_keys": "--max-scan-keys", "udp_reply_factor": "--udp-reply-factor",
     "shed_after": "--shed-after", "reply_cache_entries": "--reply-cache-entries",
+    "spin": "--spin",
 }
 
 

@@ -308,6 +308,7 @@ class UdpServer:
         if baton is None:
             reactor.addReader(self)
             return
+        fast.spin_ns = int(self.handler.limits.spin * 1e9)
         wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._waker = _Waker(self, wake)
         reactor.addReader(self._waker)
