@@ -227,7 +227,7 @@ class MessageProtocol(Int32StringReceiver):
                 return                  # (over the limit: closing)
             self._input.append(data)
             self._input_bytes += len(data)
-            if self._hashing is not None:
+            if self._hashing is not None and self._refusal is None:
                 self._hash_piece(data, self._input_bytes - len(data))
         while not self.paused:
             length = self._frame_length
@@ -369,6 +369,7 @@ class MessageProtocol(Int32StringReceiver):
             self._write_frame(auth.Accepting.refusal(str(exc)))
         self._held = []
         self._refusal = exc
+        self._hashing = None            # (nothing more is checked)
         pending, self._pending = self._pending, {}
         for deferred, timer in pending.values():
             timer.cancel()
