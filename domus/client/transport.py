@@ -198,12 +198,17 @@ def _recv_whole(sock: socket.socket, size: int) -> bytes:
 
 def _send_frame(sock: socket.socket, message: bytes,
                 session: auth.Session | None = None) -> None:
-    tag = session.tag(message) if session is not None else b""
-    prefix = _FRAME.pack(len(message) + len(tag))
     if len(message) < LARGE_FRAME:
-        sock.sendall(prefix + message + tag)
+        tag = session.tag(message) if session is not None else b""
+        sock.sendall(_FRAME.pack(len(message) + len(tag)) + message + tag)
+    elif session is None:
+        _send_gathered(sock, [_FRAME.pack(len(message)), message])
     else:
-        _send_gathered(sock, [prefix, message, tag])
+        # The message first, its tag once hashed: the service hashes what
+        # it has of the message while this side does (its decoder hashes a
+        # large frame piece by piece as it comes).
+        _send_gathered(sock, [_FRAME.pack(len(message) + auth.TAG_BYTES), message])
+        sock.sendall(session.tag(message))
 
 
 def _send_gathered(sock: socket.socket, parts: list[bytes]) -> None:
@@ -226,9 +231,15 @@ def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES,
         return _recv_exactly(sock, size)
     if size < LARGE_FRAME:
         return session.open(_recv_exactly(sock, size))
-    # (The frame and its tag apart: the frame is returned as it came.)
+    # (The frame and its tag apart: the frame is returned as it came.  It
+    # is hashed before its tag is read: the service sends a large frame
+    # before its tag and hashes it meanwhile.)
+    if size < auth.TAG_BYTES:
+        session.check(b"", b"")         # (raises)
     frame = _recv_exactly(sock, size - auth.TAG_BYTES)
-    session.check(frame, _recv_exactly(sock, auth.TAG_BYTES))
+    hashed = session.receiving()
+    hashed.update(frame)
+    session.check_received(hashed, _recv_exactly(sock, auth.TAG_BYTES))
     return frame
 
 

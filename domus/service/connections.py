@@ -98,25 +98,37 @@ class DataConnection(MessageProtocol):
 
         transport.write, transport.writeSequence = counted_write, counted_sequence
 
+    def sent_directly(self, count: int) -> None:
+        counters = self.factory.counters
+        counters["tcp_bytes_sent"] = counters.get("tcp_bytes_sent", 0) + count
+
     # ------------------------------------------------------------ input
     def dataReceived(self, data: bytes) -> None:
+        # (The rest of a large frame that is already in the socket is read
+        # at once, ``pull``: not on another turn of the reactor.  Each
+        # piece is counted and held to the input budget alike.)
         counters = self.factory.counters
-        counters["tcp_bytes_received"] = counters.get("tcp_bytes_received", 0) + len(data)
-        super().dataReceived(data)
-        if self._closing:
-            return
-        held = self.input_held()
-        if held != self._held_input:
-            if not self.factory.hold_input(self, held - self._held_input):
-                self._abort("tcp_input_overflows",
-                            "its partial frames would take the service past its input "
-                            f"budget of {self.factory.limits.input_budget:,} bytes")
+        while True:     # (data is b"" on resumeProducing: what is held is delivered)
+            counters["tcp_bytes_received"] = counters.get("tcp_bytes_received", 0) + len(data)
+            super().dataReceived(data)
+            if self._closing:
                 return
-            self._held_input = held
+            held = self.input_held()
+            if held != self._held_input:
+                if not self.factory.hold_input(self, held - self._held_input):
+                    self._abort("tcp_input_overflows",
+                                "its partial frames would take the service past its input "
+                                f"budget of {self.factory.limits.input_budget:,} bytes")
+                    return
+                self._held_input = held
+            data = self.pull()
+            if not data:
+                return
 
-    def stringReceived(self, frame: bytes, tag: bytes | None = None) -> None:  # noqa: N802
+    def stringReceived(self, frame: bytes, tag: bytes | None = None,  # noqa: N802
+                       hashed: Any = None) -> None:
         self._last_frame = self.factory.clock.seconds()
-        super().stringReceived(frame, tag)
+        super().stringReceived(frame, tag, hashed)
 
     def _answer_later(self, answer: Any) -> None:
         self._waiting += 1

@@ -292,6 +292,23 @@ class Session:
                                       "or forged); closing the connection")
         self._received += 1
 
+    def receiving(self) -> Any:
+        """A hash of the next frame received, to be fed its bytes as they
+        come (``update``) and checked, once its tag has come, with
+        ``check_received``: ``check`` without holding the whole frame first,
+        so that a large frame is hashed while the rest of it is still on the
+        way."""
+        return blake3(_SEQUENCE.pack(self._receives, self._received), key=self._key)
+
+    def check_received(self, hashed: Any, tag: Any) -> None:
+        """``check`` of the next frame received, whose bytes (without its
+        tag) ``hashed`` (from ``receiving``, made after the frame before was
+        checked) has been fed, against ``tag``."""
+        if len(tag) != TAG_BYTES or not hmac.compare_digest(tag, hashed.digest(TAG_BYTES)):
+            raise AuthenticationError("a frame from the peer did not check (changed, replayed "
+                                      "or forged); closing the connection")
+        self._received += 1
+
     def open(self, frame: bytes) -> bytes:
         if len(frame) < TAG_BYTES:
             self.check(b"", b"")        # (raises)

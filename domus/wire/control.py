@@ -53,6 +53,12 @@ GATHER_WRITE = 64 * 1024
 # What a connection may give the kernel in one send() (Twisted's default is
 # 128 KiB: a 16 MiB reply took 128 turns of the reactor).
 SEND_LIMIT = 4 * 1024 * 1024
+# A sealed frame at least this long is hashed piece by piece as it comes
+# (its sender sends it before its tag, and hashes it meanwhile), and the
+# rest of it is read at once when the socket has it (``pull``).
+HASH_AS_IT_COMES = GATHER_WRITE
+# At most this much is read from the socket at once by ``pull``.
+PULL_LIMIT = 4 * 1024 * 1024
 
 
 class ControlError(Exception):
@@ -90,6 +96,9 @@ class MessageProtocol(Int32StringReceiver):
     max_control_body = wire.MAX_FRAME_BYTES
     max_control_containers = wire.MAX_CONTROL_CONTAINERS
     clock: Any = None  # IReactorTime for call timeouts; None: the global reactor
+    # A sealed frame at least this long is hashed as it comes (the fuzz
+    # harness lowers it to hold that path to the whole frame's check).
+    hash_as_it_comes = HASH_AS_IT_COMES
 
     def __init__(self) -> None:
         self._pending: dict[int, tuple[defer.Deferred, Any]] = {}
@@ -113,6 +122,9 @@ class MessageProtocol(Int32StringReceiver):
         self._input_offset = 0
         self._input_bytes = 0
         self._frame_length = -1
+        # The hash of the large sealed frame under way, fed its bytes as
+        # they come (auth.Session.receiving); None: none.
+        self._hashing: Any = None
 
     @property
     def secure(self) -> bool:
@@ -138,23 +150,71 @@ class MessageProtocol(Int32StringReceiver):
         if self._held is not None:
             self._held.append(string)           # (sent once the handshake ends)
             return
-        if self._session is not None:
-            self._write_frame(string, self._session.tag(string))
-        else:
+        session = self._session
+        if session is None:
             self._write_frame(string)
+        elif len(string) < HASH_AS_IT_COMES:
+            self._write_frame(string, session.tag(string))
+        else:
+            # The frame first, its tag once hashed: the peer hashes what it
+            # has received of the frame while this side hashes it.
+            size = len(string) + auth.TAG_BYTES
+            if size >= 1 << 32:
+                raise StringTooLongError(f"a {size}-byte frame does not fit its 4-byte prefix")
+            self._send([_PREFIX.pack(size), string])
+            self._send([session.tag(string)])
 
     def _write_frame(self, frame: bytes, tag: bytes = b"") -> None:
         """Write ``frame`` (and its ``tag``) behind its length prefix; a
-        large frame goes to the transport as it is (writeSequence), not
-        copied into one string first."""
+        large frame is never copied into one string first."""
         size = len(frame) + len(tag)
         if size >= 1 << 32:
             raise StringTooLongError(f"a {size}-byte frame does not fit its 4-byte prefix")
         if size < GATHER_WRITE:
-            self.transport.write(_PREFIX.pack(size) + frame + tag)
+            self._send([_PREFIX.pack(size) + frame + tag])
         else:
-            self.transport.writeSequence([_PREFIX.pack(size), frame, tag] if tag else
-                                         [_PREFIX.pack(size), frame])
+            self._send([_PREFIX.pack(size), frame, tag] if tag else [_PREFIX.pack(size), frame])
+
+    def _send(self, parts: list[Any]) -> None:
+        """Write ``parts`` (bytes or buffers) one after the other.  When
+        nothing is waiting in the transport (Twisted's TCP transport), they
+        go to the socket at once, with one ``sendmsg``, none copied; what the
+        kernel does not take (or everything, on another transport or behind
+        output waiting) is given to the transport, which sends it in order
+        and pauses this producer past its high-water mark as before.  Bytes
+        sent here are told to ``sent_directly``."""
+        transport = self.transport
+        sock = getattr(transport, "socket", None)
+        sent = 0
+        if (sock is not None and getattr(transport, "connected", False)
+                and not getattr(transport, "disconnecting", True)
+                and not getattr(transport, "_writeDisconnected", True)
+                and not getattr(transport, "dataBuffer", True)
+                and not getattr(transport, "_tempDataBuffer", True)):
+            try:
+                sent = sock.sendmsg(parts)
+            except OSError:     # (would block; or an error the transport will meet)
+                sent = 0
+            if sent:
+                self.sent_directly(sent)
+        if not sent:
+            transport.writeSequence([bytes(part) if not isinstance(part, bytes) else part
+                                     for part in parts])
+            return
+        rest = []
+        for part in parts:
+            if sent >= len(part):
+                sent -= len(part)
+                continue
+            rest.append(bytes(memoryview(part)[sent:]) if sent or not isinstance(part, bytes)
+                        else part)
+            sent = 0
+        if rest:
+            transport.writeSequence(rest)
+
+    def sent_directly(self, count: int) -> None:
+        """``count`` bytes went to the socket without the transport (see
+        ``_send``); a subclass counting bytes sent counts them here."""
 
     # -- the frame decoder
     def dataReceived(self, data: bytes) -> None:  # noqa: N802 (Twisted's name)
@@ -167,6 +227,8 @@ class MessageProtocol(Int32StringReceiver):
                 return                  # (over the limit: closing)
             self._input.append(data)
             self._input_bytes += len(data)
+            if self._hashing is not None and self._refusal is None:
+                self._hash_piece(data, self._input_bytes - len(data))
         while not self.paused:
             length = self._frame_length
             if length < 0:
@@ -179,6 +241,15 @@ class MessageProtocol(Int32StringReceiver):
                     self.lengthLimitExceeded(length)
                     return
                 self._frame_length = length
+                if (length >= max(self.hash_as_it_comes, auth.TAG_BYTES)
+                        and self._session is not None
+                        and self._handshake is None and self._refusal is None):
+                    self._hashing = self._session.receiving()
+                    position, skip = 0, self._input_offset
+                    for piece in self._input:
+                        self._hash_piece(memoryview(piece)[skip:], position)
+                        position += len(piece) - skip
+                        skip = 0
             if self._input_bytes < length:
                 return
             self._frame_length = -1
@@ -186,9 +257,39 @@ class MessageProtocol(Int32StringReceiver):
                     and length >= auth.TAG_BYTES):
                 # (Sealed: the frame and its tag apart, neither copied again.)
                 frame = self._take(length - auth.TAG_BYTES)
-                self.stringReceived(frame, self._take(auth.TAG_BYTES))
+                hashed, self._hashing = self._hashing, None
+                if hashed is not None:
+                    self.stringReceived(frame, self._take(auth.TAG_BYTES), hashed)
+                else:
+                    self.stringReceived(frame, self._take(auth.TAG_BYTES))
             else:
                 self.stringReceived(self._take(length))
+
+    def _hash_piece(self, piece: Any, position: int) -> None:
+        """Feed the hash of the frame under way what ``piece``, its bytes
+        from ``position`` on, holds of the frame before its tag."""
+        end = self._frame_length - auth.TAG_BYTES - position
+        if end > 0:
+            self._hashing.update(piece if len(piece) <= end else memoryview(piece)[:end])
+
+    def pull(self) -> bytes:
+        """The next bytes of a large frame under way that the socket
+        already holds (at most what the frame still lacks, and PULL_LIMIT),
+        read at once rather than on the reactor's next turn; b"" if there
+        are none yet, or nothing to pull (no frame under way, paused, not
+        Twisted's TCP transport).  The caller gives them to
+        ``dataReceived``.  An error or the peer's close is left to the
+        transport, which meets it on its next read."""
+        missing = self._frame_length - self._input_bytes
+        if self._frame_length < GATHER_WRITE or missing <= 0 or self.paused:
+            return b""
+        sock = getattr(self.transport, "socket", None)
+        if sock is None:
+            return b""
+        try:
+            return sock.recv(min(missing, PULL_LIMIT))
+        except OSError:         # (nothing there yet, or an error: the transport's)
+            return b""
 
     def _take(self, size: int) -> bytes:
         """The next ``size`` bytes of input (there are that many)."""
@@ -232,6 +333,7 @@ class MessageProtocol(Int32StringReceiver):
         over the limit, every byte to come)."""
         self._input.clear()
         self._input_offset = self._input_bytes = 0
+        self._hashing = None
         if self._frame_length != -2:
             self._frame_length = -1
 
@@ -267,6 +369,7 @@ class MessageProtocol(Int32StringReceiver):
             self._write_frame(auth.Accepting.refusal(str(exc)))
         self._held = []
         self._refusal = exc
+        self._hashing = None            # (nothing more is checked)
         pending, self._pending = self._pending, {}
         for deferred, timer in pending.values():
             timer.cancel()
@@ -277,9 +380,12 @@ class MessageProtocol(Int32StringReceiver):
             self.transport.loseConnection()
 
     # -- incoming
-    def stringReceived(self, frame: bytes, tag: bytes | None = None) -> None:  # noqa: N802
+    def stringReceived(self, frame: bytes, tag: bytes | None = None,  # noqa: N802
+                       hashed: Any = None) -> None:
         """One frame from the peer; ``tag``: its tag, taken apart by the
-        decoder (None: the frame still ends with it, if sealed)."""
+        decoder (None: the frame still ends with it, if sealed);
+        ``hashed``: the frame's hash, fed as it came (None: not hashed
+        yet)."""
         if self._refusal is not None:
             return      # (refused: closing; nor the rest of what came in with it)
         if self._handshake is not None:
@@ -291,6 +397,8 @@ class MessageProtocol(Int32StringReceiver):
             try:
                 if tag is None:
                     frame = self._session.open(frame)
+                elif hashed is not None:
+                    self._session.check_received(hashed, tag)
                 else:
                     self._session.check(frame, tag)
             except AuthenticationError as exc:

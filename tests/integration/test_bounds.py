@@ -191,6 +191,26 @@ def test_an_idle_client_connection_is_closed_and_the_client_reconnects(bounded, 
     assert dht["large"] == b"y" * 100_000                 # a new connection, unnoticed
 
 
+def test_large_values_cross_whole_and_every_byte_each_way_is_counted(bounded):
+    # The service sends a reply to its socket itself when nothing waits in
+    # Twisted's buffer, and reads the rest of a large frame as soon as the
+    # socket has it: the bytes must still all arrive, in order, and be
+    # counted (the metrics' tcp bytes).
+    values = {f"counted-{size}": os.urandom(size)
+              for size in (wire.MAX_UDP_PAYLOAD + 1, 64 * 1024, 3 * MiB + 7)}
+    received, sent = stat(bounded, "tcp_bytes_received"), stat(bounded, "tcp_bytes_sent")
+    with bounded.connect(timeout=CLIENT_TIMEOUT) as cluster:
+        dht = cluster.open_dht("bounded")
+        for key, value in values.items():
+            dht[key] = value
+        for key, value in values.items():
+            assert dht[key] == value
+    total = sum(map(len, values.values()))
+    # (each value once each way, with its headers, the handshake and tags)
+    assert total <= stat(bounded, "tcp_bytes_received") - received <= total + 4096
+    assert total <= stat(bounded, "tcp_bytes_sent") - sent <= total + 4096
+
+
 # ------------------------------------------------------------ SCAN
 
 def fill(dht, count: int) -> None:

@@ -116,6 +116,64 @@ def test_a_frame_over_the_limit_stops_the_reading():
     assert ours.frames == [] and ours.input_held() == 0
 
 
+class SealedRecorder(MessageProtocol):
+    """A decoder past a secure handshake that checks each frame as the
+    protocol does and keeps it, with whether it was hashed as it came."""
+
+    def __init__(self, session: auth.Session) -> None:
+        super().__init__()
+        self.frames: list[bytes] = []
+        self.hashed: list[bool] = []
+        self._session = session
+        self._handshake = None
+        self._held = None
+
+    def connectionMade(self):  # noqa: N802
+        pass                                # (no handshake: past it)
+
+    def stringReceived(self, frame, tag=None, hashed=None):  # noqa: N802
+        if hashed is not None:
+            self._session.check_received(hashed, tag)
+        else:
+            self._session.check(frame, tag)
+        self.frames.append(frame)
+        self.hashed.append(hashed is not None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_large_sealed_frames_hashed_as_they_come_check_however_the_bytes_are_cut(seed):
+    sending, receiving = sessions()
+    rng = random.Random(seed)
+    frames = [rng.randbytes(size) for size in
+              (70_000, 10, 65_536 - auth.TAG_BYTES, 65_536, 1 << 20, 0, 200_001)]
+    data = b"".join(struct.pack(">I", len(frame) + auth.TAG_BYTES) + sending.seal(frame)
+                    for frame in frames)
+    ours = SealedRecorder(receiving)
+    ours.makeConnection(StringTransport())
+    for piece in pieces(data, seed, largest=150_000):
+        ours.dataReceived(piece)
+    assert ours.frames == frames
+    assert ours.hashed == [len(frame) + auth.TAG_BYTES >= 65_536 for frame in frames]
+    assert ours.input_held() == 0
+
+
+@pytest.mark.parametrize("where", ["first byte", "middle", "last byte", "tag"])
+def test_a_large_sealed_frame_changed_anywhere_does_not_check_when_hashed_as_it_comes(where):
+    sending, receiving = sessions()
+    frame = random.Random(5).randbytes(300_000)
+    sealed = bytearray(sending.seal(frame))
+    at = {"first byte": 0, "middle": 150_000, "last byte": len(frame) - 1,
+          "tag": len(frame) + 3}[where]
+    sealed[at] ^= 0x40
+    data = struct.pack(">I", len(sealed)) + bytes(sealed)
+    ours = SealedRecorder(receiving)
+    ours.makeConnection(StringTransport())
+    with pytest.raises(AuthenticationError):
+        for piece in pieces(data, 9, largest=40_000):
+            ours.dataReceived(piece)
+    assert ours.frames == []
+
+
 def linked(keys):
     server, client = MessageProtocol(), MessageProtocol()
     server.accepting, server.keys, client.keys = True, keys, keys
