@@ -105,8 +105,16 @@ class ServiceCollector:
                               counters["unauthenticated"]
                               + (fast.unauthenticated if fast else 0))
         for metric, key, documentation in HANDLER_COUNTERS:
-            yield metrics.counter(f"domus_service_{metric}", documentation, me,
-                                  counters.get(key, 0))
+            value = counters.get(key, 0)
+            if key == "replicated" and fast is not None:
+                value += fast.replicated        # (the REPLICATEs C applied)
+            yield metrics.counter(f"domus_service_{metric}", documentation, me, value)
+        yield metrics.counter("domus_service_forwarded", "replicated changes the C path sent "
+                              "to their backups as REPLICATE datagrams", me,
+                              fast.forwarded if fast else 0)
+        yield metrics.counter("domus_service_forward_resends", "REPLICATE datagrams sent "
+                              "again, unanswered in time (a backup slow, paused or gone)", me,
+                              fast.forward_resends if fast else 0)
         yield metrics.counter("domus_service_busy", "requests answered BUSY, unapplied: "
                               "the reply cache full of replies still young, or a SCAN past "
                               "its bounds (by C or Python)", me,
