@@ -590,6 +590,24 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         if not self.delete(key):
             raise KeyError(key)
 
+    def pop(self, key: Any, default: Any = _MISSING) -> Any:
+        """Remove ``key`` and return its value; ``default`` if it is not
+        there (KeyError without one).  The value is read, then the key
+        deleted: if another client deletes it in between, it was not there
+        when this one deleted it, and ``default`` is what comes back (the
+        MutableMapping mixin's pop raised KeyError then, default or not)."""
+        try:
+            value = self[key]
+        except KeyError:
+            if default is _MISSING:
+                raise
+            return default
+        if not self.delete(key):
+            if default is _MISSING:
+                raise KeyError(key)
+            return default
+        return value
+
     def __contains__(self, key: object) -> bool:
         return self._request(_CONTAINS, key)[2] == _OK
 

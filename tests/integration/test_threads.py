@@ -153,3 +153,27 @@ def test_a_process_forked_while_threads_work_gets_its_own_sockets(shared_cluster
     assert process.exitcode == 0
     assert not failures, failures
     assert dht["child-299"] == 299
+
+
+def test_threads_popping_the_same_keys_with_a_default_never_get_key_error(shared_cluster):
+    """dict.pop(key, default) never raises KeyError, however many threads
+    pop: a Dht's pop reads the value, then deletes the key, and the thread
+    whose delete finds the key gone (another took it in between) gets the
+    default.  Each key's value goes to exactly one thread."""
+    dht = shared_cluster.create_dht("pops")
+    keys = [f"p{number}" for number in range(300)]
+    dht.put_many({key: key.upper() for key in keys})
+    taken: dict[int, list[Any]] = {}
+
+    def pop_all(thread: int) -> None:
+        order = keys[:]
+        random.Random(thread).shuffle(order)
+        taken[thread] = [dht.pop(key, None) for key in order]
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(pop_all, range(8)))
+    values = [value for popped in taken.values() for value in popped if value is not None]
+    assert sorted(values) == sorted(key.upper() for key in keys)
+    assert len(dht) == 0
+    with pytest.raises(KeyError):
+        dht.pop("p0")
