@@ -36,6 +36,7 @@ from typing import Any
 
 from domus.client import batch, codec
 from domus.client.lookup import (
+    MAX_REROUTES,
     PAUSE,
     SEND,
     DirectLookup,
@@ -457,6 +458,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                     return reply
                 first = (channel, reply)
         encode = self._encoder(op, key, value, unsent, message)
+        rerouted = 0
         while True:
             try:
                 return self._drive(self._course(encode, bucket, first, skip=skip,
@@ -464,6 +466,9 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             except Renumbered:          # the DHT was resized: hash the key anew
                 return self._keyed_request(op, key, value)
             except ServiceUnavailable as exc:
+                rerouted += 1
+                if rerouted > MAX_REROUTES:
+                    raise
                 # (The service it went to is gone and the bucket stored
                 # elsewhere now: drained and removed, or a replicated
                 # bucket's primary died and its backup was promoted.  Sent
@@ -473,6 +478,18 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                     raise
                 encode = self._encoder(op, key, value, encode.last)
                 first, skip = None, 0
+                if self.bucket_count == count and encode.last is not None:
+                    # Straight to where the layout says the bucket is now
+                    # (the course's routing services may still name the
+                    # service that is gone); the course takes a refusal on.
+                    owner = self._owners[bucket]
+                    try:
+                        reply = owner.request(encode.last, self.name, bucket)
+                    except ServiceUnavailable:
+                        continue
+                    if self._first_answer(owner, reply, bucket):
+                        return reply
+                    first = (owner, reply)
 
     def _drive(self, course: Generator[tuple[Any, ...], Any, Any]) -> Any:
         """Run a course (domus.client.lookup) to its end with blocking I/O."""
@@ -543,6 +560,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         resized).  False if not, or if the supervisor cannot say."""
         patience = channel.deadline if self.replicated else 0.0
         started = time.monotonic()
+        self._forget_channel(channel)
         while True:
             try:
                 self.refresh()

@@ -30,7 +30,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import Any, TypeVar
 
 from domus.client import batch, codec
-from domus.client.lookup import PAUSE, SEND, DirectLookup, Renumbered, reply_error
+from domus.client.lookup import (
+    MAX_REROUTES,
+    PAUSE,
+    SEND,
+    DirectLookup,
+    Renumbered,
+    reply_error,
+)
 from domus.client.throttle import Throttle
 from domus.client.transport import (
     FIRST_TIMEOUT,
@@ -196,6 +203,7 @@ class EventedDht(DirectLookup[Channel]):
                     return reply
                 first = (channel, reply)
         encode = self._encoder(op, key, value, unsent, message)
+        rerouted = 0
         while True:
             try:
                 return await self._drive(self._course(encode, bucket, first, mark, skip,
@@ -203,6 +211,9 @@ class EventedDht(DirectLookup[Channel]):
             except Renumbered:          # the DHT was resized: hash the key anew
                 return await self._request(op, key, value)
             except ServiceUnavailable as exc:
+                rerouted += 1
+                if rerouted > MAX_REROUTES:
+                    raise
                 # (As the synchronous client: to where the bucket is now, as it was.)
                 dead = self.cluster.channel(exc.service, exc.address) if exc.service else None
                 if dead is None or not await self._owner_moved(self._fetches, bucket, dead,
@@ -210,6 +221,16 @@ class EventedDht(DirectLookup[Channel]):
                     raise
                 encode = self._encoder(op, key, value, encode.last)
                 first, skip, mark = None, 0, self._fetches
+                if self.bucket_count == count and encode.last is not None:
+                    # (As the synchronous client: straight to the layout's owner.)
+                    owner = self._owners[bucket]
+                    try:
+                        reply = await owner.request(encode.last, self.name, bucket)
+                    except ServiceUnavailable:
+                        continue
+                    if self._first_answer(owner, reply, bucket):
+                        return reply
+                    first = (owner, reply)
 
     async def _drive(self, course: Any) -> Any:
         """Run a course (domus.client.lookup) to its end, without blocking."""
@@ -243,6 +264,7 @@ class EventedDht(DirectLookup[Channel]):
         supervisor cannot say."""
         patience = min(self.cluster.timeout, MAX_DEADLINE) if self.replicated else 0.0
         started = self._now()
+        self._forget_channel(channel)
         while True:
             try:
                 await self._layout_after(mark)

@@ -88,6 +88,9 @@ NEAR_PROBES = 64             # cache probes for the entry nearest a target
 MOVING_FIRST_PAUSE = 0.002   # seconds before asking a MOVING bucket again
 MOVING_MAX_PAUSE = 0.1
 MOVING_PATIENCE = 60.0       # seconds a bucket may answer MOVING before giving up
+# A request whose course meets a service that is gone is sent again where
+# the supervisor's layout says its bucket is now, at most this many times.
+MAX_REROUTES = 8
 
 # A client that followed this many redirects since it last fetched its
 # DHT's layout fetches it again, at most once every REFRESH_INTERVAL s.
@@ -637,15 +640,20 @@ class DirectLookup(Generic[Channel]):
         except KeyError:        # (emptied by another thread meanwhile)
             pass
 
+    def _forget_channel(self, dead: Channel) -> None:
+        """Forget the cached entries through ``dead`` (its service failed
+        to answer), so that no course goes there again from the cache."""
+        cache = self._cache
+        for bucket, (router, storage) in list(cache.items()):
+            if router is dead or storage is dead:
+                cache.pop(bucket, None)
+
     def _dead_service(self, dead: Channel) -> int | None:
         """After ``dead``'s service failed to answer: forget the cached
         entries through it, and say the first bucket the layout has on it
         (None if the layout has none there: whatever sent the request there
         was out of date, and the layout's owners are the ones to try)."""
-        cache = self._cache
-        for bucket, (router, storage) in list(cache.items()):
-            if router is dead or storage is dead:
-                cache.pop(bucket, None)
+        self._forget_channel(dead)
         owners = self._owners
         return next((bucket for bucket in range(self.bucket_count) if owners[bucket] is dead),
                     None)
