@@ -275,7 +275,7 @@ def test_heterogeneous_services_end_within_one_bucket_of_their_weighted_shares(t
         deployment.stop_everything()
 
 
-@pytest.mark.parametrize("lookup", ["D", "C,R"])
+@pytest.mark.parametrize("lookup", ["D", "C,R", "R", "D,C,R"])
 def test_a_client_whose_layout_names_a_removed_service_finds_the_new_owners(deployment, lookup):
     """A job's client learnt the layout while s3 held buckets; s3 is then
     drained and removed.  Every key is still written and read through
