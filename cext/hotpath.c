@@ -3030,6 +3030,29 @@ batch_receive(int fd, Batch *batch, int count)
     return recvmmsg(fd, batch->in, (unsigned int)count, MSG_DONTWAIT, NULL);
 }
 
+/* Seals a reply made of parts[0..count): its MAC (of the reply, the
+ * request's client id and its time, as domus.wire.auth.seal_reply makes
+ * it) is written to `mac` and added as part `count`; the new count. */
+static size_t
+seal_reply(FastPath *self, struct iovec *parts, size_t count,
+           const unsigned char *request, const unsigned char *stamp, unsigned char *mac)
+{
+    DomusSip sip;
+    domus_sip_init(&sip, self->key);
+    for (size_t i = 0; i < count; i++) {
+        domus_sip_update(&sip, parts[i].iov_base, parts[i].iov_len);
+    }
+    domus_sip_update(&sip, request + 8, 8);
+    domus_sip_update(&sip, stamp, 4);
+    uint64_t tag = domus_sip_final(&sip);
+    for (int i = 0; i < REPLY_TRAILER; i++) {
+        mac[i] = (unsigned char)(tag >> (56 - 8 * i));
+    }
+    parts[count].iov_base = mac;
+    parts[count].iov_len = REPLY_TRAILER;
+    return count + 1;
+}
+
 /* Adds `reply` (taken over: *reply is left empty) to the batch's replies
  * to send, to `peer`, sealed with a MAC when `stamp` is given (a secure
  * deployment: the MAC of the reply, the request's client id and its time,
@@ -3067,21 +3090,8 @@ batch_add_reply(FastPath *self, Batch *batch, Reply *reply,
         }
     }
     if (stamp != NULL) {
-        DomusSip sip;
-        domus_sip_init(&sip, self->key);
-        for (size_t i = 0; i < message->msg_iovlen; i++) {
-            domus_sip_update(&sip, parts[i].iov_base, parts[i].iov_len);
-        }
-        domus_sip_update(&sip, request + 8, 8);
-        domus_sip_update(&sip, stamp, 4);
-        uint64_t tag = domus_sip_final(&sip);
-        unsigned char *mac = batch->macs[index];
-        for (int i = 0; i < REPLY_TRAILER; i++) {
-            mac[i] = (unsigned char)(tag >> (56 - 8 * i));
-        }
-        parts[message->msg_iovlen].iov_base = mac;
-        parts[message->msg_iovlen].iov_len = REPLY_TRAILER;
-        message->msg_iovlen++;
+        message->msg_iovlen = seal_reply(self, parts, message->msg_iovlen, request, stamp,
+                                         batch->macs[index]);
     }
 }
 
@@ -4128,20 +4138,7 @@ send_reply_now(FastPath *self, int fd, Reply *reply,
         }
     }
     if (stamp != NULL) {
-        DomusSip sip;
-        domus_sip_init(&sip, self->key);
-        for (size_t i = 0; i < message.msg_iovlen; i++) {
-            domus_sip_update(&sip, parts[i].iov_base, parts[i].iov_len);
-        }
-        domus_sip_update(&sip, request + 8, 8);
-        domus_sip_update(&sip, stamp, 4);
-        uint64_t tag = domus_sip_final(&sip);
-        for (int i = 0; i < REPLY_TRAILER; i++) {
-            mac[i] = (unsigned char)(tag >> (56 - 8 * i));
-        }
-        parts[message.msg_iovlen].iov_base = mac;
-        parts[message.msg_iovlen].iov_len = REPLY_TRAILER;
-        message.msg_iovlen++;
+        message.msg_iovlen = seal_reply(self, parts, message.msg_iovlen, request, stamp, mac);
     }
     ssize_t sent;
     do {
