@@ -88,6 +88,9 @@ NEAR_PROBES = 64             # cache probes for the entry nearest a target
 MOVING_FIRST_PAUSE = 0.002   # seconds before asking a MOVING bucket again
 MOVING_MAX_PAUSE = 0.1
 MOVING_PATIENCE = 60.0       # seconds a bucket may answer MOVING before giving up
+# Rounds of a batch answered NOT_OWNER, each after the layout is fetched
+# again (from the fourth on after a pause), before the batch gives up.
+MAX_BATCH_REFRESHES = 12
 # A request whose course meets a service that is gone is sent again where
 # the supervisor's layout says its bucket is now, at most this many times.
 MAX_REROUTES = 8
@@ -749,9 +752,16 @@ class DirectLookup(Generic[Channel]):
         steps: list[tuple[Any, ...]] = []
         if moved:
             rounds["refreshes"] += 1
-            if rounds["refreshes"] > 3:
+            if rounds["refreshes"] > MAX_BATCH_REFRESHES:
                 raise WrongService(f"DHT {self.name!r}: services disagree with the supervisor "
                                    f"about bucket owners; retry shortly", wire.ST_NOT_OWNER)
+            if rounds["refreshes"] > 3 and not moving:
+                # (Buckets keep moving under the batch, as the balancer
+                # moves them a round at a time: a moment before the layout
+                # is asked for again, growing as for MOVING.)
+                steps.append((PAUSE, rounds["pause"]))
+                rounds["waited"] += rounds["pause"]
+                rounds["pause"] = min(rounds["pause"] * 2, MOVING_MAX_PAUSE)
             if self._fast == "D":
                 for _ in range(moved):      # (one miss per message, not per key)
                     self._method_stats["D"].misses += 1
