@@ -3562,12 +3562,6 @@ forward_send(FastPath *self, Forwards *forwards, Forward *entry)
     }
 }
 
-static void
-forwards_wake(FastPath *self)
-{
-    thread_wake(self);
-}
-
 /* Appends `item` to the queue the reactor thread reads (see the serving
  * thread) and wakes it: 0, or -1 with an exception set. */
 static int
@@ -3579,7 +3573,7 @@ forward_queue(FastPath *self, PyObject *item)
     int failed = PyList_Append(self->thread_queue, item);
     Py_DECREF(item);
     if (failed == 0) {
-        forwards_wake(self);
+        thread_wake(self);
     }
     return failed;
 }
@@ -3927,8 +3921,9 @@ forward_answered(FastPath *self, const unsigned char *data, Py_ssize_t size,
 }
 
 /* A change to a replicated bucket, from the datagram being handled
- * (self->current_peer): QUEUED in its bucket's line (sent to the backups
- * now if it is first); HANDLED with *reply filled (a reply cached, BUSY);
+ * (self->current_peer), which apply_change declined: QUEUED in its
+ * bucket's line (sent to the backups now if it is first); HANDLED with
+ * *reply filled (BUSY);
  * APPLY_HERE (not replicated, or no backup left); DECLINED (Python's to
  * answer: it will forward it itself); or -1. */
 static int
@@ -3998,13 +3993,11 @@ forward_change(FastPath *self, int op, const unsigned char *data,
     if (holder_count == 0) {
         return APPLY_HERE;
     }
+    /* (handle_change tried the change as any change first: its reply was
+     * not in the cache, and the cache had room) */
     ReplyCache *cache = (ReplyCache *)self->cache;
     unsigned char token[CACHE_KEY_SIZE];
     rc_key(cache->seed, data, size, token);
-    int result = reply_from_cache(self, cache, token, reply);
-    if (result != 0) {
-        return result;
-    }
     /* A retry of a change in its line waits with it (its reply goes
      * where the first try came from). */
     FwdLine *line = line_of(forwards, (uint64_t)dht_id << 32 | bucket, 0);
@@ -4015,10 +4008,10 @@ forward_change(FastPath *self, int op, const unsigned char *data,
             return QUEUED;
         }
     }
-    int slot = rc_full(cache) ? -1 : forward_take_slot(forwards, FWD_C, dht_id);
+    int slot = forward_take_slot(forwards, FWD_C, dht_id);
     if (slot < 0) {
-        /* (too many changes waiting for backups, or a full reply cache:
-         * the client backs off, nothing was applied) */
+        /* (too many changes waiting for backups: the client backs off,
+         * nothing was applied) */
         write_reply_header(reply->head, ST_BUSY, data, 0);
         self->busy++;
         return HANDLED;

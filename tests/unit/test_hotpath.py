@@ -580,15 +580,22 @@ def test_declines_of_every_kind_change_nothing(platform):
     pair.check()
 
 
-def test_a_replicate_applied_by_c_is_counted_as_the_python_handler_counts_it():
-    # A backup counts the REPLICATE, not the change inside it (as handle
-    # counts it), whichever path applies the change; a retry is a replay.
+def backup_pair():
+    """A reference handler (Python only) and an accelerated one, each the
+    backup of DHT 5's buckets 4..7 (s2 backs up 0..3)."""
     backed_up = dict(descriptor(5, "python-dict"), replicas=2,
                      storage_backups=[[[0, 4, "s2"], [4, 8, "s1"]]])
     reference, accelerated = make_handler(cache_type=ReplyCache), make_handler()
     for handler in (reference, accelerated):
         handler.assign(backed_up)
     reference.backup_fast = None
+    return reference, accelerated
+
+
+def test_a_replicate_applied_by_c_is_counted_as_the_python_handler_counts_it():
+    # A backup counts the REPLICATE, not the change inside it (as handle
+    # counts it), whichever path applies the change; a retry is a replay.
+    reference, accelerated = backup_pair()
     change = wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, 5, 4, b"\x03k", b"v")
     for request_id in (2, 3):                   # applied, then a retry from the cache
         request = wire.encode_replicate(request_id, 0x5A, change)
@@ -1278,12 +1285,7 @@ def test_a_replicate_the_c_path_reads_is_applied_as_the_python_handler_applies_i
     # FastPath (handler.fast.backup): the same reply, records, reply cache
     # and counters as the Python handler's _replicate_in; a change C cannot
     # apply (a bucket not backed up here) declines the whole REPLICATE.
-    backed_up = dict(descriptor(5, "python-dict"), replicas=2,
-                     storage_backups=[[[0, 4, "s2"], [4, 8, "s1"]]])
-    reference, accelerated = make_handler(cache_type=ReplyCache), make_handler()
-    for handler in (reference, accelerated):
-        handler.assign(backed_up)
-    reference.backup_fast = None
+    reference, accelerated = backup_pair()
     assert accelerated.fast.backup is accelerated.backup_fast
     changes = [wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, 5, 4, b"\x03k", b"v"),
                wire.encode_keyed(wire.OP_PUT, 1, CLIENT_A, 5, 4, b"\x03k", b"v"),   # a retry
