@@ -768,7 +768,10 @@ repo_remove(FastPath *self, Repo repo, const unsigned char *key,
  * incremental, so that no one change pays for moving millions of entries:
  * the new slot array takes the inserts, and each insert moves the entries
  * of the next RC_MIGRATE_STEP slots of the old array across (lookups look
- * in both; an old slot below the cursor has moved).  The current
+ * in both; an old slot below the cursor has moved).  The new array of a
+ * mapped size is made ahead, from 3/5 full, and its pages are written a
+ * few per insert by 3/4 (rc_ahead), so that the growth's inserts do not
+ * all pay the kernel for fresh pages at once.  The current
  * generation's small table starts at the size the last generation reached,
  * so that a steady load does not regrow it at all, and in the array of the
  * generation rotation drops when that is about the size (its slots carry
@@ -795,6 +798,13 @@ repo_remove(FastPath *self, Repo repo, const unsigned char *key,
 #define RC_MIGRATE_STEP 8       /* old slots moved across per insert */
 #define RC_FREE_APART (16u << 20)
 #define RC_MAP_AT (1u << 20)    /* arrays this large are mapped, not malloc'd */
+#define RC_PAGE 4096
+/* The next array is made at 3/5 full and all its pages touched by 3/4
+ * (a table grows at 4/5). */
+#define RC_AHEAD_FROM_NUM 3
+#define RC_AHEAD_FROM_DEN 5
+#define RC_AHEAD_BY_NUM 3
+#define RC_AHEAD_BY_DEN 4
 
 /* A slot's kind byte: its epoch (the high 6 bits: the slot is empty
  * unless they are its array's epoch, 1..RC_EPOCHS) and what it holds (the
@@ -821,9 +831,16 @@ typedef struct {
     size_t old_left;
     unsigned epoch;             /* the slots' epoch */
     unsigned old_epoch;         /* the old array's */
+    /* The array the next growth will take, made once the table is
+     * RC_AHEAD_FROM full and its pages touched a few per insert from then
+     * on (rc_ahead); NULL otherwise. */
+    unsigned char *ahead;
+    size_t ahead_capacity;
+    size_t ahead_touched;       /* bytes of it whose pages are touched */
+    size_t ahead_from;          /* entries when it was made */
 } RcTable;
 
-#define RC_TABLE(size) ((RcTable){NULL, 0, 0, (size), NULL, 0, 0, 0, 1, 1})
+#define RC_TABLE(size) ((RcTable){NULL, 0, 0, (size), NULL, 0, 0, 0, 1, 1, NULL, 0, 0, 0})
 
 /* Whether `slot` holds an entry, in an array of epoch `epoch`. */
 static inline int
@@ -1058,6 +1075,79 @@ rc_slots_for(size_t entries)
            + (entries % RC_LOAD_NUM) * RC_LOAD_DEN / RC_LOAD_NUM + 2;
 }
 
+/* The size a table grows to next (`first` slots if it has none), at
+ * most the size that holds `most` entries. */
+static size_t
+rc_next_capacity(const RcTable *table, size_t first, size_t most)
+{
+    size_t ceiling = rc_slots_for(most);
+    size_t capacity = table->capacity ? table->capacity + table->capacity / 2 : first;
+    return capacity > ceiling ? ceiling : capacity;
+}
+
+/* Gives back the array made ahead of a growth, if any. */
+static void
+rc_drop_ahead(RcTable *table)
+{
+    rc_release(table->ahead, table->ahead_capacity * table->slot_size);
+    table->ahead = NULL;
+    table->ahead_capacity = table->ahead_touched = table->ahead_from = 0;
+}
+
+/* Gets a table's next array ready while it still has room, so that the
+ * growth does not pay the kernel for the new array's pages: a fresh
+ * mapping's page costs some 2-4 us here when first written, and a
+ * growing table's inserts land all over the new array, so that its first
+ * few thousand inserts would each fault a page (some 80 ms for 94 MB, in
+ * the first 100 ms or so after the growth: the service's rate halves and
+ * a queue builds).  From RC_AHEAD_FROM full, each insert writes to the
+ * next few untouched pages of the next array, enough to have touched
+ * them all by RC_AHEAD_BY full -- the same kernel work, spread thin
+ * (about one page per 20-30 inserts).  Only for mapped arrays (malloc's
+ * small ones are mostly reused memory); not while a growth is under way;
+ * no array if there is no memory for it (the growth then tries itself). */
+static void
+rc_ahead(RcTable *table, size_t most)
+{
+    if (table->old_left > 0 || table->capacity == 0) {
+        return;
+    }
+    size_t entries = rc_entries(table);
+    if (table->ahead == NULL) {
+        if (entries < table->capacity / RC_AHEAD_FROM_DEN * RC_AHEAD_FROM_NUM) {
+            return;
+        }
+        size_t next = rc_next_capacity(table, 0, most);
+        if (next <= table->capacity || next > SIZE_MAX / table->slot_size
+                || next * table->slot_size < RC_MAP_AT) {
+            return;
+        }
+        table->ahead = rc_alloc(next, table->slot_size);
+        if (table->ahead == NULL) {
+            return;
+        }
+        table->ahead_capacity = next;
+        table->ahead_touched = 0;
+        table->ahead_from = entries;
+    }
+    size_t bytes = table->ahead_capacity * table->slot_size;
+    if (table->ahead_touched >= bytes) {
+        return;
+    }
+    /* (as much of it touched as the inserts since it was made are of
+     * those from then to RC_AHEAD_BY full) */
+    size_t by = table->capacity / RC_AHEAD_BY_DEN * RC_AHEAD_BY_NUM;
+    size_t span = by > table->ahead_from ? by - table->ahead_from : 1;
+    size_t done = entries - table->ahead_from + 1;
+    size_t target = done >= span ? bytes
+                                 : (size_t)((unsigned __int128)bytes * done / span);
+    volatile unsigned char *ahead = table->ahead;
+    while (table->ahead_touched < target) {
+        ahead[table->ahead_touched] = 0;
+        table->ahead_touched += RC_PAGE;
+    }
+}
+
 /* Makes room in the table for one more entry, moving some entries of a
  * growth under way across first: grows it by half (or allocates `first` slots),
  * never past the size that holds `most` entries, and moves its entries
@@ -1069,18 +1159,24 @@ rc_reserve(RcTable *table, size_t first, size_t most)
     rc_migrate(table, RC_MIGRATE_STEP);
     size_t needed = rc_slots_for(rc_entries(table) + 1);
     if (table->capacity >= needed) {
+        rc_ahead(table, most);
         return 0;
     }
     rc_migrate(table, SIZE_MAX);    /* (a growth outgrown: not with these sizes) */
-    size_t ceiling = rc_slots_for(most);
-    size_t capacity = table->capacity ? table->capacity + table->capacity / 2 : first;
-    if (capacity > ceiling) {
-        capacity = ceiling;
-    }
+    size_t capacity = rc_next_capacity(table, first, most);
     if (capacity < needed) {
         capacity = needed;
     }
-    unsigned char *slots = rc_alloc(capacity, table->slot_size);
+    unsigned char *slots;
+    if (table->ahead != NULL && table->ahead_capacity == capacity) {
+        slots = table->ahead;       /* (its untouched pages, if any, fault as they fill) */
+        table->ahead = NULL;
+        table->ahead_capacity = table->ahead_touched = 0;
+    }
+    else {
+        rc_drop_ahead(table);
+        slots = rc_alloc(capacity, table->slot_size);
+    }
     if (slots == NULL) {
         return -1;
     }
@@ -1166,7 +1262,7 @@ rc_each(const RcTable *table, int (*each)(const unsigned char *, void *), void *
 static inline size_t
 rc_table_bytes(const RcTable *table)
 {
-    return (table->capacity + table->old_capacity) * table->slot_size;
+    return (table->capacity + table->old_capacity + table->ahead_capacity) * table->slot_size;
 }
 
 /* A big slot's buffer: u32 size, then the reply. */
@@ -1207,6 +1303,7 @@ rc_generation_free(ReplyCache *cache, RcGeneration *generation)
         RcTable *table = tables[t];
         rc_release(table->slots, table->capacity * table->slot_size);
         rc_release(table->old, table->old_capacity * table->slot_size);
+        rc_drop_ahead(table);
     }
     generation->small = RC_TABLE(RC_SMALL_SLOT);
     generation->big = RC_TABLE(RC_BIG_SLOT);
@@ -1435,6 +1532,8 @@ rc_rotate(ReplyCache *cache)
     rc_generation_free(cache, &cache->generations[1]);
     size_t last = rc_entries(&cache->generations[0].small);
     cache->generations[1] = cache->generations[0];
+    rc_drop_ahead(&cache->generations[1].small);     /* (it takes no more entries) */
+    rc_drop_ahead(&cache->generations[1].big);
     cache->generations[0].small = RC_TABLE(RC_SMALL_SLOT);
     cache->generations[0].big = RC_TABLE(RC_BIG_SLOT);
     size_t start = rc_slots_for(last + last / 8);
