@@ -869,6 +869,14 @@ typedef struct {
     unsigned long long seed;            /* the keys' XXH64 seed */
     unsigned long long refused;         /* put()s refused: the cache was full */
     unsigned long long hits;            /* get()s that found a reply */
+    /* The next current generation's small array, made before the rotation
+     * when the one it drops will not do (prepare), its pages touched a few
+     * per insert until then (rc_warm); NULL otherwise. */
+    unsigned char *spare;
+    size_t spare_capacity;
+    size_t spare_touched;               /* bytes of it whose pages are touched */
+    size_t spare_from;                  /* current entries when it was made */
+    size_t spare_until;                 /* ... expected at the rotation */
 } ReplyCache;
 
 static PyTypeObject ReplyCacheType;
@@ -1364,6 +1372,38 @@ rc_fits_inline(const unsigned char *key, const unsigned char *reply,
            && memcmp(reply + 4, key, 4) == 0;
 }
 
+static void
+rc_drop_spare(ReplyCache *cache)
+{
+    rc_release(cache->spare, cache->spare_capacity * RC_SMALL_SLOT);
+    cache->spare = NULL;
+    cache->spare_capacity = cache->spare_touched = 0;
+    cache->spare_from = cache->spare_until = 0;
+}
+
+/* Touches as much more of the spare array as the inserts since it was
+ * made are of those expected before the rotation (all of it by 3/4 of
+ * them): see prepare. */
+static void
+rc_warm(ReplyCache *cache)
+{
+    size_t bytes = cache->spare_capacity * RC_SMALL_SLOT;
+    if (cache->spare == NULL || cache->spare_touched >= bytes) {
+        return;
+    }
+    size_t entries = rc_entries(&cache->generations[0].small);
+    size_t span = cache->spare_until > cache->spare_from
+                  ? (cache->spare_until - cache->spare_from) / 4 * 3 : 0;
+    size_t done = entries > cache->spare_from ? entries - cache->spare_from : 0;
+    size_t target = span == 0 || done >= span
+                    ? bytes : (size_t)((unsigned __int128)bytes * done / span);
+    volatile unsigned char *spare = cache->spare;
+    while (cache->spare_touched < target) {
+        spare[cache->spare_touched] = 0;
+        cache->spare_touched += RC_PAGE;
+    }
+}
+
 /* Keeps `reply` under `key` in the current generation; the caller has
  * made sure that the key is in neither generation and that the cache is
  * not full.  0, or -1 with MemoryError set (nothing kept). */
@@ -1389,6 +1429,7 @@ rc_store(ReplyCache *cache, const unsigned char *key,
         slot[22] = reply[3];
         slot[23] = size > REPLY_HEADER_SIZE ? reply[REPLY_HEADER_SIZE] : 0;
         current->small.count++;
+        rc_warm(cache);
         return 0;
     }
     if (size > UINT32_MAX) {
@@ -1540,17 +1581,24 @@ rc_rotate(ReplyCache *cache)
     size_t ceiling = rc_slots_for((size_t)cache->current_limit);
     start = start < RC_MIN_SMALL ? RC_MIN_SMALL : start > ceiling ? ceiling : start;
     cache->start_slots = start;
-    if (reused != NULL) {
-        if (reused_capacity >= start && reused_capacity / 2 <= start) {
-            RcTable *small = &cache->generations[0].small;
-            small->slots = reused;
-            small->capacity = reused_capacity;
-            small->epoch = reused_epoch;
-        }
-        else {
-            rc_release(reused, reused_capacity * RC_SMALL_SLOT);
-        }
+    RcTable *small = &cache->generations[0].small;
+    if (reused != NULL && reused_capacity >= start && reused_capacity / 2 <= start) {
+        small->slots = reused;
+        small->capacity = reused_capacity;
+        small->epoch = reused_epoch;
+        reused = NULL;
     }
+    else if (cache->spare != NULL && cache->spare_capacity >= start / 3 * 2
+             && cache->spare_capacity / 2 <= start) {
+        /* (a little smaller than the last generation's size will do: it
+         * grows, its next array made ahead) */
+        small->slots = cache->spare;
+        small->capacity = cache->spare_capacity;
+        small->epoch = 1;
+        cache->spare = NULL;
+    }
+    rc_release(reused, reused_capacity * RC_SMALL_SLOT);
+    rc_drop_spare(cache);
     return dropped;
 }
 
@@ -2502,6 +2550,7 @@ ReplyCache_init(ReplyCache *self, PyObject *args, PyObject *kwds)
     }
     rc_generation_free(self, &self->generations[0]);
     rc_generation_free(self, &self->generations[1]);
+    rc_drop_spare(self);
     self->current_limit = current_limit;
     self->start_slots = RC_MIN_SMALL;
     self->seed = seed;
@@ -2515,6 +2564,7 @@ ReplyCache_dealloc(ReplyCache *self)
 {
     rc_generation_free(self, &self->generations[0]);
     rc_generation_free(self, &self->generations[1]);
+    rc_drop_spare(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -2653,6 +2703,60 @@ ReplyCache_rotate(ReplyCache *self, PyObject *unused)
     return PyLong_FromSize_t(rc_rotate(self));
 }
 
+PyDoc_STRVAR(ReplyCache_prepare_doc,
+"prepare($self, elapsed, left, /)\n--\n\n"
+"Get the next rotation's new generation ready, `left` seconds before it\n"
+"and `elapsed` seconds after the last: if the array the rotation drops\n"
+"will not hold what the current generation will have held by then (at\n"
+"its rate so far), make one that will, and have the inserts from now on\n"
+"touch its pages a few at a time, so that the new generation's first\n"
+"inserts do not all fault fresh pages in.  Returns the slots of the array\n"
+"made ready (0: none is needed, or it is too small to map).");
+
+static PyObject *
+ReplyCache_prepare(ReplyCache *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "prepare(elapsed, left)");
+        return NULL;
+    }
+    double elapsed = PyFloat_AsDouble(args[0]);
+    double left = PyFloat_AsDouble(args[1]);
+    if ((elapsed == -1.0 || left == -1.0) && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!(elapsed > 0) || !(left >= 0) || elapsed > 1e9 || left > 1e9) {
+        PyErr_Format(PyExc_ValueError, "prepare: elapsed > 0 and left >= 0 seconds, "
+                     "not %R and %R", args[0], args[1]);
+        return NULL;
+    }
+    size_t entries = rc_entries(&self->generations[0].small);
+    double expected = (double)entries * (elapsed + left) / elapsed;
+    size_t ceiling = rc_slots_for((size_t)self->current_limit);
+    size_t until = expected >= (double)self->current_limit
+                   ? (size_t)self->current_limit : (size_t)expected;
+    size_t start = rc_slots_for(until + until / 8);
+    start = start < RC_MIN_SMALL ? RC_MIN_SMALL : start > ceiling ? ceiling : start;
+    const RcTable *dropped = &self->generations[1].small;
+    if ((dropped->slots != NULL && dropped->epoch + 1 <= RC_EPOCHS
+         && dropped->capacity >= start && dropped->capacity / 2 <= start)
+            || start * RC_SMALL_SLOT < RC_MAP_AT) {
+        rc_drop_spare(self);
+        return PyLong_FromLong(0);
+    }
+    if (self->spare == NULL || self->spare_capacity != start) {
+        rc_drop_spare(self);
+        self->spare = rc_alloc(start, RC_SMALL_SLOT);
+        if (self->spare == NULL) {
+            return PyLong_FromLong(0);      /* (the rotation makes its own) */
+        }
+        self->spare_capacity = start;
+    }
+    self->spare_from = entries;
+    self->spare_until = until;
+    return PyLong_FromSize_t(start);
+}
+
 typedef struct {
     PyObject *out;
     int big;
@@ -2745,6 +2849,7 @@ ReplyCache_restore(ReplyCache *self, PyObject *snapshot)
     self->current_limit = PY_SSIZE_T_MAX;
     rc_generation_free(self, &self->generations[0]);
     rc_generation_free(self, &self->generations[1]);
+    rc_drop_spare(self);
     self->start_slots = RC_MIN_SMALL;
     int failed = 0;
     for (int g = 1; g >= 0 && !failed; g--) {
@@ -2782,7 +2887,7 @@ ReplyCache_length(ReplyCache *self)
 static PyObject *
 ReplyCache_get_memory(ReplyCache *self, void *closure)
 {
-    size_t bytes = self->outside_bytes;
+    size_t bytes = self->outside_bytes + self->spare_capacity * RC_SMALL_SLOT;
     for (int g = 0; g < 2; g++) {
         const RcGeneration *generation = &self->generations[g];
         bytes += rc_table_bytes(&generation->small) + rc_table_bytes(&generation->big);
@@ -2798,6 +2903,8 @@ static PyMethodDef ReplyCache_methods[] = {
     {"discard", (PyCFunction)ReplyCache_discard, METH_O, ReplyCache_discard_doc},
     {"full", (PyCFunction)ReplyCache_full, METH_NOARGS, ReplyCache_full_doc},
     {"rotate", (PyCFunction)ReplyCache_rotate, METH_NOARGS, ReplyCache_rotate_doc},
+    {"prepare", (PyCFunction)(void (*)(void))ReplyCache_prepare, METH_FASTCALL,
+     ReplyCache_prepare_doc},
     {"snapshot", (PyCFunction)ReplyCache_snapshot, METH_NOARGS,
      ReplyCache_snapshot_doc},
     {"restore", (PyCFunction)ReplyCache_restore, METH_O, ReplyCache_restore_doc},

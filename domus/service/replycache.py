@@ -96,6 +96,11 @@ def _check(ttl: float, max_entries: int) -> None:
         raise ValueError(f"max_entries must be at least 2, not {max_entries}")
 
 
+# The C cache gets the next rotation's new generation ready this long
+# before it (CompactReplyCache.prepare).
+PREPARE_AHEAD = 5.0
+
+
 def _random_seed() -> int:
     return int.from_bytes(os.urandom(8), "big")
 
@@ -111,16 +116,28 @@ class _Rotating:
         self.max_entries = max_entries
         self._clock = clock
         self._next_rotation = clock() + ttl / 2
+        self._prepared = False
 
     def _rotated(self) -> None:
         self._next_rotation = self._clock() + self.ttl / 2
+        self._prepared = False
+
+    def _prepare(self, elapsed: float, left: float) -> None:
+        """Get ready for the rotation ``left`` seconds from now,
+        ``elapsed`` seconds after the last (the C cache's tables)."""
 
     rotate: Callable[[], int]       # (each cache's own)
 
     def expire(self) -> int:
         """Rotate if ``ttl / 2`` has passed since the last rotation; called
         from a timer.  Returns how many entries were forgotten."""
-        if self._clock() < self._next_rotation:
+        now = self._clock()
+        if now < self._next_rotation:
+            if not self._prepared and now >= self._next_rotation - PREPARE_AHEAD:
+                self._prepared = True
+                elapsed = now - (self._next_rotation - self.ttl / 2)
+                if elapsed > 0:
+                    self._prepare(elapsed, self._next_rotation - now)
             return 0
         return self.rotate()
 
@@ -221,6 +238,9 @@ if hotpath.ReplyTables is not None:
             dropped: int = super().rotate()
             self._rotated()
             return dropped
+
+        def _prepare(self, elapsed: float, left: float) -> None:
+            self.prepare(elapsed, left)
 else:
     CompactReplyCache = None
 
