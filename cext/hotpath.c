@@ -256,6 +256,7 @@ typedef struct {
     unsigned long long forward_resends; /* REPLICATEs sent again (no answer in time) */
     unsigned long long forward_failures;/* changes failed: a backup did not take them */
     unsigned long long replicated;      /* REPLICATEs applied here as a backup, in C */
+    unsigned long long late_answers;    /* backups' answers to REPLICATEs no longer waited for */
     long long spin_ns;                  /* the serving thread reads this long before it sleeps */
     unsigned long long spun;            /* batches it read so, without sleeping */
 } FastPath;
@@ -3503,8 +3504,21 @@ typedef struct {
     long long deadline_ns, retry_ns, backoff_ns;
 } Forward;
 
+/* What an answer to a slot's last REPLICATE, come after it was done with
+ * (an answer to a resend, or the first answer to a change already failed),
+ * is checked against: authentic and from a holder, it is counted
+ * (late_answers) and dropped, neither malformed nor unauthenticated. */
+typedef struct {
+    uint32_t id;                    /* 0: none */
+    uint32_t sent_time;
+    unsigned char client[8];        /* the REPLICATE's client id */
+    int holder_count;
+    struct sockaddr_in holders[FWD_MAX_HOLDERS];
+} FwdLast;
+
 typedef struct Forwards {
     Forward slots[FWD_SLOTS];
+    FwdLast last[FWD_SLOTS];
     uint32_t generations[FWD_SLOTS];
     uint32_t free_slots[FWD_SLOTS];
     int free_count;
@@ -3673,7 +3687,19 @@ forward_take_slot(Forwards *forwards, int kind, uint32_t dht_id)
 static void
 forward_give_slot(Forwards *forwards, uint32_t slot)
 {
-    forward_clear(&forwards->slots[slot]);
+    Forward *entry = &forwards->slots[slot];
+    FwdLast *last = &forwards->last[slot];
+    if (entry->kind == FWD_C && entry->started && entry->request != NULL) {
+        last->id = entry->id;
+        last->sent_time = entry->sent_time;
+        memcpy(last->client, entry->request + 8, sizeof(last->client));
+        last->holder_count = entry->holder_count;
+        memcpy(last->holders, entry->holders, sizeof(last->holders));
+    }
+    else {
+        last->id = 0;
+    }
+    forward_clear(entry);
     forwards->free_slots[forwards->free_count++] = slot;
 }
 
@@ -4066,47 +4092,74 @@ forwards_due(FastPath *self)
     return forwards_tick(self, forwards);
 }
 
+/* Whether an answer (`length` bytes before its trailer, if keyed) is
+ * sealed as a backup seals its answer to a REPLICATE sent at `sent_time`
+ * with client id `client` (always, on an insecure deployment). */
+static int
+answer_authentic(const FastPath *self, const unsigned char *data, Py_ssize_t length,
+                 const unsigned char *client, uint32_t sent_time)
+{
+    if (!self->keyed) {
+        return 1;
+    }
+    DomusSip sip;
+    unsigned char time_bytes[4];
+    write_u32(time_bytes, sent_time);
+    domus_sip_init(&sip, self->key);
+    domus_sip_update(&sip, data, (size_t)length);
+    domus_sip_update(&sip, client, 8);
+    domus_sip_update(&sip, time_bytes, 4);
+    return domus_sip_final(&sip) == read_u64(data + length);
+}
+
+/* Which of `holders` sent the datagram (-1: none). */
+static int
+answer_holder(const struct sockaddr_in *holders, int count,
+              const struct sockaddr_storage *peer)
+{
+    const struct sockaddr_in *from = (const struct sockaddr_in *)peer;
+    for (int i = 0; i < count; i++) {
+        if (holders[i].sin_addr.s_addr == from->sin_addr.s_addr
+                && holders[i].sin_port == from->sin_port) {
+            return i;
+        }
+    }
+    return -1;
+}
+
 /* A datagram with a reply's magic, on a service that forwards: 1 if it is
- * a backup's answer to a REPLICATE in flight (taken), 0 if not (it goes
- * the way of any datagram: the Python handler counts it malformed, as a
- * late answer to a REPLICATE sent twice is), or -1 with an exception set.
- * `size` is the whole datagram's. */
+ * a backup's answer to a REPLICATE in flight (taken), or an authentic
+ * answer from a holder to the last REPLICATE of its slot, no longer waited
+ * for (counted late_answers, dropped); 0 if not (it goes the way of any
+ * datagram: dropped as unauthenticated on a secure deployment, counted
+ * malformed by the Python handler on an insecure one), or -1 with an
+ * exception set.  `size` is the whole datagram's. */
 static int
 forward_answered(FastPath *self, const unsigned char *data, Py_ssize_t size,
                  const struct sockaddr_storage *peer)
 {
     Forwards *forwards = self->forwards;
     Py_ssize_t length = size - (self->keyed ? REPLY_TRAILER : 0);
-    if (length < REPLY_HEADER_SIZE) {
+    if (length < REPLY_HEADER_SIZE || peer->ss_family != AF_INET) {
         return 0;
     }
     uint32_t id = read_u32(data + 4);
     uint32_t slot = id & (FWD_SLOTS - 1);
     Forward *entry = &forwards->slots[slot];
-    if (entry->kind != FWD_C || entry->id != id || !entry->started
-            || peer->ss_family != AF_INET) {
+    if (entry->kind != FWD_C || entry->id != id || !entry->started) {
+        const FwdLast *last = &forwards->last[slot];
+        if (id != 0 && last->id == id
+                && answer_authentic(self, data, length, last->client, last->sent_time)
+                && answer_holder(last->holders, last->holder_count, peer) >= 0) {
+            self->late_answers++;
+            return 1;
+        }
         return 0;
     }
-    if (self->keyed) {
-        DomusSip sip;
-        unsigned char time_bytes[4];
-        write_u32(time_bytes, entry->sent_time);
-        domus_sip_init(&sip, self->key);
-        domus_sip_update(&sip, data, (size_t)length);
-        domus_sip_update(&sip, entry->request + 8, 8);
-        domus_sip_update(&sip, time_bytes, 4);
-        if (domus_sip_final(&sip) != read_u64(data + length)) {
-            return 0;                   /* (dropped as unauthenticated, below) */
-        }
+    if (!answer_authentic(self, data, length, entry->request + 8, entry->sent_time)) {
+        return 0;                       /* (dropped as unauthenticated, below) */
     }
-    const struct sockaddr_in *from = (const struct sockaddr_in *)peer;
-    int holder = -1;
-    for (int i = 0; i < entry->holder_count; i++) {
-        if (entry->holders[i].sin_addr.s_addr == from->sin_addr.s_addr
-                && entry->holders[i].sin_port == from->sin_port) {
-            holder = i;
-        }
-    }
+    int holder = answer_holder(entry->holders, entry->holder_count, peer);
     if (holder < 0) {
         return 0;
     }
@@ -5509,6 +5562,9 @@ static PyMemberDef FastPath_members[] = {
      "replicated changes C handed to Python as failed (a backup did not take them)"},
     {"replicated", T_ULONGLONG, offsetof(FastPath, replicated), READONLY,
      "REPLICATEs applied in C as a backup"},
+    {"late_answers", T_ULONGLONG, offsetof(FastPath, late_answers), READONLY,
+     "backups' answers to REPLICATEs C no longer waited for (answers to a resend, "
+     "or to a change already failed), dropped"},
     {"spin_ns", T_LONGLONG, offsetof(FastPath, spin_ns), 0,
      "once the socket is empty, the serving thread reads it again, yielding "
      "the CPU in between, for this long before it sleeps in poll (0: never)"},

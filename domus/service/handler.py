@@ -1228,6 +1228,8 @@ class RequestHandler:
             # (replicated changes C sent to their backups, and sent again)
             "forwarded": fast.forwarded if fast is not None else 0,
             "forward_resends": fast.forward_resends if fast is not None else 0,
+            # (answers to REPLICATEs no longer waited for: to a resend)
+            "late_answers": fast.late_answers if fast is not None else 0,
             "hot_path_fallbacks": sum(path.fallbacks for path in self._fast_paths()),
             "reply_cache": len(self.reply_cache),
             "reply_cache_limit": self.reply_cache.current_limit,

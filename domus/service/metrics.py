@@ -115,6 +115,9 @@ class ServiceCollector:
         yield metrics.counter("domus_service_forward_resends", "REPLICATE datagrams sent "
                               "again, unanswered in time (a backup slow, paused or gone)", me,
                               fast.forward_resends if fast else 0)
+        yield metrics.counter("domus_service_late_answers", "backups' answers to REPLICATEs "
+                              "no longer waited for (to a resend, or to a change already "
+                              "failed), dropped", me, fast.late_answers if fast else 0)
         yield metrics.counter("domus_service_busy", "requests answered BUSY, unapplied: "
                               "the reply cache full of replies still young, or a SCAN past "
                               "its bounds (by C or Python)", me,

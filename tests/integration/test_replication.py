@@ -314,7 +314,7 @@ def test_a_backup_that_pauses_delays_writes_and_loses_none(tmp_path):
             writer.start()
             try:
                 wait_until(lambda: len(acknowledged) >= 200, timeout=30, what="writes")
-                resent = service_stats(addresses["s1"])["forward_resends"]
+                before = service_stats(addresses["s1"])
                 backup = deployment.services["s2"]
                 backup.send_signal(signal.SIGSTOP)
                 try:
@@ -328,7 +328,16 @@ def test_a_backup_that_pauses_delays_writes_and_loses_none(tmp_path):
                 stop.set()
                 writer.join(60)
             assert [repr(exc) for exc in errors] == []
-            assert service_stats(addresses["s1"])["forward_resends"] > resent
+            after = service_stats(addresses["s1"])
+            assert after["forward_resends"] > before["forward_resends"]
+            # The backup, woken, answers each REPLICATE it was sent, the
+            # resends too: the answers after the first are counted late,
+            # not as forged datagrams (nor malformed ones).
+            wait_until(lambda: service_stats(addresses["s1"])["late_answers"]
+                       > before["late_answers"], timeout=10, what="late answers counted")
+            after = service_stats(addresses["s1"])
+            assert after["unauthenticated"] == before["unauthenticated"]
+            assert after["malformed"] == before["malformed"]
             assert first_difference(dht.get_many(list(acknowledged)), acknowledged) == []
     finally:
         deployment.stop_everything()
