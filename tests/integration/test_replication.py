@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import random
 import signal
+import socket
+import struct
 import threading
 import time
 
@@ -18,6 +21,8 @@ import pytest
 
 import domus
 from domus.errors import DataLost
+from domus.wire import auth
+from domus.wire import protocol as wire
 
 from .conftest import TrackedDeployment, start_deployment
 from .support import (
@@ -340,4 +345,111 @@ def test_a_backup_that_pauses_delays_writes_and_loses_none(tmp_path):
             assert after["malformed"] == before["malformed"]
             assert first_difference(dht.get_many(list(acknowledged)), acknowledged) == []
     finally:
+        deployment.stop_everything()
+
+
+# ------------------------------------------------------------ forged answers
+
+def _udp_payloads(sniffer, source_port: int, destination_port: int):
+    """The UDP payloads from 127.0.0.1:source_port to destination_port that
+    the packet socket ``sniffer`` has read so far (IPv4 packets, no link
+    header)."""
+    while True:
+        try:
+            packet = sniffer.recv(65536)
+        except BlockingIOError:
+            return
+        if len(packet) < 28 or packet[9] != socket.IPPROTO_UDP:
+            continue
+        udp = (packet[0] & 0x0F) * 4
+        ports = struct.unpack_from("!HH", packet, udp)
+        if ports == (source_port, destination_port):
+            yield packet[udp + 8:]
+
+
+def _spoofed_udp(raw, source_port: int, destination_port: int, payload: bytes) -> None:
+    """Sends ``payload`` to 127.0.0.1:destination_port as if from
+    127.0.0.1:source_port (the kernel fills in the IP checksum, total
+    length and id; a zero UDP checksum means none, in IPv4)."""
+    udp = struct.pack("!HHHH", source_port, destination_port, 8 + len(payload), 0)
+    loopback = socket.inet_aton("127.0.0.1")
+    header = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 0, 0, 0, 64, socket.IPPROTO_UDP, 0,
+                         loopback, loopback)
+    raw.sendto(header + udp + payload, ("127.0.0.1", 0))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads the loopback's packets and sends "
+                    "spoofed ones (raw sockets): needs root")
+def test_forged_answers_from_a_backups_address_acknowledge_no_write(tmp_path):
+    """A hostile process on the primary's host, root, sees the REPLICATE
+    the primary sends to a backup that is paused (SIGSTOP), and answers it
+    in the backup's name: from the backup's address and port, to the
+    REPLICATE's own request id, the answer well formed, only its MAC made
+    up.  The write is not acknowledged on the strength of it: it waits for
+    the backup, is acknowledged once the backup has applied it, and each
+    forgery is dropped and counted unauthenticated."""
+    deployment = start_deployment(tmp_path, services=2)
+    sniffer = socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(0x0800))
+    raw = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    try:
+        sniffer.bind(("lo", 0x0800))
+        sniffer.setblocking(False)
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            cluster.create_dht("forged", buckets=8, replicas=2)
+            addresses = service_addresses(cluster)
+            primary = int(addresses["s1"].rsplit(":", 1)[1])
+            backup_port = int(addresses["s2"].rsplit(":", 1)[1])
+            dht = cluster.open_dht("forged")
+            key = next(key for key in range(1_000) if owner_of(dht, key) == "s1")
+            dht[key] = "before"
+            list(_udp_payloads(sniffer, primary, backup_port))      # (what came so far)
+            before = service_stats(addresses["s1"])
+            backup_before = service_stats(addresses["s2"])
+            backup = deployment.services["s2"]
+            done = threading.Event()
+            failures: list[BaseException] = []
+
+            def write() -> None:
+                try:
+                    dht[key] = "after"
+                except BaseException as exc:     # reported below
+                    failures.append(exc)
+                finally:
+                    done.set()
+
+            backup.send_signal(signal.SIGSTOP)
+            try:
+                writer = threading.Thread(target=write)
+                writer.start()
+                ids: set[bytes] = set()
+                forged = 0
+                deadline = time.monotonic() + 0.8       # (under the primary's 2 s)
+                while time.monotonic() < deadline:
+                    for payload in _udp_payloads(sniffer, primary, backup_port):
+                        if (len(payload) >= 8 and payload[0] == wire.REQUEST_MAGIC
+                                and payload[2] == wire.OP_REPLICATE):
+                            ids.add(payload[4:8])
+                    for request_id in ids:
+                        inner = bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_OK, 0)) + \
+                            request_id + b"\x01"
+                        answer = bytes((wire.REPLY_MAGIC, wire.VERSION, wire.ST_OK, 0)) + \
+                            request_id + inner + os.urandom(auth.REPLY_TRAILER)
+                        _spoofed_udp(raw, backup_port, primary, answer)
+                        forged += 1
+                    assert not done.is_set(), "a write was acknowledged while its backup " \
+                                              "was stopped"
+                    time.sleep(0.01)
+                assert ids, "no REPLICATE was seen on the loopback"
+            finally:
+                backup.send_signal(signal.SIGCONT)
+            assert done.wait(30) and failures == []
+            writer.join(10)
+            wait_until(lambda: service_stats(addresses["s1"])["unauthenticated"]
+                       >= before["unauthenticated"] + forged, timeout=10,
+                       what="the forgeries counted")
+            assert service_stats(addresses["s2"])["replicated"] > backup_before["replicated"]
+            assert dht[key] == "after"
+    finally:
+        sniffer.close()
+        raw.close()
         deployment.stop_everything()
