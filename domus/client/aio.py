@@ -48,7 +48,7 @@ from typing import Any
 
 from domus.client import codec
 from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target
-from domus.client.evented import WINDOW, EventedChannel, EventedDht
+from domus.client.evented import MISSING, WINDOW, EventedChannel, EventedDht
 from domus.client.transport import (
     FIRST_TIMEOUT,
     FRAME,
@@ -1010,6 +1010,13 @@ class AioDht(EventedDht[AioChannel]):
     async def contains(self, key: Any) -> bool:
         """Whether ``key`` is stored."""
         return await self._answer(wire.OP_CONTAINS, key)
+
+    async def pop(self, key: Any, default: Any = MISSING) -> Any:
+        """Remove ``key`` and return its value; ``default`` if it is not
+        there (KeyError without one).  Read, then deleted: if another client
+        deletes the key in between, ``default`` comes back (or KeyError), so
+        of two clients popping one key, one gets its value."""
+        return await self._pop(key, default)
 
     # -- batches
     async def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:

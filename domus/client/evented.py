@@ -127,6 +127,10 @@ class EventedChannel:
             await pause(wait)
 
 
+# (``pop``'s default when none is given: KeyError for a missing key)
+MISSING: Any = object()
+
+
 class EventedDht(DirectLookup[Channel]):
     """A DHT's requests as coroutines, for an event loop (see the module)."""
 
@@ -299,6 +303,23 @@ class EventedDht(DirectLookup[Channel]):
     async def _answer(self, op: int, key: Any) -> bool:
         reply = await self._request(op, key)
         return reply[2] == wire.ST_OK
+
+    async def _pop(self, key: Any, default: Any) -> Any:
+        """The blocking client's ``pop``: the value is read, then the key
+        deleted; if another client deletes it in between, it was not there
+        when this one deleted it, and ``default`` comes back (KeyError
+        without one, ``MISSING``)."""
+        try:
+            value = await self._get(key, None, raise_missing=True)
+        except KeyError:
+            if default is MISSING:
+                raise
+            return default
+        if not await self._answer(wire.OP_DELETE, key):
+            if default is MISSING:
+                raise KeyError(key)
+            return default
+        return value
 
     # ------------------------------------------------------------ batches
     def _exchange(self, requests: list[tuple[Channel, bytes]]) -> Awaitable[list[bytes]]:

@@ -47,7 +47,7 @@ from domus.client.blocking import (
     STATE_CHANGE_TIMEOUT,
     move_target,
 )
-from domus.client.evented import WINDOW, EventedChannel, EventedDht
+from domus.client.evented import MISSING, WINDOW, EventedChannel, EventedDht
 from domus.client.transport import (
     FIRST_TIMEOUT,
     READ_ONLY_CONTROL,
@@ -827,6 +827,14 @@ class TxDht(EventedDht[TxChannel]):
     def contains(self, key: Any) -> defer.Deferred:
         """Fires with True if ``key`` is stored."""
         return defer.Deferred.fromCoroutine(self._answer(wire.OP_CONTAINS, key))
+
+    def pop(self, key: Any, default: Any = MISSING) -> defer.Deferred:
+        """Remove ``key``; fires with its value, or ``default`` if it is not
+        there (fails with KeyError without one).  Read, then deleted: if
+        another client deletes the key in between, ``default`` comes back
+        (or KeyError), so of two clients popping one key, one gets its
+        value."""
+        return defer.Deferred.fromCoroutine(self._pop(key, default))
 
     # ------------------------------------------------------------ batches
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> defer.Deferred:

@@ -70,6 +70,32 @@ def test_thousands_outstanding_on_either_loop(shared_cluster, shared_deployment,
     assert len(shared_cluster.open_dht(f"aio-{loop}")) == 2500
 
 
+def test_concurrent_pops_give_each_value_to_one_task(shared_cluster, shared_deployment):
+    """pop(key, default) from many tasks at once: each key's value goes to
+    exactly one of them, the others get the default, never KeyError;
+    without a default an absent key is KeyError (as for the blocking
+    client's pop)."""
+    dht_name = "aio-pops"
+    keys = [f"p{number}" for number in range(200)]
+    shared_cluster.create_dht(dht_name).put_many({key: key.upper() for key in keys})
+
+    async def job() -> list:
+        async with domus.aio.connect(shared_deployment.supervisor_address,
+                                     timeout=CLIENT_TIMEOUT) as cluster:
+            dht = await cluster.open_dht(dht_name)
+            popped = await asyncio.gather(*(dht.pop(key, None)
+                                            for key in keys for _ in range(4)))
+            with pytest.raises(KeyError):
+                await dht.pop(keys[0])
+            assert await dht.pop(keys[0], "default") == "default"
+            return popped
+
+    popped = run("asyncio", job())
+    assert sorted(value for value in popped if value is not None) == \
+        sorted(key.upper() for key in keys)
+    assert len(shared_cluster.open_dht(dht_name)) == 0
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_key_ranges_are_async_iterators_on_either_loop(shared_cluster, shared_deployment, loop):
     """(Every case of irange is test_range.py's, through this client too.)"""

@@ -130,6 +130,13 @@ async def job(reactor: Any, supervisor: str) -> dict[str, Any]:
     check("get default", await dht.get("absent", "dflt") == "dflt")
     await check.fails_with("getitem of an absent key", dht.getitem("absent"), KeyError)
     check("getitem", await dht.getitem(keys[0]) == model[keys[0]])
+    # pop: of three concurrent pops of one key, one gets its value, the
+    # others the default; without a default, KeyError
+    popped = next(key for key in keys[1:] if key in model)
+    pops = await defer.gatherResults([dht.pop(popped, "gone") for _ in range(3)])
+    check("concurrent pops: one value", sorted(pops, key=repr) == sorted(
+        [model.pop(popped), "gone", "gone"], key=repr), pops)
+    await check.fails_with("pop of an absent key", dht.pop(popped), KeyError)
 
     # -- batches
     batch = {f"many-{n}": [n] * (n % 4) for n in range(500)}
