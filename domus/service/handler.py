@@ -47,7 +47,7 @@ from domus.service.replycache import ReplyCache, new_reply_cache
 from domus.storage import PLATFORMS, Repository, StorageFault, StorageFullFault
 from domus.storage.base import apply_batch
 from domus.storage.headroom import OK as ROOM_OK
-from domus.storage.headroom import Headroom, describe_bytes
+from domus.storage.headroom import SAMPLE_INTERVAL, Headroom, describe_bytes
 from domus.wire import auth, identities
 from domus.wire import protocol as wire
 
@@ -468,9 +468,17 @@ class RequestHandler:
                           service=self.service_name, problem=str(exc))
         return given
 
+    def storage_interval(self) -> float:
+        """How long until tend_storage should run again: the headroom's
+        next look, or SAMPLE_INTERVAL while a store waits to be opened
+        again."""
+        if self.headroom is None or any(hosted.needs_retry() for hosted in self.dhts.values()):
+            return SAMPLE_INTERVAL
+        return self.headroom.next_interval()
+
     def tend_storage(self, released: Callable[[], AbstractContextManager[Any]] = nullcontext,
                      held: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
-        """What the service does on a short timer (SAMPLE_INTERVAL): look at
+        """What the service does on a short timer (storage_interval): look at
         the free space (the C path follows its state), give space back
         while the disk is at its reserve (what deletes free there, at most
         each RECLAIM_INTERVAL), and

@@ -111,6 +111,7 @@ class DomusService(Service):
         self._ports: list[Any] = []
         self.udp: UdpServer | None = None
         self._timers: list[task.LoopingCall] = []
+        self._storage_timer: task.LoopingCall | None = None
         self._phased: list[Any] = []        # the timers' delayed starts
         self._link_factory: Any = None
         self._stopping = False
@@ -156,7 +157,10 @@ class DomusService(Service):
         # when the service stops.
         flush = task.LoopingCall(self._flush)
         # Free space against the reserve, and stores that failed to open.
+        # (every SAMPLE_INTERVAL near the reserve, up to a second apart far
+        # from it: _tend_storage sets the next interval)
         storage = _ReleasedLoopingCall(self._released, self._tend_storage)
+        self._storage_timer = storage
         storage.start(SAMPLE_INTERVAL, now=True)
         # The others start out of step with it and with each other, so that
         # no reactor turn runs two of them: the serving thread waits for
@@ -200,6 +204,8 @@ class DomusService(Service):
     def _tend_storage(self) -> None:
         try:
             self.handler.tend_storage(self._released, self._held)
+            if self._storage_timer is not None:
+                self._storage_timer.interval = self.handler.storage_interval()
         except Exception:       # a bug: say so, and keep the timer going
             log.failure("service {name}: watching its storage failed", name=self.service_name)
 

@@ -41,6 +41,10 @@ DEFAULT_MAX = 1 << 30
 # more than the C path writes between two samples (SAMPLE_INTERVAL).
 MARGIN = 64 * MIB
 SAMPLE_INTERVAL = 0.1
+# Far from the reserve the free space is looked at less often, never so
+# seldom that writes at MARGIN per SAMPLE_INTERVAL could reach the margin
+# between two looks (next_interval), and at least this often.
+LONGEST_INTERVAL = 1.0
 
 OK, NEAR, FULL = "ok", "near", "full"
 
@@ -144,6 +148,20 @@ class Headroom:
             return self._space(self.path)
         except OSError:
             return None
+
+    def next_interval(self) -> float:
+        """How long until free space should be looked at again: within
+        MARGIN of the reserve (or past it) every SAMPLE_INTERVAL; farther,
+        the time writes at MARGIN a SAMPLE_INTERVAL (the rate the margin is
+        sized for) would take to reach the margin, at most LONGEST_INTERVAL.
+        (A service's timer then wakes once a second, not ten times, on a
+        disk with room: each look is some 0.5-1 ms of Python, statvfs
+        included, taken from the cores that serve.)"""
+        if self.state != OK:
+            return SAMPLE_INTERVAL
+        ahead = self.free - self.reserve_bytes - MARGIN
+        seconds = ahead / (MARGIN / SAMPLE_INTERVAL)
+        return min(max(seconds, SAMPLE_INTERVAL), LONGEST_INTERVAL)
 
     def state_for(self, space: tuple[int, int] | None) -> str:
         """The state a sample that measured ``space`` would leave (the

@@ -120,6 +120,40 @@ def test_headroom_states_follow_the_free_space():
     assert room.refused == 3
 
 
+def test_free_space_is_looked_at_less_often_the_farther_it_is_from_the_reserve(tmp_path):
+    # Ten looks a second within the margin (and past the reserve); far from
+    # it, only as seldom as writes at the margin's rate (64 MiB a tenth of a
+    # second) could not reach the margin between two looks, and at least
+    # once a second; every tenth of a second again while a store waits to
+    # be opened again.
+    space = Space(10 << 30)
+    room = Headroom("/data", Reserve(size=100 * MIB), "s1", space)
+    assert room.next_interval() == headroom.LONGEST_INTERVAL
+    space.free = 100 * MIB + headroom.MARGIN + 32 * MIB            # half a tenth away
+    room.sample()
+    assert room.state == headroom.OK
+    assert room.next_interval() == headroom.SAMPLE_INTERVAL
+    space.free = 100 * MIB + headroom.MARGIN + 320 * MIB           # half a second away
+    room.sample()
+    assert room.next_interval() == pytest.approx(0.5)
+    space.free = 100 * MIB + headroom.MARGIN - 1
+    room.sample()
+    assert room.state == headroom.NEAR and room.next_interval() == headroom.SAMPLE_INTERVAL
+    space.free = 0
+    room.sample()
+    assert room.full and room.next_interval() == headroom.SAMPLE_INTERVAL
+
+    handler = RequestHandler("s1", data_dir=str(tmp_path), clock=Clock())
+    handler.headroom = Headroom(str(tmp_path), Reserve(size=MIB), "s1", Space(10 << 30))
+    assert handler.storage_interval() == headroom.LONGEST_INTERVAL
+    home = dht_home(str(tmp_path), DHT_ID)
+    os.makedirs(os.path.dirname(home))
+    with open(home, "w") as blocking:          # a store that will not open
+        blocking.write("not a directory")
+    handler.sync([descriptor()])
+    assert handler.storage_interval() == headroom.SAMPLE_INTERVAL
+
+
 def test_writes_resume_a_little_above_the_reserve():
     assert headroom.hysteresis(2 * MIB) == 2 * MIB
     assert headroom.hysteresis(100 * MIB) == 12.5 * MIB
