@@ -1147,7 +1147,8 @@ rc_ahead(RcTable *table, size_t most)
      * those from then to RC_AHEAD_BY full) */
     size_t by = table->capacity / RC_AHEAD_BY_DEN * RC_AHEAD_BY_NUM;
     size_t span = by > table->ahead_from ? by - table->ahead_from : 1;
-    size_t done = entries - table->ahead_from + 1;
+    size_t done = entries >= table->ahead_from ? entries - table->ahead_from + 1 : 1;
+    /* (fewer entries than then: discards) */
     size_t target = done >= span ? bytes
                                  : (size_t)((unsigned __int128)bytes * done / span);
     volatile unsigned char *ahead = table->ahead;

@@ -337,6 +337,26 @@ def test_the_c_cache_pays_for_a_growths_new_pages_before_it_needs_them():
     assert len(cache) == count
 
 
+def test_discards_do_not_make_the_next_array_fault_in_at_once():
+    # The next array's pages are touched in step with the entries added
+    # since it was made; with fewer entries than then (changes whose replies
+    # were discarded), the next insert touches a page or so, not all of them.
+    _skip_unless_faults_are_ours()
+    import resource
+
+    cache = replycache.CompactReplyCache(max_entries=2_000_000, clock=FakeClock())
+    for number in range(25_000):
+        assert cache.put(token(number), SHAPES[0](number))
+    # (39,366 slots and, made ahead, the next array's 59,049)
+    assert cache.memory == (39_366 + 59_049) * 24
+    for number in range(5_000):
+        assert cache.discard(token(number))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert cache.put(token(10**6), SHAPES[0](10**6))
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 59_049 * 24 // 4096 // 4, faults    # (346 pages)
+
+
 def test_the_c_cache_readies_the_next_generations_array_before_the_rotation():
     # The same at a rotation: a new generation starts at the size the last
     # one reached, in the array the rotation drops when that one fits, else
