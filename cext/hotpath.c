@@ -1094,6 +1094,19 @@ rc_next_capacity(const RcTable *table, size_t first, size_t most)
     return capacity > ceiling ? ceiling : capacity;
 }
 
+/* Writes to the pages of `array` from byte *touched on, up to `target`
+ * bytes: a fresh mapping's pages are faulted in here, a few at a time,
+ * not by the inserts that will land all over them. */
+static void
+rc_touch(unsigned char *array, size_t *touched, size_t target)
+{
+    volatile unsigned char *pages = array;
+    while (*touched < target) {
+        pages[*touched] = 0;
+        *touched += RC_PAGE;
+    }
+}
+
 /* Gives back the array made ahead of a growth, if any. */
 static void
 rc_drop_ahead(RcTable *table)
@@ -1151,11 +1164,7 @@ rc_ahead(RcTable *table, size_t most)
     /* (fewer entries than then: discards) */
     size_t target = done >= span ? bytes
                                  : (size_t)((unsigned __int128)bytes * done / span);
-    volatile unsigned char *ahead = table->ahead;
-    while (table->ahead_touched < target) {
-        ahead[table->ahead_touched] = 0;
-        table->ahead_touched += RC_PAGE;
-    }
+    rc_touch(table->ahead, &table->ahead_touched, target);
 }
 
 /* Makes room in the table for one more entry, moving some entries of a
@@ -1399,11 +1408,7 @@ rc_warm(ReplyCache *cache)
     size_t done = entries > cache->spare_from ? entries - cache->spare_from : 0;
     size_t target = span == 0 || done >= span
                     ? bytes : (size_t)((unsigned __int128)bytes * done / span);
-    volatile unsigned char *spare = cache->spare;
-    while (cache->spare_touched < target) {
-        spare[cache->spare_touched] = 0;
-        cache->spare_touched += RC_PAGE;
-    }
+    rc_touch(cache->spare, &cache->spare_touched, target);
 }
 
 /* Keeps `reply` under `key` in the current generation; the caller has
