@@ -48,7 +48,8 @@ from typing import Any
 
 from domus.client import codec
 from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target
-from domus.client.evented import MISSING, WINDOW, EventedChannel, EventedDht
+from domus.client.evented import WINDOW, EventedChannel, EventedDht
+from domus.client.lookup import MISSING
 from domus.client.transport import (
     FIRST_TIMEOUT,
     FRAME,

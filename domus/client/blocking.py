@@ -37,6 +37,7 @@ from typing import Any
 from domus.client import batch, codec
 from domus.client.lookup import (
     MAX_REROUTES,
+    MISSING,
     PAUSE,
     SEND,
     DirectLookup,
@@ -73,7 +74,6 @@ STATE_CHANGE_TIMEOUT = 620.0
 # --push-timeout, 10 s by default); an open or an exist_ok creation may
 # wait for one in flight first.
 CREATE_TIMEOUT = 30.0
-_MISSING = object()
 _PUT = wire.OP_PUT
 _GET = wire.OP_GET
 _DELETE = wire.OP_DELETE
@@ -608,7 +608,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         if not self.delete(key):
             raise KeyError(key)
 
-    def pop(self, key: Any, default: Any = _MISSING) -> Any:
+    def pop(self, key: Any, default: Any = MISSING) -> Any:
         """Remove ``key`` and return its value; ``default`` if it is not
         there (KeyError without one).  The value is read, then the key
         deleted: if another client deletes it in between, it was not there
@@ -617,11 +617,11 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         try:
             value = self[key]
         except KeyError:
-            if default is _MISSING:
+            if default is MISSING:
                 raise
             return default
         if not self.delete(key):
-            if default is _MISSING:
+            if default is MISSING:
                 raise KeyError(key)
             return default
         return value

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 from domus.client import batch, codec
 from domus.client.lookup import (
     MAX_REROUTES,
+    MISSING,
     PAUSE,
     SEND,
     DirectLookup,
@@ -125,10 +126,6 @@ class EventedChannel:
             if clock() - started + wait >= self.deadline:
                 raise service_busy(self.name, self.address, self.deadline, tries, dht, bucket)
             await pause(wait)
-
-
-# (``pop``'s default when none is given: KeyError for a missing key)
-MISSING: Any = object()
 
 
 class EventedDht(DirectLookup[Channel]):

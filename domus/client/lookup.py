@@ -94,6 +94,9 @@ MAX_BATCH_REFRESHES = 12
 # A request whose course meets a service that is gone is sent again where
 # the supervisor's layout says its bucket is now, at most this many times.
 MAX_REROUTES = 8
+# A Dht's pop without a default (KeyError for a missing key): blocking,
+# asyncio and Twisted clients alike.
+MISSING: Any = object()
 
 # A client that followed this many redirects since it last fetched its
 # DHT's layout fetches it again, at most once every REFRESH_INTERVAL s.

@@ -47,7 +47,8 @@ from domus.client.blocking import (
     STATE_CHANGE_TIMEOUT,
     move_target,
 )
-from domus.client.evented import MISSING, WINDOW, EventedChannel, EventedDht
+from domus.client.evented import WINDOW, EventedChannel, EventedDht
+from domus.client.lookup import MISSING
 from domus.client.transport import (
     FIRST_TIMEOUT,
     READ_ONLY_CONTROL,
