@@ -6,7 +6,9 @@ same value is put (SET) and read back (GET) under one key, over and over,
 for at least ``--seconds`` and ``--min-ops`` times each, Domus and Redis
 taking turns in ten rounds (the machine is shared: both see its load); the
 median latency of each is reported with the MB/s it makes (MB = 10^6 bytes
-of value), and the ratio Domus/Redis (above 1: Domus is faster).  Every value read back is checked.
+of value), and the ratio Domus/Redis (above 1: Domus is faster).  Every value read back is checked,
+then held until the next GET's replaces it (``--drop``: let go first; a
+process's heap behaves differently, its large blocks given back or not).
 
 Domus: a local deployment (supervisor + one service), secure by default
 (every TCP frame authenticated; ``--insecure`` without the secret), a RAM
@@ -69,9 +71,11 @@ def label(size: int) -> str:
 
 
 def timed(operation: Callable[[], Any], seconds: float, minimum: int,
-          check: Callable[[Any], None]) -> list[float]:
+          check: Callable[[Any], None], drop: bool = False) -> list[float]:
     """Latencies (s) of ``operation`` run at least ``minimum`` times and
-    for at least ``seconds``; ``check`` sees each result."""
+    for at least ``seconds``; ``check`` sees each result.  Each result is
+    held until the next one replaces it (as ``value = dht[key]`` in a loop
+    holds it), or with ``drop`` let go before the next request."""
     latencies = []
     started = time.perf_counter()
     while len(latencies) < minimum or time.perf_counter() - started < seconds:
@@ -79,6 +83,8 @@ def timed(operation: Callable[[], Any], seconds: float, minimum: int,
         result = operation()
         latencies.append(time.perf_counter() - begin)
         check(result)
+        if drop:
+            result = None
     return latencies
 
 
@@ -132,7 +138,7 @@ class RedisServer:
 
 
 def measure(sizes: list[int], seconds: float, minimum: int, codec: str, platform: str,
-            insecure: bool, with_redis: bool) -> dict[str, Any]:
+            insecure: bool, with_redis: bool, drop: bool = False) -> dict[str, Any]:
     data_dir = tempfile.mkdtemp(prefix="domus-large-")
     redis_server = RedisServer() if with_redis else None
     rows = []
@@ -171,14 +177,14 @@ def measure(sizes: list[int], seconds: float, minimum: int, codec: str, platform
                 for _round in range(ROUNDS):
                     domus_put += timed(lambda key=key, value=value: dht.put(key, value),
                                        share, least, lambda _r: None)
-                    domus_get += timed(lambda key=key: dht[key], share, least, same)
+                    domus_get += timed(lambda key=key: dht[key], share, least, same, drop)
                     if redis_server is not None:
                         redis_client = redis_server.client
                         redis_put += timed(lambda key=key, value=value, client=redis_client:
                                            client.set(key, value),
                                            share, least, lambda _r: None)
                         redis_get += timed(lambda key=key, client=redis_client: client.get(key),
-                                           share, least, same)
+                                           share, least, same, drop)
                 after = memory_of(service_pid)
                 row["domus"] = summary(domus_put, domus_get, value_bytes)
                 row["service_rss_after"] = after["rss"]
@@ -235,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true",
                         help="Domus without its secret (no frame authentication)")
     parser.add_argument("--no-redis", action="store_true", help="Domus only")
+    parser.add_argument("--drop", action="store_true",
+                        help="let each value read go before the next GET (default: hold "
+                             "it until the next replaces it, as a loop's variable does)")
     parser.add_argument("--json", metavar="FILE", help="write the results here")
     args = parser.parse_args(argv)
     sizes = [parse_size(text) for text in args.sizes.split(",") if text.strip()]
@@ -242,11 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {provenance['date']}, commit {provenance['commit']}, load "
           f"{provenance['load_average']} (the machine is shared)", flush=True)
     print(f"# codec {args.codec}, platform {args.platform}, "
-          f"{'insecure' if args.insecure else 'secure (frames authenticated)'}", flush=True)
+          f"{'insecure' if args.insecure else 'secure (frames authenticated)'}"
+          f"{', each value read dropped before the next GET' if args.drop else ''}", flush=True)
     results = measure(sizes, args.seconds, args.min_ops, args.codec, args.platform,
-                      args.insecure, not args.no_redis)
+                      args.insecure, not args.no_redis, args.drop)
     results.update(provenance=provenance, codec=args.codec, platform=args.platform,
-                   secure=not args.insecure, seconds=args.seconds, min_ops=args.min_ops,
+                   secure=not args.insecure, drop=args.drop, seconds=args.seconds,
+                   min_ops=args.min_ops,
                    load_average_after=[round(load, 2) for load in os.getloadavg()])
     if args.json:
         with open(args.json, "w", encoding="utf-8") as output:

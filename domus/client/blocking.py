@@ -48,6 +48,7 @@ from domus.client.transport import (
     RequestIds,
     ServiceChannel,
     SupervisorLink,
+    ValueReply,
     exchange,
     fork_aware,
 )
@@ -356,6 +357,10 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
     def _value_of(self, key: Any, data: bytes, offset: int) -> Any:
         """The value of ``key`` stored as ``data[offset:]``, by this DHT's
         codec; a ValueDecodeError names the DHT and the key."""
+        if type(data) is ValueReply:    # (a large GET reply, its value apart)
+            if offset == _HEADER and self._values.name == "msgpack":
+                return data.value
+            data = data.whole()
         try:
             return self._values.unpack_at(data, offset)
         except ValueDecodeError as exc:

@@ -251,6 +251,64 @@ def test_a_frame_sent_is_the_frame_received(pair, sealed, size):
     assert theirs.gettimeout() == 5.0
 
 
+def get_reply(value: bytes, status: int = wire.ST_OK) -> bytes:
+    """A reply to a GET whose value is ``value`` as msgpack stores bytes."""
+    return wire.reply(status, 7, b"\xc6" + len(value).to_bytes(4, "big") + value)
+
+
+def received(pair, message: bytes, sealed: bool, **options):
+    ours, theirs = pair
+    sending, receiving = sessions() if sealed else (None, None)
+    sender = threading.Thread(target=transport._send_frame, args=(ours, message, sending))
+    sender.start()
+    try:
+        return transport._recv_frame(theirs, session=receiving, **options)
+    finally:
+        sender.join()
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "insecure"])
+@pytest.mark.parametrize("size", [transport.LARGE_FRAME, 3 << 20])
+def test_a_large_get_reply_gets_its_value_in_bytes_of_its_own(pair, sealed, size):
+    value = random.Random(size).randbytes(size)
+    message = get_reply(value)
+    reply = received(pair, message, sealed, value_reply=True)
+    assert type(reply) is transport.ValueReply
+    assert type(reply.value) is bytes and reply.value == value
+    assert reply[2] == wire.ST_OK and reply[4:8] == message[4:8]
+    assert reply.whole() == message
+    assert transport.reply_size(reply) == len(message)
+    assert transport.reply_size(message) == len(message)
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "insecure"])
+@pytest.mark.parametrize("message", [
+    get_reply(bytes(100_000), status=wire.ST_MOVING),           # not OK
+    get_reply(bytes(100_000))[:-1],                              # bin 32 longer than the rest
+    get_reply(bytes(100_000)) + b"x",                            # shorter
+    wire.reply(wire.ST_OK, 7, b"\xdb" + (100_000).to_bytes(4, "big") + bytes(100_000)),  # str 32
+    get_reply(bytes(transport.LARGE_FRAME - 20)),                # not a large frame
+], ids=["moving", "long", "short", "str", "small"])
+def test_any_other_reply_to_a_get_is_the_frame_as_it_came(pair, sealed, message):
+    reply = received(pair, message, sealed, value_reply=True)
+    assert type(reply) is bytes and reply == message
+
+
+def test_a_large_get_reply_changed_in_its_value_does_not_check(pair):
+    ours, theirs = pair
+    sending, receiving = sessions()
+    sealed = bytearray(sending.seal(get_reply(bytes(1 << 20))))
+    sealed[500_000] ^= 0x01
+    sender = threading.Thread(target=ours.sendall,
+                              args=(struct.pack(">I", len(sealed)) + bytes(sealed),))
+    sender.start()
+    try:
+        with pytest.raises(AuthenticationError):
+            transport._recv_frame(theirs, session=receiving, value_reply=True)
+    finally:
+        sender.join()
+
+
 def test_a_changed_large_frame_does_not_check(pair):
     ours, theirs = pair
     sending, receiving = sessions()
