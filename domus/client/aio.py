@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Generator, Iterable, Mapping
 from typing import Any
 
-from domus.client import codec
+from domus.client import codec, transport
 from domus.client.blocking import DEFAULT_TIMEOUT, STATE_CHANGE_TIMEOUT, move_target
 from domus.client.evented import WINDOW, EventedChannel, EventedDht
 from domus.client.lookup import MISSING
@@ -85,10 +85,22 @@ __all__ = ["connect", "AioCluster", "AioDht", "AioChannel", "DatagramRequests", 
 # ------------------------------------------------------------ framed TCP
 
 async def _read_frame(reader: asyncio.StreamReader, limit: int = wire.MAX_FRAME_BYTES,
-                      session: auth.Session | None = None) -> bytes:
+                      session: auth.Session | None = None, value_reply: bool = False) -> bytes:
+    """The next frame's message (its tag checked and dropped); with
+    ``value_reply`` (the reply to a GET) a large one whose value is msgpack
+    bin 32 is a transport.ValueReply, its value read apart (not copied out
+    of the frame once more to decode it)."""
     (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
     if size > limit + auth.TAG_BYTES:
         raise ProtocolError(f"peer sent a {size}-byte frame, over the {limit}-byte limit")
+    split = transport.value_reply_split(size, session) if value_reply else 0
+    if split:
+        body = size - (auth.TAG_BYTES if session is not None else 0)
+        head = await reader.readexactly(split)
+        rest = await reader.readexactly(body - split)
+        transport.checked(session, head, rest, await reader.readexactly(auth.TAG_BYTES)
+                          if session is not None else b"")
+        return transport.value_reply(head, rest)
     if session is None:
         return await reader.readexactly(size)
     if size < auth.TAG_BYTES:
@@ -148,7 +160,8 @@ class _Link:
                 await self.writer.drain()
                 while True:
                     frame = await asyncio.wait_for(
-                        _read_frame(self.reader, session=self.session), timeout)
+                        _read_frame(self.reader, session=self.session,
+                                    value_reply=message[2] == wire.OP_GET), timeout)
                     if frame[4:8] == message[4:8]:
                         return frame
             except BaseException:

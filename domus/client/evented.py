@@ -43,6 +43,7 @@ from domus.client.throttle import Throttle
 from domus.client.transport import (
     FIRST_TIMEOUT,
     MAX_DEADLINE,
+    ValueReply,
     busy_backoff,
     service_busy,
     service_unavailable,
@@ -292,6 +293,10 @@ class EventedDht(DirectLookup[Channel]):
             if raise_missing:
                 raise KeyError(key)
             return default
+        if type(reply) is ValueReply:   # (a large reply read with its value apart)
+            if self._values.name == "msgpack":
+                return reply.value
+            reply = reply.whole()
         try:
             return self._values.unpack_at(reply, wire.REPLY_HEADER_SIZE)
         except ValueDecodeError as exc:

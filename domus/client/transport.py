@@ -230,20 +230,18 @@ def reply_size(reply: bytes) -> int:
     return reply.size if type(reply) is ValueReply else len(reply)
 
 
-def _recv_value_reply(sock: socket.socket, size: int,
-                      session: auth.Session | None) -> bytes:
-    """The rest of a large frame of ``size`` bytes (its tag included when
-    ``session``) that answers a GET: a ValueReply when its value is
-    msgpack bin 32 filling the frame, else the frame as ``_recv_frame``
-    returns it."""
+def value_reply_split(size: int, session: auth.Session | None) -> int:
+    """For a frame of ``size`` bytes (its tag included when ``session``)
+    that answers a GET: where to split it, reading its first bytes and the
+    rest apart (``value_reply``); 0 if it is not large enough to."""
     body = size - (auth.TAG_BYTES if session is not None else 0)
-    head = _recv_exactly(sock, _VALUE_HEAD)
-    rest = _recv_exactly(sock, body - _VALUE_HEAD)
-    if session is not None:
-        hashed = session.receiving()
-        hashed.update(head)
-        hashed.update(rest)
-        session.check_received(hashed, _recv_exactly(sock, auth.TAG_BYTES))
+    return _VALUE_HEAD if body >= LARGE_FRAME else 0
+
+
+def value_reply(head: bytes, rest: bytes) -> bytes:
+    """The reply to a GET read as ``head`` (``value_reply_split`` bytes),
+    then ``rest`` (its tag checked, not included): a ValueReply when its
+    value is msgpack bin 32 filling the rest, else the two joined."""
     if (head[0] == wire.REPLY_MAGIC and head[2] == wire.ST_OK
             and head[wire.REPLY_HEADER_SIZE] == _BIN32
             and int.from_bytes(head[wire.REPLY_HEADER_SIZE + 1:], "big") == len(rest)):
@@ -251,6 +249,26 @@ def _recv_value_reply(sock: socket.socket, size: int,
         reply.value = rest
         return reply
     return head + rest
+
+
+def checked(session: auth.Session | None, head: bytes, rest: bytes, tag: bytes) -> None:
+    """Check the tag of a frame received as ``head`` and ``rest``."""
+    if session is not None:
+        hashed = session.receiving()
+        hashed.update(head)
+        hashed.update(rest)
+        session.check_received(hashed, tag)
+
+
+def _recv_value_reply(sock: socket.socket, size: int, session: auth.Session | None) -> bytes:
+    """The rest of a large frame of ``size`` bytes that answers a GET (see
+    ``value_reply``)."""
+    body = size - (auth.TAG_BYTES if session is not None else 0)
+    head = _recv_exactly(sock, _VALUE_HEAD)
+    rest = _recv_exactly(sock, body - _VALUE_HEAD)
+    checked(session, head, rest,
+            _recv_exactly(sock, auth.TAG_BYTES) if session is not None else b"")
+    return value_reply(head, rest)
 
 
 def _send_frame(sock: socket.socket, message: bytes,
@@ -286,7 +304,7 @@ def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES,
     (size,) = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
     if size > limit + auth.TAG_BYTES:
         raise ProtocolError(f"peer sent a {size}-byte frame, over the {limit}-byte limit")
-    if value_reply and size - (auth.TAG_BYTES if session is not None else 0) >= LARGE_FRAME:
+    if value_reply and value_reply_split(size, session):
         return _recv_value_reply(sock, size, session)
     if session is None:
         return _recv_exactly(sock, size)
