@@ -32,6 +32,10 @@
 #define REQUEST_MAGIC 0xD0
 #define VERSION 1
 #define OP_PUT 0x01
+#define OP_PUT_IF_ABSENT 0x0E
+#define OP_DELETE_IF 0x0F
+/* (the keyed ops whose key is followed by a u32 length and its bytes) */
+#define VALUED_OP(op) ((op) == OP_PUT || (op) == OP_PUT_IF_ABSENT || (op) == OP_DELETE_IF)
 #define OP_PUT_MANY 0x05
 #define OP_GET_MANY 0x06
 
@@ -687,9 +691,10 @@ codec_bucket_of(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 PyDoc_STRVAR(keyed_doc,
 "keyed(op, request_id, client_id, dht_id, hasher, shift, key, value, /)\n--\n\n"
-"(message, bucket) of a PUT, GET, DELETE or CONTAINS request for key.\n"
-"value is the packed value of a PUT (its u32 length is added), None or\n"
-"b\"\" otherwise.");
+"(message, bucket) of a PUT, GET, DELETE, CONTAINS, PUT_IF_ABSENT or\n"
+"DELETE_IF request for key.  value is the packed value of a PUT or\n"
+"PUT_IF_ABSENT, or the digest of a DELETE_IF (its u32 length is added),\n"
+"None or b\"\" otherwise.");
 
 static PyObject *
 codec_keyed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -719,7 +724,7 @@ codec_keyed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *message = NULL, *result = NULL;
     Py_ssize_t key_size = 1 + parts.payload_size;
     Py_ssize_t size = REQUEST_HEADER_SIZE + KEYED_SIZE + key_size;
-    if (op == OP_PUT) {
+    if (VALUED_OP(op)) {
         if ((uint64_t)value_size > 0xFFFFFFFFu) {
             PyErr_SetString(PyExc_OverflowError, "a value must be under 4 GiB");
             goto done;
@@ -727,7 +732,8 @@ codec_keyed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         size += 4 + value_size;
     }
     else if (value_size) {
-        PyErr_Format(PyExc_ValueError, "only PUT carries a value, not op 0x%02x", (int)op);
+        PyErr_Format(PyExc_ValueError, "only PUT, PUT_IF_ABSENT and DELETE_IF carry bytes "
+                     "after the key, not op 0x%02x", (int)op);
         goto done;
     }
     message = PyBytes_FromStringAndSize(NULL, size);
@@ -747,7 +753,7 @@ codec_keyed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     put_u32(at + REQUEST_HEADER_SIZE, (uint32_t)dht_id);
     put_u32(at + REQUEST_HEADER_SIZE + 4, bucket);
     put_u16(at + REQUEST_HEADER_SIZE + 8, (uint32_t)key_size);
-    if (op == OP_PUT) {
+    if (VALUED_OP(op)) {
         unsigned char *value_at = key_at + key_size;
         put_u32(value_at, (uint32_t)value_size);
         if (value_size) {

@@ -624,6 +624,21 @@ def messages() -> list[bytes]:
                              numbered=wire.numbering(BUCKETS)),
         wire.encode_get_many(72, CLIENT_A, MAIN, [(1, APPLE), (9, SEVEN)],
                              numbered=wire.numbering(BUCKETS * 4)),
+        # Conditional changes (the Python path only): where the key is and
+        # is not, the digest of the value there and of another, a digest of
+        # the wrong size, on a moving bucket, at a primary and from one.
+        keyed(wire.OP_PUT_IF_ABSENT, 73, CLIENT_A, MAIN, 0, APPLE, b"kept"),
+        keyed(wire.OP_PUT_IF_ABSENT, 74, CLIENT_A, MAIN, 1, encode_key("fresh"), b"new"),
+        keyed(wire.OP_DELETE_IF, 75, CLIENT_A, MAIN, 0, APPLE,
+              wire.value_digest(wire.pack("green"))),
+        keyed(wire.OP_DELETE_IF, 76, CLIENT_A, MAIN, 0, APPLE, wire.value_digest(b"other")),
+        keyed(wire.OP_DELETE_IF, 77, CLIENT_A, MAIN, 1, encode_key("absent"), bytes(16)),
+        keyed(wire.OP_DELETE_IF, 78, CLIENT_A, MAIN, 0, APPLE, bytes(8)),
+        keyed(wire.OP_PUT_IF_ABSENT, 79, CLIENT_A, MOVING, 0, APPLE, b"tracked"),
+        keyed(wire.OP_DELETE_IF, 80, CLIENT_A, MOVING, 1, APPLE, bytes(16)),
+        keyed(wire.OP_PUT_IF_ABSENT, 81, CLIENT_A, REPLICATED, 1, SEVEN, b"primary"),
+        wire.encode_replicate(82, 0x5A, keyed(wire.OP_DELETE_IF, 83, CLIENT_A, REPLICATED, 4,
+                                              APPLE, wire.value_digest(b"b"))),
         wire.request_header(0x7F, 53, CLIENT_A) + b"body",        # an unknown op
     ]
     other_version = bytearray(keyed(get, 54, CLIENT_A, MAIN, 0, APPLE))

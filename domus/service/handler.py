@@ -63,7 +63,7 @@ _CHANGING = wire.CHANGING_OPS
 _APPLIED = (wire.ST_OK, wire.ST_NOT_FOUND)
 # The changes a disk DHT refuses once its service's disk is at its reserve
 # (deletes go on: they are how space comes back).
-_FILLING = frozenset({wire.OP_PUT, wire.OP_PUT_MANY})
+_FILLING = frozenset({wire.OP_PUT, wire.OP_PUT_MANY, wire.OP_PUT_IF_ABSENT})
 # A store that failed to open is tried again after these many seconds,
 # doubling up to the last.
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0)
@@ -73,7 +73,7 @@ CHECKPOINT_BYTES = 256 << 10  # of log between two checkpoints near the reserve
 # Every op whose request names a DHT (its id at byte 16).
 _DHT_OPS = frozenset({wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS,
                       wire.OP_PUT_MANY, wire.OP_GET_MANY, wire.OP_LENGTH, wire.OP_SCAN,
-                      wire.OP_RANGE, wire.OP_LOOKUP})
+                      wire.OP_RANGE, wire.OP_LOOKUP, wire.OP_PUT_IF_ABSENT, wire.OP_DELETE_IF})
 
 # Each reply status by its short name ("ok", "not_found", "not_owner", ...),
 # as stats() and the metrics name them.
@@ -92,7 +92,8 @@ SCAN_TTL = 120.0
 SAMPLE_EVERY = 16
 SAMPLE_RING = 4096
 _SAMPLED_AT = {wire.OP_PUT: 20, wire.OP_GET: 20, wire.OP_DELETE: 20, wire.OP_CONTAINS: 20,
-               wire.OP_PUT_MANY: 22, wire.OP_GET_MANY: 22}
+               wire.OP_PUT_MANY: 22, wire.OP_GET_MANY: 22, wire.OP_PUT_IF_ABSENT: 20,
+               wire.OP_DELETE_IF: 20}
 
 
 class RequestFailed(Exception):
@@ -246,6 +247,8 @@ class RequestHandler:
             wire.OP_RANGE: self._range,
             wire.OP_LOOKUP: self._lookup,
             wire.OP_REPLICATE: self._replicate_in,
+            wire.OP_PUT_IF_ABSENT: self._put_if_absent,
+            wire.OP_DELETE_IF: self._delete_if,
         }
         # What the C path serves from: the repositories of active DHTs only.
         self.fast_table: dict[int, tuple[dict[int, Repository], int]] = {}
@@ -714,13 +717,16 @@ class RequestHandler:
             dht_id, bucket, key, rest = wire.decode_keyed(data)
             if len(key) > wire.MAX_KEY_BYTES:
                 raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
-            if op == wire.OP_PUT:
+            if op in wire.VALUED_OPS:
                 # (wire.put_value's checks, without copying the value again)
                 if (len(rest) < wire.U32.size
                         or wire.U32.unpack_from(rest)[0] != len(rest) - wire.U32.size):
                     raise ProtocolError("a put's value length does not match its value")
                 if len(rest) - wire.U32.size > wire.MAX_VALUE_BYTES:
                     raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
+                if (op == wire.OP_DELETE_IF
+                        and len(rest) - wire.U32.size != wire.DIGEST_BYTES):
+                    raise ProtocolError("a delete_if's digest is not 16 bytes")
             elif rest:
                 raise ProtocolError("bytes after the key")
             buckets = [self._local(hosted, data[3], bucket, key)]
@@ -740,7 +746,8 @@ class RequestHandler:
         inner = data[wire.REQUEST_HEADER_SIZE:]
         if (len(inner) < 20 or inner[0] != wire.REQUEST_MAGIC or inner[1] != wire.VERSION
                 or inner[2] not in _CHANGING):
-            raise ProtocolError("replicate must carry a put, delete or put_many request")
+            raise ProtocolError("replicate must carry a change: a put, delete, put_many, "
+                                "put_if_absent or delete_if request")
         hosted = self._hosted(wire.U32.unpack_from(inner, 16)[0])
         answer = self.backup_fast.handle(inner, limit) if self.backup_fast is not None else None
         if answer is None:
@@ -931,15 +938,27 @@ class RequestHandler:
         key = data[_KEYED_END:key_end]
         return self._repo(dht_id, bucket, data[3], key), key, data[key_end:]
 
-    def _put(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+    def _keyed_change(self, data: bytes) -> tuple[Repository, bytes, bytes]:
+        """``_keyed`` of a change: a REPLICATE's for a bucket not backed up
+        here is refused."""
         repo, key, rest = self._keyed(data)
         if repo is None:
             raise RequestFailed(wire.ST_NOT_OWNER, f"service {self.service_name} has no "
                                 f"backup of that bucket", wire.service_ref("", ""))
+        return repo, key, rest
+
+    @staticmethod
+    def _value(rest: bytes) -> bytes:
+        """The value of a PUT or PUT_IF_ABSENT, within the limit."""
         value = wire.put_value(rest)
         if len(value) > wire.MAX_VALUE_BYTES:
             raise RequestFailed(wire.ST_TOO_LARGE, f"value of {len(value)} bytes is over "
                                 f"the {wire.MAX_VALUE_BYTES}-byte limit")
+        return value
+
+    def _put(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        repo, key, rest = self._keyed_change(data)
+        value = self._value(rest)
         return _OK + request_id + (_CREATED if repo.put(key, value) else _REPLACED)
 
     def _get(self, data: bytes, request_id: bytes, limit: int) -> bytes:
@@ -956,13 +975,38 @@ class RequestHandler:
         return _OK + request_id + value
 
     def _delete(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
-        repo, key, rest = self._keyed(data)
-        if repo is None:
-            raise RequestFailed(wire.ST_NOT_OWNER, f"service {self.service_name} has no "
-                                f"backup of that bucket", wire.service_ref("", ""))
+        repo, key, rest = self._keyed_change(data)
         if rest:
             raise ProtocolError("delete carries bytes after its key")
         return (_OK if repo.delete(key) else _NOT_FOUND) + request_id
+
+    def _put_if_absent(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        """PUT_IF_ABSENT: the value stored only if the key is not there
+        (``u8 stored``: 1 if it was absent and is now stored, 0 if it was
+        there and was left as it was); as PUT otherwise."""
+        repo, key, rest = self._keyed_change(data)
+        value = self._value(rest)
+        if repo.contains(key):
+            return _OK + request_id + _REPLACED
+        repo.put(key, value)
+        return _OK + request_id + _CREATED
+
+    def _delete_if(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
+        """DELETE_IF: the key deleted only if its value is the one whose
+        digest (wire.value_digest) the request carries (``u8 deleted``: 1
+        if it was deleted, 0 if its value is another and was left);
+        NOT_FOUND if it is not there."""
+        repo, key, rest = self._keyed_change(data)
+        digest = wire.put_value(rest)
+        if len(digest) != wire.DIGEST_BYTES:
+            raise ProtocolError(f"a digest is {wire.DIGEST_BYTES} bytes, not {len(digest)}")
+        value = repo.get(key)
+        if value is None:
+            return _NOT_FOUND + request_id
+        if wire.value_digest(value) != digest:
+            return _OK + request_id + _REPLACED
+        repo.delete(key)
+        return _OK + request_id + _CREATED
 
     def _contains(self, data: bytes, request_id: bytes, _limit: int) -> bytes:
         repo, key, rest = self._keyed(data)

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import msgpack
+import xxhash
 
 from domus.errors import ProtocolError
 
@@ -49,17 +50,26 @@ OP_STATS = 0x0A
 OP_RANGE = 0x0B
 OP_LOOKUP = 0x0C
 OP_REPLICATE = 0x0D
+OP_PUT_IF_ABSENT = 0x0E
+OP_DELETE_IF = 0x0F
 OP_CONTROL = 0x20
 
 OP_NAMES = {
     OP_PUT: "put", OP_GET: "get", OP_DELETE: "delete", OP_CONTAINS: "contains",
     OP_PUT_MANY: "put_many", OP_GET_MANY: "get_many", OP_LENGTH: "length",
     OP_SCAN: "scan", OP_PING: "ping", OP_STATS: "stats", OP_RANGE: "range",
-    OP_LOOKUP: "lookup", OP_REPLICATE: "replicate", OP_CONTROL: "control",
+    OP_LOOKUP: "lookup", OP_REPLICATE: "replicate", OP_PUT_IF_ABSENT: "put_if_absent",
+    OP_DELETE_IF: "delete_if", OP_CONTROL: "control",
 }
 # Operations that change stored data: a service answers a retry of one of
 # these from its reply cache instead of applying it again.
-CHANGING_OPS = frozenset({OP_PUT, OP_DELETE, OP_PUT_MANY})
+CHANGING_OPS = frozenset({OP_PUT, OP_DELETE, OP_PUT_MANY, OP_PUT_IF_ABSENT, OP_DELETE_IF})
+# The keyed requests whose key is followed by a u32 length and that many
+# bytes: a PUT's and a PUT_IF_ABSENT's value, a DELETE_IF's digest.
+VALUED_OPS = frozenset({OP_PUT, OP_PUT_IF_ABSENT, OP_DELETE_IF})
+# DELETE_IF deletes a key only while its stored value's digest is the one
+# it carries: XXH3-128 of the value's bytes as stored, big-endian.
+DIGEST_BYTES = 16
 
 # Reply statuses.
 ST_OK = 0x00
@@ -228,16 +238,27 @@ def request_header(op: int, request_id: int, client_id: int, numbered: int = 0) 
 
 def encode_keyed(op: int, request_id: int, client_id: int, dht_id: int,
                  bucket: int, key: bytes, value: bytes = b"", numbered: int = 0) -> bytes:
-    """PUT (its value goes after the key, preceded by its u32 length), GET,
-    DELETE or CONTAINS (no value)."""
+    """PUT, PUT_IF_ABSENT, DELETE_IF (``value``, a value or a digest, goes
+    after the key, preceded by its u32 length), GET, DELETE or CONTAINS (no
+    value)."""
     message = (REQUEST_HEADER.pack(REQUEST_MAGIC, VERSION, op, numbered, request_id,
                                    client_id)
                + KEYED.pack(dht_id, bucket, len(key)) + key)
-    if op == OP_PUT:
+    if op in VALUED_OPS:
         return message + U32.pack(len(value)) + value
     if value:
-        raise ValueError(f"only PUT carries a value, not op 0x{op:02x}")
+        raise ValueError(f"only PUT, PUT_IF_ABSENT and DELETE_IF carry bytes after the "
+                         f"key, not op 0x{op:02x}")
     return message
+
+
+def value_digest(stored: bytes | Sequence[bytes]) -> bytes:
+    """What DELETE_IF carries for a value stored as ``stored`` (its bytes,
+    or their pieces in order): XXH3-128 of them, big-endian."""
+    hasher = xxhash.xxh3_128()
+    for piece in (stored,) if isinstance(stored, (bytes, bytearray, memoryview)) else stored:
+        hasher.update(piece)
+    return hasher.digest()
 
 
 def encode_put_many(request_id: int, client_id: int, dht_id: int,
@@ -369,7 +390,8 @@ def decode_put(data: bytes) -> tuple[int, int, bytes, bytes]:
 
 
 def put_value(rest: bytes) -> bytes:
-    """The value of a PUT from the bytes after its key."""
+    """The value of a PUT (or PUT_IF_ABSENT), or the digest of a DELETE_IF,
+    from the bytes after its key."""
     if len(rest) < U32.size:
         raise ProtocolError("put truncated before its value length")
     (length,) = U32.unpack_from(rest)

@@ -299,7 +299,8 @@ def test_a_hash_callable_that_misbehaves_raises():
 
 # ------------------------------------------------------------ keyed requests
 
-keyed_ops = st.sampled_from([wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS])
+keyed_ops = st.sampled_from([wire.OP_PUT, wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS,
+                             wire.OP_PUT_IF_ABSENT, wire.OP_DELETE_IF])
 u32 = st.integers(min_value=0, max_value=0xFFFFFFFF)
 u64 = st.integers(min_value=0, max_value=(1 << 64) - 1)
 
@@ -320,14 +321,16 @@ def test_keyed_messages_are_byte_identical(op, request_id, client_id, dht_id, ha
         parsed_dht, parsed_bucket, encoded, rest = wire.decode_keyed(message)
         assert (parsed_dht, parsed_bucket) == (dht_id, bucket)
         assert encoded == keys.encode_key(key)
-        if op == wire.OP_PUT:
+        if op in wire.VALUED_OPS:
             assert wire.put_value(rest) == (value or b"")
 
 
-def test_keyed_refuses_a_value_for_anything_but_put():
+def test_keyed_refuses_bytes_after_the_key_for_anything_but_a_valued_op():
     for implementation, hasher in ((C, C.HASH_XXH3), (P, P.hasher("xxh3"))):
-        with pytest.raises(ValueError, match="only PUT carries a value, not op 0x02"):
-            implementation.keyed(wire.OP_GET, 1, 2, 3, hasher, 60, "k", b"v")
+        for op in (wire.OP_GET, wire.OP_DELETE, wire.OP_CONTAINS):
+            with pytest.raises(ValueError, match=f"only PUT, PUT_IF_ABSENT and DELETE_IF carry "
+                                                 f"bytes after the key, not op 0x{op:02x}"):
+                implementation.keyed(op, 1, 2, 3, hasher, 60, "k", b"v")
 
 
 def test_keyed_checks_its_integer_arguments():

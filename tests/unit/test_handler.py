@@ -207,6 +207,77 @@ def test_a_late_retry_of_an_applied_delete_does_not_delete_a_later_write():
     assert get(handler, key) == (wire.ST_OK, b"v2")
 
 
+# ------------------------------------------------------------ conditional changes
+
+def test_put_if_absent_stores_only_where_the_key_is_not():
+    handler = make_handler()
+    key = key_in(1)
+    assert call(handler, keyed(wire.OP_PUT_IF_ABSENT, key, b"first")) == (wire.ST_OK, b"\x01")
+    assert call(handler, keyed(wire.OP_PUT_IF_ABSENT, key, b"second")) == (wire.ST_OK, b"\x00")
+    assert get(handler, key) == (wire.ST_OK, b"first")
+    assert call(handler, keyed(wire.OP_DELETE, key)) == (wire.ST_OK, b"")
+    assert call(handler, keyed(wire.OP_PUT_IF_ABSENT, key, b"third")) == (wire.ST_OK, b"\x01")
+    assert get(handler, key) == (wire.ST_OK, b"third")
+
+
+def test_delete_if_deletes_only_the_value_it_names():
+    handler = make_handler()
+    key = key_in(2)
+    put(handler, key, b"v1")
+    stale = keyed(wire.OP_DELETE_IF, key, wire.value_digest(b"v0"))
+    assert call(handler, stale) == (wire.ST_OK, b"\x00")
+    assert get(handler, key) == (wire.ST_OK, b"v1")
+    assert call(handler, keyed(wire.OP_DELETE_IF, key, wire.value_digest(b"v1"))) \
+        == (wire.ST_OK, b"\x01")
+    assert get(handler, key)[0] == wire.ST_NOT_FOUND
+    assert call(handler, keyed(wire.OP_DELETE_IF, key, wire.value_digest(b"v1")))[0] \
+        == wire.ST_NOT_FOUND
+
+
+def test_a_late_retry_of_a_conditional_change_is_answered_as_it_was_and_changes_nothing():
+    # (The reply cache keeps their replies as any change's: a retry of a
+    # delete_if that deleted does not delete the value written since.)
+    handler = make_handler()
+    key = key_in(3)
+    put(handler, key, b"v1", client=CLIENT_B)
+    delete_if = keyed(wire.OP_DELETE_IF, key, wire.value_digest(b"v1"))
+    assert call(handler, delete_if) == (wire.ST_OK, b"\x01")
+    put(handler, key, b"v1", client=CLIENT_B)           # (the same value again)
+    assert call(handler, delete_if) == (wire.ST_OK, b"\x01")
+    assert get(handler, key) == (wire.ST_OK, b"v1")
+    put_if_absent = keyed(wire.OP_PUT_IF_ABSENT, key_in(0), b"mine")
+    assert call(handler, put_if_absent) == (wire.ST_OK, b"\x01")
+    put(handler, key_in(0), b"theirs", client=CLIENT_B)
+    assert call(handler, put_if_absent) == (wire.ST_OK, b"\x01")
+    assert get(handler, key_in(0)) == (wire.ST_OK, b"theirs")
+    assert handler.counters["replayed"] == 2
+
+
+@pytest.mark.parametrize("rest", [b"", b"\x00\x00\x00\x08" + bytes(8),
+                                  b"\x00\x00\x00\x10" + bytes(15),
+                                  b"\x00\x00\x00\x10" + bytes(17)],
+                         ids=["nothing", "short digest", "cut", "padded"])
+def test_a_malformed_delete_if_deletes_nothing(rest):
+    handler = make_handler()
+    key = key_in(1)
+    put(handler, key, b"v")
+    request = wire.encode_keyed(wire.OP_DELETE, next_id(), CLIENT_A, DHT_ID,
+                                bucket_of(key, "xxh3", BUCKETS), key) + rest
+    request = request[:2] + bytes((wire.OP_DELETE_IF,)) + request[3:]
+    status, message = call(handler, request)
+    assert status == wire.ST_MALFORMED and b"delete_if" in message
+    assert get(handler, key) == (wire.ST_OK, b"v")
+
+
+def test_conditional_changes_of_buckets_not_stored_here_are_redirected():
+    handler = make_handler()
+    key = key_in(NOT_HELD[0])
+    for request in (keyed(wire.OP_PUT_IF_ABSENT, key, b"v"),
+                    keyed(wire.OP_DELETE_IF, key, wire.value_digest(b"v"))):
+        assert call(handler, request)[0] == wire.ST_NOT_OWNER
+    assert all_records(handler) == {}
+
+
 def test_a_late_retry_of_an_applied_put_many_is_not_applied_again():
     handler = make_handler()
     first, second = key_in(0), key_in(2)
@@ -407,7 +478,7 @@ def test_a_bad_version_is_answered_with_bad_version():
     assert handler.counters["malformed"] == 1
 
 
-@pytest.mark.parametrize("op", [0x00, 0x0E, wire.OP_CONTROL, 0xFF])
+@pytest.mark.parametrize("op", [0x00, 0x1E, wire.OP_CONTROL, 0xFF])
 def test_an_unknown_op_is_answered_with_unknown_op(op):
     handler = make_handler()
     status, message = call(handler, wire.request_header(op, next_id(), CLIENT_A) + b"xx")
