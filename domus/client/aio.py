@@ -1027,10 +1027,17 @@ class AioDht(EventedDht[AioChannel]):
 
     async def pop(self, key: Any, default: Any = MISSING) -> Any:
         """Remove ``key`` and return its value; ``default`` if it is not
-        there (KeyError without one).  Read, then deleted: if another client
-        deletes the key in between, ``default`` comes back (or KeyError), so
-        of two clients popping one key, one gets its value."""
+        there (KeyError without one).  Read, then deleted on the service
+        only if it is still the value read (else read again): of clients
+        popping one key at once exactly one gets its value, and a value
+        written in between is never deleted unseen."""
         return await self._pop(key, default)
+
+    async def setdefault(self, key: Any, default: Any = None) -> Any:
+        """The value of ``key``; if it is not there, ``default``, stored
+        under it in one step on the service: of clients setting a default
+        for one key at once, one stores its own and the others get it."""
+        return await self._setdefault(key, default)
 
     # -- batches
     async def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:

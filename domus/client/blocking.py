@@ -51,6 +51,7 @@ from domus.client.transport import (
     ValueReply,
     exchange,
     fork_aware,
+    stored_digest,
 )
 from domus.errors import (
     DomusError,
@@ -79,6 +80,8 @@ _PUT = wire.OP_PUT
 _GET = wire.OP_GET
 _DELETE = wire.OP_DELETE
 _CONTAINS = wire.OP_CONTAINS
+_PUT_IF_ABSENT = wire.OP_PUT_IF_ABSENT
+_DELETE_IF = wire.OP_DELETE_IF
 _OK = wire.ST_OK
 _NOT_FOUND = wire.ST_NOT_FOUND
 _NOT_OWNER = wire.ST_NOT_OWNER
@@ -577,8 +580,10 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 return False
             time.sleep(FAILOVER_POLL)
 
-    def put(self, key: Any, value: Any) -> bool:
-        """Store ``value`` under ``key``; True if the key was new."""
+    def _packed(self, value: Any) -> Any:
+        """``value`` packed by this DHT's codec (a large bytes value with
+        msgpack: its header and itself, joined into the message once);
+        ValueTooLarge past the limit."""
         packed: Any
         if type(value) is bytes and len(value) >= _LARGE_VALUE and self._values.name == "msgpack":
             packed = (msgpack_bin_header(len(value)), value)
@@ -589,9 +594,27 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         if size > _MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value is {size} bytes encoded, over the "
                                 f"{_MAX_VALUE_BYTES}-byte limit; split it")
-        return self._request(_PUT, key, packed)[-1:] == b"\x01"
+        return packed
+
+    def put(self, key: Any, value: Any) -> bool:
+        """Store ``value`` under ``key``; True if the key was new."""
+        return self._request(_PUT, key, self._packed(value))[-1:] == b"\x01"
 
     __setitem__ = put  # type: ignore[assignment]
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        """The value of ``key``; if it is not there, ``default``, stored
+        under it.  One step on the service (PUT_IF_ABSENT): of clients
+        setting a default for the same key at once, one stores its own and
+        every other gets that one, never overwrites it."""
+        packed = self._packed(default)
+        while True:
+            if self._request(_PUT_IF_ABSENT, key, packed)[-1:] == b"\x01":
+                return default
+            reply = self._request(_GET, key)
+            if reply[2] != _NOT_FOUND:
+                return self._value_of(key, reply, _HEADER)
+            # (deleted since: set it again)
 
     def __getitem__(self, key: Any) -> Any:
         reply = self._request(_GET, key)
@@ -615,21 +638,25 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
 
     def pop(self, key: Any, default: Any = MISSING) -> Any:
         """Remove ``key`` and return its value; ``default`` if it is not
-        there (KeyError without one).  The value is read, then the key
-        deleted: if another client deletes it in between, it was not there
-        when this one deleted it, and ``default`` is what comes back (the
-        MutableMapping mixin's pop raised KeyError then, default or not)."""
-        try:
-            value = self[key]
-        except KeyError:
-            if default is MISSING:
-                raise
-            return default
-        if not self.delete(key):
-            if default is MISSING:
-                raise KeyError(key)
-            return default
-        return value
+        there (KeyError without one).  The value is read, then deleted on
+        the service only if it is still the value read (DELETE_IF): a value
+        another client writes in between is read in its turn, never deleted
+        unseen, and of clients popping one key at once exactly one gets its
+        value (the others ``default``, or KeyError)."""
+        while True:
+            reply = self._request(_GET, key)
+            if reply[2] == _NOT_FOUND:
+                break
+            value = self._value_of(key, reply, _HEADER)
+            answer = self._request(_DELETE_IF, key, stored_digest(reply))
+            if answer[2] == _NOT_FOUND:
+                break
+            if answer[-1:] == b"\x01":
+                return value
+            # (another value since: read it)
+        if default is MISSING:
+            raise KeyError(key)
+        return default
 
     def __contains__(self, key: object) -> bool:
         return self._request(_CONTAINS, key)[2] == _OK

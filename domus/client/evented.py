@@ -47,6 +47,7 @@ from domus.client.transport import (
     busy_backoff,
     service_busy,
     service_unavailable,
+    stored_digest,
 )
 from domus.errors import (
     DomusError,
@@ -279,13 +280,28 @@ class EventedDht(DirectLookup[Channel]):
             mark = self._fetches
             await self._sleep(0.1)
 
-    async def _put(self, key: Any, value: Any) -> bool:
+    def _packed(self, value: Any) -> bytes:
         packed = self._values.pack(value)
         if len(packed) > wire.MAX_VALUE_BYTES:
             raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
                                 f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
-        reply = await self._request(wire.OP_PUT, key, packed)
+        return packed
+
+    async def _put(self, key: Any, value: Any) -> bool:
+        reply = await self._request(wire.OP_PUT, key, self._packed(value))
         return reply[-1:] == b"\x01"
+
+    async def _setdefault(self, key: Any, default: Any) -> Any:
+        """The blocking client's ``setdefault``: PUT_IF_ABSENT, then (if the
+        key was there) its value; again if it was deleted in between."""
+        packed = self._packed(default)
+        while True:
+            reply = await self._request(wire.OP_PUT_IF_ABSENT, key, packed)
+            if reply[-1:] == b"\x01":
+                return default
+            reply = await self._request(wire.OP_GET, key)
+            if reply[2] != wire.ST_NOT_FOUND:
+                return self._decoded(key, reply)
 
     async def _get(self, key: Any, default: Any, *, raise_missing: bool) -> Any:
         reply = await self._request(wire.OP_GET, key)
@@ -293,6 +309,10 @@ class EventedDht(DirectLookup[Channel]):
             if raise_missing:
                 raise KeyError(key)
             return default
+        return self._decoded(key, reply)
+
+    def _decoded(self, key: Any, reply: bytes) -> Any:
+        """The value an OK reply to a GET of ``key`` carries."""
         if type(reply) is ValueReply:   # (a large reply read with its value apart)
             if self._values.name == "msgpack":
                 return reply.value
@@ -307,21 +327,23 @@ class EventedDht(DirectLookup[Channel]):
         return reply[2] == wire.ST_OK
 
     async def _pop(self, key: Any, default: Any) -> Any:
-        """The blocking client's ``pop``: the value is read, then the key
-        deleted; if another client deletes it in between, it was not there
-        when this one deleted it, and ``default`` comes back (KeyError
-        without one, ``MISSING``)."""
-        try:
-            value = await self._get(key, None, raise_missing=True)
-        except KeyError:
-            if default is MISSING:
-                raise
-            return default
-        if not await self._answer(wire.OP_DELETE, key):
-            if default is MISSING:
-                raise KeyError(key)
-            return default
-        return value
+        """The blocking client's ``pop``: the value is read, then deleted
+        only if it is still the value read (DELETE_IF), else read again;
+        ``default`` (KeyError without one, ``MISSING``) once it is not
+        there."""
+        while True:
+            reply = await self._request(wire.OP_GET, key)
+            if reply[2] == wire.ST_NOT_FOUND:
+                break
+            value = self._decoded(key, reply)
+            answer = await self._request(wire.OP_DELETE_IF, key, stored_digest(reply))
+            if answer[2] == wire.ST_NOT_FOUND:
+                break
+            if answer[-1:] == b"\x01":
+                return value
+        if default is MISSING:
+            raise KeyError(key)
+        return default
 
     # ------------------------------------------------------------ batches
     def _exchange(self, requests: list[tuple[Channel, bytes]]) -> Awaitable[list[bytes]]:

@@ -225,6 +225,14 @@ class ValueReply(bytes):
         return bytes(self) + self.value
 
 
+def stored_digest(reply: bytes) -> bytes:
+    """The digest (wire.value_digest) of the value an OK reply to a GET
+    carries, as the service stores it: what DELETE_IF names it by."""
+    if type(reply) is ValueReply:
+        return wire.value_digest((memoryview(reply)[wire.REPLY_HEADER_SIZE:], reply.value))
+    return wire.value_digest(memoryview(reply)[wire.REPLY_HEADER_SIZE:])
+
+
 def reply_size(reply: bytes) -> int:
     """The length of a reply as it came (a ValueReply's, both parts)."""
     return reply.size if type(reply) is ValueReply else len(reply)

@@ -831,11 +831,18 @@ class TxDht(EventedDht[TxChannel]):
 
     def pop(self, key: Any, default: Any = MISSING) -> defer.Deferred:
         """Remove ``key``; fires with its value, or ``default`` if it is not
-        there (fails with KeyError without one).  Read, then deleted: if
-        another client deletes the key in between, ``default`` comes back
-        (or KeyError), so of two clients popping one key, one gets its
-        value."""
+        there (fails with KeyError without one).  Read, then deleted on the
+        service only if it is still the value read (else read again): of
+        clients popping one key at once exactly one gets its value, and a
+        value written in between is never deleted unseen."""
         return defer.Deferred.fromCoroutine(self._pop(key, default))
+
+    def setdefault(self, key: Any, default: Any = None) -> defer.Deferred:
+        """Fires with the value of ``key``; if it is not there, with
+        ``default``, stored under it in one step on the service: of clients
+        setting a default for one key at once, one stores its own and the
+        others get it."""
+        return defer.Deferred.fromCoroutine(self._setdefault(key, default))
 
     # ------------------------------------------------------------ batches
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> defer.Deferred:

@@ -109,6 +109,12 @@ class SyncAioDht(MutableMapping):
     def __contains__(self, key: object) -> bool:
         return self.bridge.run(self.aio.contains(key))
 
+    def pop(self, key: Any, *default: Any) -> Any:
+        return self.bridge.run(self.aio.pop(key, *default))
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        return self.bridge.run(self.aio.setdefault(key, default))
+
     def __len__(self) -> int:
         return self.bridge.run(self.aio.length())
 

@@ -229,8 +229,9 @@ def forwarded(cluster: domus.Cluster) -> dict[str, int]:
 @pytest.mark.timeout(180)
 def test_single_changes_and_batches_reach_the_backups_in_the_primarys_order(tmp_path):
     """Puts and deletes of single keys (which the C path sends to the
-    backups) race with put_many batches (which the Python path sends) on
-    the same few keys, from four clients.  The backups apply each bucket's
+    backups) race with put_many batches, pops and setdefaults (which the
+    Python path sends: DELETE_IF and PUT_IF_ABSENT) on the same few keys,
+    from five clients.  The backups apply each bucket's
     changes in the order its primary does, whichever path sent them: once
     a primary is killed, its promoted backup holds exactly what it held."""
     deployment = start_deployment(tmp_path, services=2)
@@ -240,7 +241,7 @@ def test_single_changes_and_batches_reach_the_backups_in_the_primarys_order(tmp_
             keys = [f"k{number}" for number in range(40)]
             stop = threading.Event()
             errors: list[BaseException] = []
-            done = [0, 0, 0, 0]
+            done = [0, 0, 0, 0, 0]
 
             def change(seed: int, batches: bool) -> None:
                 with domus.connect(deployment.supervisor_address,
@@ -249,7 +250,12 @@ def test_single_changes_and_batches_reach_the_backups_in_the_primarys_order(tmp_
                     pick = random.Random(seed)
                     while not stop.is_set():
                         try:
-                            if batches:
+                            if seed == 4:       # (conditional changes: the Python path)
+                                if pick.random() < 0.5:
+                                    dht.setdefault(pick.choice(keys), [seed, done[seed]])
+                                else:
+                                    dht.pop(pick.choice(keys), None)
+                            elif batches:
                                 dht.put_many({pick.choice(keys): [seed, done[seed], n]
                                               for n in range(6)})
                             elif pick.random() < 0.25:
@@ -261,8 +267,8 @@ def test_single_changes_and_batches_reach_the_backups_in_the_primarys_order(tmp_
                             errors.append(exc)
                         done[seed] += 1
 
-            threads = [threading.Thread(target=change, args=(seed, seed >= 2))
-                       for seed in range(4)]
+            threads = [threading.Thread(target=change, args=(seed, seed in (2, 3)))
+                       for seed in range(5)]
             for thread in threads:
                 thread.start()
             try:

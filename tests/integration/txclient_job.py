@@ -137,6 +137,14 @@ async def job(reactor: Any, supervisor: str) -> dict[str, Any]:
     check("concurrent pops: one value", sorted(pops, key=repr) == sorted(
         [model.pop(popped), "gone", "gone"], key=repr), pops)
     await check.fails_with("pop of an absent key", dht.pop(popped), KeyError)
+    # setdefault: of three concurrent setdefaults of one key, one stores its
+    # default, and all three get that one
+    claims = await defer.gatherResults([dht.setdefault("claimed", f"mine-{n}")
+                                        for n in range(3)])
+    check("concurrent setdefaults: one value", len(set(claims)) == 1
+          and claims[0] in {"mine-0", "mine-1", "mine-2"}, claims)
+    check("setdefault keeps what is there", await dht.setdefault("claimed", "late") == claims[0])
+    model["claimed"] = claims[0]
 
     # -- batches
     batch = {f"many-{n}": [n] * (n % 4) for n in range(500)}

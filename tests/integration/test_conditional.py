@@ -1,0 +1,147 @@
+"""pop and setdefault against other clients: each is one conditional step
+on the service (DELETE_IF, PUT_IF_ABSENT), so neither loses a value another
+client wrote at the same time (docs/protocol.md, *Conditional changes*)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+
+import domus
+from domus.wire import protocol as wire
+
+from .support import CLIENT_TIMEOUT
+
+
+def test_pop_never_deletes_a_value_written_after_it_read(any_cluster, shared_deployment):
+    # Another client writes between the pop's read and its delete: the
+    # value read is not the one there any more, so it is not deleted; the
+    # pop reads again and takes (returns and deletes) the new one.  Read,
+    # then delete, returned "first" and deleted "second" unseen.
+    any_cluster.create_dht("pop-race")
+    dht = any_cluster.open_dht("pop-race")
+    dht["job"] = "first"
+    inner = dht.aio if hasattr(dht, "aio") else dht
+    original = inner._request
+    written = []
+
+    def meddled(op, key, value=None):
+        if op in (wire.OP_DELETE, wire.OP_DELETE_IF) and not written:
+            with domus.connect(shared_deployment.supervisor_address,
+                               timeout=CLIENT_TIMEOUT) as other:
+                other.open_dht("pop-race")["job"] = "second"
+            written.append(True)
+        return original(op, key, value)
+
+    inner._request = meddled
+    try:
+        assert dht.pop("job") == "second"
+    finally:
+        inner._request = original
+    assert written and "job" not in dht
+    assert dht.pop("job", "gone") == "gone"
+    with pytest.raises(KeyError):
+        dht.pop("job")
+
+
+def test_setdefault_stores_a_default_once_and_keeps_what_is_there(any_cluster):
+    any_cluster.create_dht("setdefault")
+    dht = any_cluster.open_dht("setdefault")
+    default = {"a": [1, 2]}
+    assert dht.setdefault("k", default) == default
+    assert dht.setdefault("k", "other") == default
+    assert dht["k"] == default
+    dht["k"] = "changed"
+    assert dht.setdefault("k", "other") == "changed"
+    del dht["k"]
+    assert dht.setdefault("k") is None and "k" in dht and dht["k"] is None
+    big = bytes(range(256)) * 1000          # (over a datagram: PUT_IF_ABSENT over TCP)
+    assert dht.setdefault("big", big) == big
+    assert dht.setdefault("big", b"small") == big
+    assert dht.pop("big") == big and "big" not in dht
+
+
+def test_clients_racing_for_one_key_all_get_the_one_default_stored(shared_cluster,
+                                                                    shared_deployment):
+    shared_cluster.create_dht("claims", buckets=4)
+    address = shared_deployment.supervisor_address
+    claims = [f"claim-{number}" for number in range(30)]
+    got: dict[int, list] = {}
+    start = threading.Barrier(4)
+
+    def claimer(index: int) -> None:
+        with domus.connect(address, timeout=CLIENT_TIMEOUT) as own:
+            dht = own.open_dht("claims")
+            start.wait()
+            got[index] = [dht.setdefault(claim, f"worker-{index}") for claim in claims]
+
+    threads = [threading.Thread(target=claimer, args=(index,)) for index in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    stored = shared_cluster.open_dht("claims").get_many(claims)
+    for position, claim in enumerate(claims):
+        assert {got[index][position] for index in range(4)} == {stored[claim]}, claim
+
+
+def test_every_item_produced_is_popped_exactly_once_or_left(shared_cluster, shared_deployment):
+    # Producers put items on a few slots with setdefault (an item is
+    # produced only if its slot was free); consumers pop the slots.  Every
+    # item produced is popped by exactly one consumer or still in its slot
+    # at the end: none is deleted unseen, none handed out twice.
+    shared_cluster.create_dht("slots", buckets=4)
+    address = shared_deployment.supervisor_address
+    slots = [f"slot-{number}" for number in range(3)]
+    produced: list[list[str]] = [[], []]
+    popped: list[list[str]] = [[], []]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def producer(index: int) -> None:
+        serial = itertools.count()
+        with domus.connect(address, timeout=CLIENT_TIMEOUT) as own:
+            dht = own.open_dht("slots")
+            while not stop.is_set():
+                try:
+                    for slot in slots:
+                        item = f"p{index}-{next(serial)}"
+                        if dht.setdefault(slot, item) == item:
+                            produced[index].append(item)
+                except Exception as exc:  # none is allowed
+                    errors.append(exc)
+                    return
+
+    def consumer(index: int) -> None:
+        with domus.connect(address, timeout=CLIENT_TIMEOUT) as own:
+            dht = own.open_dht("slots")
+            while not stop.is_set() or any(slot in dht for slot in slots):
+                try:
+                    for slot in slots:
+                        item = dht.pop(slot, None)
+                        if item is not None:
+                            popped[index].append(item)
+                except Exception as exc:  # none is allowed
+                    errors.append(exc)
+                    return
+
+    threads = [threading.Thread(target=producer, args=(index,)) for index in range(2)]
+    threads += [threading.Thread(target=consumer, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        deadline = threading.Event()
+        deadline.wait(0.2)
+        while sum(map(len, popped)) < 600 and not errors:
+            deadline.wait(0.05)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert [repr(exc) for exc in errors] == []
+    made = [item for items in produced for item in items]
+    taken = [item for items in popped for item in items]
+    assert len(taken) == len(set(taken)), "an item was handed to two consumers"
+    assert sorted(taken) == sorted(made), "an item produced was lost or one appeared"
