@@ -91,6 +91,7 @@ _keyed = codec.keyed_message
 # A bytes value at least this long is put as (msgpack header, value), joined
 # into the message, not packed first (domus.client.codec.keyed_message).
 _LARGE_VALUE = 64 * 1024
+_GONE = object()        # (popitem: a key another client popped meanwhile)
 _pack_value = codec.pack_value
 _unpack_value = codec.unpack_value
 _value_of = codec.value_of
@@ -864,6 +865,19 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         keys = list(self)
         for key in keys:
             self.delete(key)
+
+    def popitem(self) -> tuple[Any, Any]:
+        """Remove some record and return it as (key, value); KeyError if
+        the DHT is empty.  The first key a scan finds is popped (``pop``:
+        its value goes to this client only); a key another client popped
+        meanwhile is passed over for the next.  (The MutableMapping
+        mixin's scanned the whole DHT for its first key, and of two clients
+        popping at once, both could return the same record.)"""
+        for key in self:
+            value = self.pop(key, _GONE)
+            if value is not _GONE:
+                return key, value
+        raise KeyError(f"popitem(): DHT {self.name!r} is empty")
 
     # ------------------------------------------------------------ key ranges
     def irange(self, lo: Any = None, hi: Any = None, *,

@@ -148,3 +148,31 @@ def test_every_item_produced_is_popped_exactly_once_or_left(shared_cluster, shar
     assert len(taken) == len(set(taken)), "an item was handed to two consumers"
     assert not set(taken) & set(left), "an item was popped and is still there"
     assert sorted(taken + left) == sorted(made), "an item produced was lost or one appeared"
+
+
+def test_popitem_hands_each_record_to_one_client(shared_cluster, shared_deployment):
+    shared_cluster.create_dht("items", buckets=4)
+    dht = shared_cluster.open_dht("items")
+    with pytest.raises(KeyError, match="empty"):
+        dht.popitem()
+    dht.put_many({number: f"v{number}" for number in range(200)})
+    address = shared_deployment.supervisor_address
+    got: list[list[tuple]] = [[], [], []]
+
+    def popper(index: int) -> None:
+        with domus.connect(address, timeout=CLIENT_TIMEOUT) as own:
+            mine = own.open_dht("items")
+            while True:
+                try:
+                    got[index].append(mine.popitem())
+                except KeyError:
+                    return
+
+    threads = [threading.Thread(target=popper, args=(index,)) for index in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    items = [item for popped in got for item in popped]
+    assert sorted(items) == [(number, f"v{number}") for number in range(200)]
+    assert len(dht) == 0
