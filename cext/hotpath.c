@@ -1,7 +1,8 @@
 /* domus._hotpath: the service's data path in C.
  *
  * FastPath answers the requests that make up nearly all of a service's
- * traffic -- PUT, GET, DELETE, CONTAINS, PUT_MANY, GET_MANY that succeed --
+ * traffic -- PUT, GET, DELETE, CONTAINS, PUT_MANY, GET_MANY, PUT_IF_ABSENT,
+ * DELETE_IF that succeed --
  * without running Python code, and drains a UDP socket in batches (recvmmsg,
  * sendmmsg), from the reactor (serve()) or from a thread of its own that
  * takes turns with the reactor thread (start_thread(); see "the serving
@@ -98,6 +99,9 @@
 #define OP_PUT_MANY 0x05
 #define OP_GET_MANY 0x06
 #define OP_REPLICATE 0x0D
+#define OP_PUT_IF_ABSENT 0x0E
+#define OP_DELETE_IF 0x0F
+#define DIGEST_BYTES 8              /* DELETE_IF's: XXH64 (seed 0) of the value */
 #define ST_OK 0x00
 #define ST_NOT_FOUND 0x01
 #define ST_BUSY 0x21
@@ -1727,26 +1731,38 @@ done:
  * again if the change fails, so a change and its cached reply go together;
  * the `created` byte is written into both once the change is made, before
  * anything else can see the reply.  A failed database put is declined. */
+/* parse_keyed of a change whose key is followed by a u32 length and that
+ * many bytes (PUT, PUT_IF_ABSENT, DELETE_IF), into *value_length (the
+ * value within MAX_VALUE_BYTES); DECLINED, with no reference taken, if
+ * the length does not match. */
+static int
+parse_valued(FastPath *self, const unsigned char *data, Py_ssize_t size,
+             Repo *repo, Py_ssize_t *key_end, uint32_t *value_length)
+{
+    int result = parse_keyed(self, data, size, 1, repo, key_end);
+    if (result != HANDLED) {
+        return result;
+    }
+    Py_ssize_t rest = size - *key_end;
+    *value_length = rest >= 4 ? read_u32(data + *key_end) : 0;
+    if (rest < 4 || (uint64_t)*value_length != (uint64_t)(rest - 4)
+            || *value_length > MAX_VALUE_BYTES) {
+        Py_DECREF(repo->object);
+        return DECLINED;
+    }
+    return HANDLED;
+}
+
 static int
 change_put(FastPath *self, const unsigned char *data, Py_ssize_t size,
            ReplyCache *cache, const unsigned char *token, Reply *reply)
 {
     Repo repo;
     Py_ssize_t key_end;
-    int result = parse_keyed(self, data, size, 1, &repo, &key_end);
+    uint32_t value_length;
+    int result = parse_valued(self, data, size, &repo, &key_end, &value_length);
     if (result != HANDLED) {
         return result;
-    }
-    Py_ssize_t rest = size - key_end;
-    if (rest < 4) {
-        result = DECLINED;
-        goto done;
-    }
-    uint32_t value_length = read_u32(data + key_end);
-    if ((uint64_t)value_length != (uint64_t)(rest - 4)
-            || value_length > MAX_VALUE_BYTES) {
-        result = DECLINED;
-        goto done;
     }
     unsigned char *answer = reply->head;
     write_reply_header(answer, ST_OK, data, self->layout_tag);
@@ -1827,6 +1843,109 @@ change_delete(FastPath *self, const unsigned char *data, Py_ssize_t size,
             rc_patch(cache, token, 2, answer + 2, 1);
         }
     }
+    result = HANDLED;
+done:
+    Py_DECREF(repo.object);
+    return result;
+}
+
+/* PUT_IF_ABSENT: the value stored only where the key is absent (`stored`
+ * 1), else nothing changed (0).  Cache and change go together, as for PUT. */
+static int
+change_put_if_absent(FastPath *self, const unsigned char *data, Py_ssize_t size,
+                     ReplyCache *cache, const unsigned char *token, Reply *reply)
+{
+    Repo repo;
+    Py_ssize_t key_end;
+    uint32_t value_length;
+    int result = parse_valued(self, data, size, &repo, &key_end, &value_length);
+    if (result != HANDLED) {
+        return result;
+    }
+    const unsigned char *key = data + KEYED_END;
+    Py_ssize_t key_size = key_end - KEYED_END;
+    int present = repo_contains(self, repo, key, key_size);
+    if (present < 0) {
+        result = present == FAILED ? DECLINED : -1;
+        goto done;
+    }
+    unsigned char *answer = reply->head;
+    write_reply_header(answer, ST_OK, data, self->layout_tag);
+    answer[REPLY_HEADER_SIZE] = (unsigned char)!present;
+    if (rc_store(cache, token, answer, REPLY_HEADER_SIZE + 1) < 0) {
+        result = -1;
+        goto done;
+    }
+    if (!present) {
+        int created = repo_put(self, repo, key, key_size, data + key_end + 4,
+                               (Py_ssize_t)value_length, NULL);
+        if (created < 0) {
+            rc_remove(cache, token);
+            result = created == FAILED ? DECLINED : -1;
+            goto done;
+        }
+    }
+    reply->body = 1;
+    result = HANDLED;
+done:
+    Py_DECREF(repo.object);
+    return result;
+}
+
+/* DELETE_IF: the key deleted only while its value's digest (XXH64, seed 0,
+ * big-endian) is the request's (`deleted` 1), else nothing changed (0);
+ * NOT_FOUND if absent.  A dict value that is not bytes is declined.  Cache
+ * and change go together, as for DELETE. */
+static int
+change_delete_if(FastPath *self, const unsigned char *data, Py_ssize_t size,
+                 ReplyCache *cache, const unsigned char *token, Reply *reply)
+{
+    Repo repo;
+    Py_ssize_t key_end;
+    uint32_t digest_length;
+    int result = parse_valued(self, data, size, &repo, &key_end, &digest_length);
+    if (result != HANDLED) {
+        return result;
+    }
+    if (digest_length != DIGEST_BYTES) {
+        result = DECLINED;
+        goto done;
+    }
+    const unsigned char *key = data + KEYED_END;
+    Py_ssize_t key_size = key_end - KEYED_END;
+    Found value = {NULL, NULL, 0};
+    int present = repo_get(self, repo, key, key_size, &value);
+    if (present < 0) {
+        result = present == FAILED ? DECLINED : -1;
+        goto done;
+    }
+    int same = 0;
+    if (present) {
+        if (value.size < 0) {
+            found_clear(&value);
+            result = DECLINED;  /* the Python handler decides what that means */
+            goto done;
+        }
+        uint64_t digest = domus_xxh64(value.data, (size_t)value.size, 0);
+        same = digest == read_u64(data + key_end + 4);
+        found_clear(&value);    /* (a tree's bytes are read before it changes) */
+    }
+    unsigned char *answer = reply->head;
+    write_reply_header(answer, present ? ST_OK : ST_NOT_FOUND, data, self->layout_tag);
+    answer[REPLY_HEADER_SIZE] = (unsigned char)same;
+    if (rc_store(cache, token, answer, REPLY_HEADER_SIZE + present) < 0) {
+        result = -1;
+        goto done;
+    }
+    if (same) {
+        int removed = repo_remove(self, repo, key, key_size);
+        if (removed <= 0) {     /* (it was there a moment ago) */
+            rc_remove(cache, token);
+            result = removed == FAILED || removed == 0 ? DECLINED : -1;
+            goto done;
+        }
+    }
+    reply->body = present;
     result = HANDLED;
 done:
     Py_DECREF(repo.object);
@@ -2178,7 +2297,8 @@ count_changes(FastPath *self, int op, const unsigned char *data,
     }
 }
 
-/* PUT, DELETE, PUT_MANY: answered from the reply cache when their key is
+/* PUT, DELETE, PUT_MANY, PUT_IF_ABSENT, DELETE_IF: answered from the reply
+ * cache when their key is
  * there (in either generation), else applied and their reply cached; BUSY
  * (not applied, not cached) when the current generation is full: an entry
  * that may still be retried is never dropped to make room.  No Python
@@ -2282,6 +2402,12 @@ apply_change(FastPath *self, int op, const unsigned char *data,
     case OP_DELETE:
         result = change_delete(self, data, size, cache, token, reply);
         break;
+    case OP_PUT_IF_ABSENT:
+        result = change_put_if_absent(self, data, size, cache, token, reply);
+        break;
+    case OP_DELETE_IF:
+        result = change_delete_if(self, data, size, cache, token, reply);
+        break;
     default:
         result = change_put_many(self, data, size, cache, token, reply);
         break;
@@ -2338,6 +2464,8 @@ handle_request(FastPath *self, const unsigned char *data, Py_ssize_t size,
         case OP_PUT:
         case OP_DELETE:
         case OP_PUT_MANY:
+        case OP_PUT_IF_ABSENT:
+        case OP_DELETE_IF:
             result = handle_change(self, op, data, size, reply);
             break;
         case OP_REPLICATE:
@@ -4228,10 +4356,16 @@ forward_change(FastPath *self, int op, const unsigned char *data,
     /* (checked as the change itself is: one that every copy would refuse
      * is not sent, and Python says why) */
     Py_ssize_t key_end = KEYED_END + key_length;
-    if (op == OP_PUT) {
+    if (op == OP_PUT || op == OP_PUT_IF_ABSENT) {
         Py_ssize_t rest = size - key_end;
         if (rest < 4 || (uint64_t)read_u32(data + key_end) != (uint64_t)(rest - 4)
                 || rest - 4 > MAX_VALUE_BYTES) {
+            return DECLINED;
+        }
+    }
+    else if (op == OP_DELETE_IF) {
+        if (size - key_end != 4 + DIGEST_BYTES
+                || read_u32(data + key_end) != DIGEST_BYTES) {
             return DECLINED;
         }
     }
@@ -4333,7 +4467,8 @@ handle_replicate(FastPath *self, const unsigned char *data, Py_ssize_t size,
     const unsigned char *inner = data + REQUEST_HEADER_SIZE;
     Py_ssize_t inner_size = size - REQUEST_HEADER_SIZE;
     if (inner_size < 20 || inner[0] != REQUEST_MAGIC || inner[1] != PROTOCOL_VERSION
-            || (inner[2] != OP_PUT && inner[2] != OP_DELETE && inner[2] != OP_PUT_MANY)) {
+            || (inner[2] != OP_PUT && inner[2] != OP_DELETE && inner[2] != OP_PUT_MANY
+                && inner[2] != OP_PUT_IF_ABSENT && inner[2] != OP_DELETE_IF)) {
         return DECLINED;
     }
     FastPath *backup = (FastPath *)self->backup;

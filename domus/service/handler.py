@@ -726,7 +726,8 @@ class RequestHandler:
                     raise RequestFailed(wire.ST_TOO_LARGE, "over a limit")
                 if (op == wire.OP_DELETE_IF
                         and len(rest) - wire.U32.size != wire.DIGEST_BYTES):
-                    raise ProtocolError("a delete_if's digest is not 16 bytes")
+                    raise ProtocolError(f"a delete_if's digest is not "
+                                        f"{wire.DIGEST_BYTES} bytes")
             elif rest:
                 raise ProtocolError("bytes after the key")
             buckets = [self._local(hosted, data[3], bucket, key)]

@@ -68,8 +68,8 @@ CHANGING_OPS = frozenset({OP_PUT, OP_DELETE, OP_PUT_MANY, OP_PUT_IF_ABSENT, OP_D
 # bytes: a PUT's and a PUT_IF_ABSENT's value, a DELETE_IF's digest.
 VALUED_OPS = frozenset({OP_PUT, OP_PUT_IF_ABSENT, OP_DELETE_IF})
 # DELETE_IF deletes a key only while its stored value's digest is the one
-# it carries: XXH3-128 of the value's bytes as stored, big-endian.
-DIGEST_BYTES = 16
+# it carries: XXH64 (seed 0) of the value's bytes as stored, big-endian.
+DIGEST_BYTES = 8
 
 # Reply statuses.
 ST_OK = 0x00
@@ -254,8 +254,8 @@ def encode_keyed(op: int, request_id: int, client_id: int, dht_id: int,
 
 def value_digest(stored: bytes | Sequence[bytes]) -> bytes:
     """What DELETE_IF carries for a value stored as ``stored`` (its bytes,
-    or their pieces in order): XXH3-128 of them, big-endian."""
-    hasher = xxhash.xxh3_128()
+    or their pieces in order): XXH64 of them, seed 0, big-endian."""
+    hasher = xxhash.xxh64()
     for piece in (stored,) if isinstance(stored, (bytes, bytearray, memoryview)) else stored:
         hasher.update(piece)
     return hasher.digest()

@@ -253,9 +253,9 @@ def test_a_late_retry_of_a_conditional_change_is_answered_as_it_was_and_changes_
     assert handler.counters["replayed"] == 2
 
 
-@pytest.mark.parametrize("rest", [b"", b"\x00\x00\x00\x08" + bytes(8),
-                                  b"\x00\x00\x00\x10" + bytes(15),
-                                  b"\x00\x00\x00\x10" + bytes(17)],
+@pytest.mark.parametrize("rest", [b"", b"\x00\x00\x00\x04" + bytes(4),
+                                  b"\x00\x00\x00\x08" + bytes(7),
+                                  b"\x00\x00\x00\x08" + bytes(9)],
                          ids=["nothing", "short digest", "cut", "padded"])
 def test_a_malformed_delete_if_deletes_nothing(rest):
     handler = make_handler()

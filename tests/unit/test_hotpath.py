@@ -339,6 +339,32 @@ def test_the_fast_path_is_seen_by_the_garbage_collector():
 
 # ------------------------------------------------------------ what C answers
 
+def test_c_answers_conditional_changes_itself(platform):
+    handler = make_handler(platform)
+    fast = handler.fast
+    key = b"\x03pear"
+    assert fast.handle(keyed(wire.OP_PUT_IF_ABSENT, key, b"green", request_id=1)) == \
+        wire.reply(wire.ST_OK, 1, b"\x01")
+    assert fast.handle(keyed(wire.OP_PUT_IF_ABSENT, key, b"red", request_id=2)) == \
+        wire.reply(wire.ST_OK, 2, b"\x00")
+    assert fast.handle(keyed(wire.OP_GET, key, request_id=3)) == \
+        wire.reply(wire.ST_OK, 3, b"green")
+    assert fast.handle(keyed(wire.OP_DELETE_IF, key, wire.value_digest(b"red"),
+                             request_id=4)) == wire.reply(wire.ST_OK, 4, b"\x00")
+    assert fast.handle(keyed(wire.OP_DELETE_IF, key, wire.value_digest(b"green"),
+                             request_id=5)) == wire.reply(wire.ST_OK, 5, b"\x01")
+    assert fast.handle(keyed(wire.OP_DELETE_IF, key, wire.value_digest(b"green"),
+                             request_id=6)) == wire.reply(wire.ST_NOT_FOUND, 6)
+    # (a retry is answered from the reply cache, and changes nothing)
+    assert fast.handle(keyed(wire.OP_PUT, key, b"green", request_id=7)) == \
+        wire.reply(wire.ST_OK, 7, b"\x01")
+    assert fast.handle(keyed(wire.OP_DELETE_IF, key, wire.value_digest(b"green"),
+                             request_id=5)) == wire.reply(wire.ST_OK, 5, b"\x01")
+    assert fast.handle(keyed(wire.OP_GET, key, request_id=8)) == \
+        wire.reply(wire.ST_OK, 8, b"green")
+    assert fast.fallbacks == 0 and fast.replayed == 1
+
+
 def test_c_answers_the_common_requests_itself(platform):
     handler = make_handler(platform)
     fast = handler.fast
@@ -918,7 +944,8 @@ def seeded_request(rng):
     key = rng.choice(KEYS) if rng.random() < 0.7 else rng.randbytes(rng.randint(1, 10))
     bucket = rng.choice([0, 1, 2, 3, 3, 5])
     op = rng.choice([wire.OP_PUT, wire.OP_PUT, wire.OP_GET, wire.OP_GET, wire.OP_DELETE,
-                     wire.OP_CONTAINS, wire.OP_PUT_MANY, wire.OP_GET_MANY])
+                     wire.OP_CONTAINS, wire.OP_PUT_MANY, wire.OP_GET_MANY,
+                     wire.OP_PUT_IF_ABSENT, wire.OP_DELETE_IF])
     if op == wire.OP_PUT_MANY:
         data = wire.encode_put_many(request_id, client, DHT_ID, [
             (rng.choice([0, 1, 2, 3, 3, 3, 4]), rng.choice(KEYS), rng.randbytes(rng.randint(0, 9)))
@@ -928,7 +955,10 @@ def seeded_request(rng):
             (rng.choice([0, 1, 2, 3, 3, 3, 4]), rng.choice(KEYS))
             for _ in range(rng.randint(0, 6))])
     else:
-        value = rng.randbytes(rng.choice([0, 5, 180])) if op == wire.OP_PUT else b""
+        value = (rng.randbytes(rng.choice([0, 5, 180]))
+                 if op in (wire.OP_PUT, wire.OP_PUT_IF_ABSENT) else b"")
+        if op == wire.OP_DELETE_IF:     # (the empty value's digest: some are there)
+            value = wire.value_digest(b"" if rng.random() < 0.7 else rng.randbytes(5))
         data = wire.encode_keyed(op, request_id, client, DHT_ID, bucket, key, value)
     if rng.random() < 0.5:        # numbered as the DHT is, or (rarely) otherwise
         data = bytearray(data)
