@@ -139,6 +139,68 @@ def test_no_acknowledged_write_is_lost_when_services_die(tmp_path, copies, kille
         deployment.stop_everything()
 
 
+@pytest.mark.timeout(180)
+def test_pops_hand_each_record_to_one_client_across_a_failover(tmp_path):
+    """Three clients pop the records of a replicas=2 DHT while the primary
+    of some of its buckets is killed (SIGKILL): a pop whose DELETE_IF was
+    in flight is retried at the promoted backup, which answers it from
+    its reply cache if it had applied it.  Every record is popped by
+    exactly one client, or is still there; none is lost or popped twice."""
+    deployment = start_deployment(tmp_path, services=3)
+    try:
+        with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
+            dht = cluster.create_dht("queue", buckets=16, replicas=2)
+            records = {number: f"item-{number}" for number in range(3_000)}
+            dht.put_many(records)
+            popped: list[list[tuple[int, str]]] = [[], [], []]
+            errors: list[BaseException] = []
+            stop = threading.Event()
+
+            def popper(index: int) -> None:
+                with domus.connect(deployment.supervisor_address,
+                                   timeout=CLIENT_TIMEOUT) as own:
+                    mine = own.open_dht("queue")
+                    order = list(records)
+                    random.Random(index).shuffle(order)
+                    for key in order:
+                        if stop.is_set():
+                            return
+                        try:
+                            value = mine.pop(key, None)
+                        except Exception as exc:  # none is allowed
+                            errors.append(exc)
+                            return
+                        if value is not None:
+                            popped[index].append((key, value))
+
+            threads = [threading.Thread(target=popper, args=(index,)) for index in range(3)]
+            for thread in threads:
+                thread.start()
+            try:
+                wait_until(lambda: sum(map(len, popped)) >= 600, timeout=60,
+                           what="pops before the kill")
+                deployment.kill_service("s2", signal.SIGKILL)
+                at_kill = sum(map(len, popped))
+            finally:
+                for thread in threads:
+                    thread.join(120)
+                stop.set()
+            assert [repr(exc) for exc in errors] == []
+            taken = [item for items in popped for item in items]
+            assert len(taken) == len({key for key, _value in taken}), "a record popped twice"
+            assert all(records[key] == value for key, value in taken)
+            with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as fresh:
+                left = fresh.open_dht("queue").get_many(list(records))
+            assert not {key for key, _value in taken} & set(left)
+            assert len(taken) + len(left) == len(records), "a record was lost"
+            assert len(taken) >= at_kill + 1000        # (popping went on past the kill)
+        with open(deployment.log_path("supervisor"), encoding="utf-8") as log:
+            said = log.read()
+        assert "failover: service" in said, said[-3000:]
+    finally:
+        deployment.stop_everything()
+
+
 @pytest.mark.timeout(120)
 def test_one_copy_lost_with_its_service_is_data_lost_until_accepted(deployment, cluster):
     dht = cluster.create_dht("single", buckets=16)
