@@ -5,7 +5,11 @@ client wrote at the same time (docs/protocol.md, *Conditional changes*)."""
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +180,38 @@ def test_popitem_hands_each_record_to_one_client(shared_cluster, shared_deployme
     items = [item for popped in got for item in popped]
     assert sorted(items) == [(number, f"v{number}") for number in range(200)]
     assert len(dht) == 0
+
+
+def test_the_work_queue_example_computes_every_chunk_once(shared_cluster, shared_deployment):
+    # clients/work_queue.py: three tasks at once claim chunks with
+    # setdefault; each chunk is computed by one task.  A claim left by a
+    # task that died is named by --collect and freed by --release, and a
+    # task run again computes that chunk.
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, **shared_deployment.environment())
+    command = [sys.executable, str(root / "clients" / "work_queue.py"), "--dht", "queue-example",
+               "--items", "3000", "--chunk", "100"]
+    shared_cluster.create_dht("queue-example", buckets=8)
+    shared_cluster.open_dht("queue-example")[("claim", 29)] = "a task that died"
+    tasks = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outputs = [task.communicate(timeout=120)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0, 0], outputs
+    computed = sorted(int(output.split("computed ")[1].split(" of")[0]) for output in outputs)
+    assert sum(computed) == 29, outputs             # (chunk 29 is the dead task's)
+    collect = subprocess.run([*command, "--collect"], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert collect.returncode == 1 and "claimed and undone: [29]" in collect.stdout
+    released = subprocess.run([*command, "--release"], env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert "released 1 chunks" in released.stdout, released.stdout + released.stderr
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert "computed 1 of 30 chunks" in again.stdout, again.stdout + again.stderr
+    collect = subprocess.run([*command, "--collect"], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert collect.returncode == 0 and "3,000 of 3,000 results" in collect.stdout, collect.stdout
+    dht = shared_cluster.open_dht("queue-example")
+    claims = dht.get_many([("claim", chunk) for chunk in range(30)])
+    done = dht.get_many([("done", chunk) for chunk in range(30)])
+    assert {key[1]: worker for key, worker in claims.items()} == \
+        {key[1]: worker for key, worker in done.items()}
