@@ -19,16 +19,9 @@ import os
 import socket
 import sys
 
+from example_job import compute  # (the same stand-in for real work, beside this file)
+
 import domus
-
-
-def compute(item: int) -> dict[str, int]:
-    """Stand-in for real work: the Collatz stopping time of ``item``."""
-    steps, value = 0, item
-    while value != 1:
-        value = value // 2 if value % 2 == 0 else 3 * value + 1
-        steps += 1
-    return {"item": item, "steps": steps}
 
 
 def main(argv: list[str] | None = None) -> int:
