@@ -47,12 +47,14 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def free_port_block(count: int, host: str = "127.0.0.1", start: int = 20000,
+def free_port_block(count: int, host: str = "127.0.0.1", start: int = 40000,
                     stop: int = 60000) -> int:
     """A base port P with P .. P+count-1 free for TCP and UDP.  Processes
     start looking at different places (their pid), and so do a process's
     successive calls: a port that a first call returned, and that nothing
-    has bound yet (or any more), is not simply handed out again."""
+    has bound yet (or any more), is not simply handed out again.  (Above
+    the ports jobs take, domus.ops.job.LAST_PORT: a job starting beside a
+    local deployment never finds the port it chose taken by it.)"""
     base = start + (os.getpid() * 37 + next(_CALLS) * 7919) % (stop - start - count)
     for _ in range(2000):
         if all(port_is_free(host, base + offset) for offset in range(count)):

@@ -31,8 +31,11 @@ import psutil
 from domus.errors import AuthenticationError, DomusError, SupervisorUnreachable
 from domus.ops.deploy import port_is_free
 
+# Jobs take their ports from here; local deployments (domus.ops.deploy.
+# free_port_block: tests, benchmarks) from 40000 up, so the two never pick
+# the same free port at once on one node.
 FIRST_PORT = 20000
-LAST_PORT = 60000
+LAST_PORT = 40000
 
 
 def job_directory(job_id: str) -> str:
