@@ -48,9 +48,9 @@ from domus.client.transport import (
     RequestIds,
     ServiceChannel,
     SupervisorLink,
-    ValueReply,
     exchange,
     fork_aware,
+    reply_value,
     stored_digest,
 )
 from domus.errors import (
@@ -91,7 +91,6 @@ _keyed = codec.keyed_message
 # A bytes value at least this long is put as (msgpack header, value), joined
 # into the message, not packed first (domus.client.codec.keyed_message).
 _LARGE_VALUE = 64 * 1024
-_GONE = object()        # (popitem: a key another client popped meanwhile)
 _pack_value = codec.pack_value
 _unpack_value = codec.unpack_value
 _value_of = codec.value_of
@@ -361,12 +360,8 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
     def _value_of(self, key: Any, data: bytes, offset: int) -> Any:
         """The value of ``key`` stored as ``data[offset:]``, by this DHT's
         codec; a ValueDecodeError names the DHT and the key."""
-        if type(data) is ValueReply:    # (a large GET reply, its value apart)
-            if offset == _HEADER and self._values.name == "msgpack":
-                return data.value
-            data = data.whole()
         try:
-            return self._values.unpack_at(data, offset)
+            return reply_value(self._values, data, offset)
         except ValueDecodeError as exc:
             raise exc.with_key(key).with_dht(self.name) from None
 
@@ -874,9 +869,10 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         mixin's scanned the whole DHT for its first key, and of two clients
         popping at once, both could return the same record.)"""
         for key in self:
-            value = self.pop(key, _GONE)
-            if value is not _GONE:
-                return key, value
+            try:
+                return key, self.pop(key)
+            except KeyError:
+                continue                # (popped by another client meanwhile)
         raise KeyError(f"popitem(): DHT {self.name!r} is empty")
 
     # ------------------------------------------------------------ key ranges

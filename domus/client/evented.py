@@ -43,8 +43,8 @@ from domus.client.throttle import Throttle
 from domus.client.transport import (
     FIRST_TIMEOUT,
     MAX_DEADLINE,
-    ValueReply,
     busy_backoff,
+    reply_value,
     service_busy,
     service_unavailable,
     stored_digest,
@@ -313,12 +313,8 @@ class EventedDht(DirectLookup[Channel]):
 
     def _decoded(self, key: Any, reply: bytes) -> Any:
         """The value an OK reply to a GET of ``key`` carries."""
-        if type(reply) is ValueReply:   # (a large reply read with its value apart)
-            if self._values.name == "msgpack":
-                return reply.value
-            reply = reply.whole()
         try:
-            return self._values.unpack_at(reply, wire.REPLY_HEADER_SIZE)
+            return reply_value(self._values, reply, wire.REPLY_HEADER_SIZE)
         except ValueDecodeError as exc:
             raise exc.with_key(key).with_dht(self.name) from None
 

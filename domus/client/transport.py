@@ -212,7 +212,8 @@ class ValueReply(bytes):
     reply's header and the msgpack bin 32 header of its value, ``value`` the
     value's own bytes (``size``: the reply's, both parts).  Only a GET's
     reply is received so (``_recv_frame(..., value_reply=True)``), and only
-    ``reply_value`` and ``reply_size`` read past the header."""
+    ``reply_value``, ``stored_digest`` and ``reply_size`` read past the
+    header."""
 
     value: bytes
 
@@ -225,12 +226,24 @@ class ValueReply(bytes):
         return bytes(self) + self.value
 
 
+def reply_value(values: codec.ValueCodec, reply: bytes, offset: int) -> Any:
+    """The value stored as ``reply[offset:]``, by the codec ``values``
+    (ValueDecodeError if it does not decode): a ValueReply's own bytes as
+    they are where msgpack stores them (no copy)."""
+    if type(reply) is ValueReply:
+        if offset == wire.REPLY_HEADER_SIZE and values.name == "msgpack":
+            return reply.value
+        reply = reply.whole()
+    return values.unpack_at(reply, offset)
+
+
 def stored_digest(reply: bytes) -> bytes:
     """The digest (wire.value_digest) of the value an OK reply to a GET
     carries, as the service stores it: what DELETE_IF names it by."""
+    stored = memoryview(reply)[wire.REPLY_HEADER_SIZE:]
     if type(reply) is ValueReply:
-        return wire.value_digest((memoryview(reply)[wire.REPLY_HEADER_SIZE:], reply.value))
-    return wire.value_digest(memoryview(reply)[wire.REPLY_HEADER_SIZE:])
+        return wire.value_digest(stored, reply.value)
+    return wire.value_digest(stored)
 
 
 def reply_size(reply: bytes) -> int:

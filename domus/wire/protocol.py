@@ -252,11 +252,11 @@ def encode_keyed(op: int, request_id: int, client_id: int, dht_id: int,
     return message
 
 
-def value_digest(stored: bytes | Sequence[bytes]) -> bytes:
-    """What DELETE_IF carries for a value stored as ``stored`` (its bytes,
-    or their pieces in order): XXH64 of them, seed 0, big-endian."""
+def value_digest(*pieces: Any) -> bytes:
+    """What DELETE_IF carries for a value stored as the bytes ``pieces``
+    make in order: XXH64 of them, seed 0, big-endian."""
     hasher = xxhash.xxh64()
-    for piece in (stored,) if isinstance(stored, (bytes, bytearray, memoryview)) else stored:
+    for piece in pieces:
         hasher.update(piece)
     return hasher.digest()
 

@@ -16,7 +16,7 @@ import pytest
 import domus
 from domus.wire import protocol as wire
 
-from .support import CLIENT_TIMEOUT
+from .support import CLIENT_TIMEOUT, wait_until
 
 
 def test_pop_never_deletes_a_value_written_after_it_read(any_cluster, shared_deployment):
@@ -136,10 +136,8 @@ def test_every_item_produced_is_popped_exactly_once_or_left(shared_cluster, shar
     for thread in threads:
         thread.start()
     try:
-        deadline = threading.Event()
-        deadline.wait(0.2)
-        while sum(map(len, popped)) < 600 and not errors:
-            deadline.wait(0.05)
+        wait_until(lambda: sum(map(len, popped)) >= 600 or errors, timeout=60,
+                   what="600 items popped")
     finally:
         stop.set()
         for thread in threads:

@@ -253,6 +253,25 @@ def test_a_late_retry_of_a_conditional_change_is_answered_as_it_was_and_changes_
     assert handler.counters["replayed"] == 2
 
 
+def test_conditional_changes_of_a_moving_bucket_are_noted_for_its_target():
+    # (A bucket being moved notes every key a change touches, so that its
+    # copy on the target catches up: a conditional change is one.)
+    handler = make_handler()
+    fresh, doomed, kept = key_in(1, "f"), key_in(1, "d"), key_in(1, "k")
+    put(handler, doomed, b"old")
+    put(handler, kept, b"mine")
+    hosted = handler.dhts[DHT_ID]
+    hosted.track(1)
+    handle = getattr(handler, "handle_fast", handler.handle)
+    for request in (keyed(wire.OP_PUT_IF_ABSENT, fresh, b"new"),
+                    keyed(wire.OP_DELETE_IF, doomed, wire.value_digest(b"old")),
+                    keyed(wire.OP_DELETE_IF, kept, wire.value_digest(b"other")),
+                    keyed(wire.OP_PUT_IF_ABSENT, kept, b"theirs")):
+        assert parse(handle(request, wire.MAX_UDP_PAYLOAD))[0] == wire.ST_OK
+    changes = hosted.catch_up(1)
+    assert dict(zip(changes[::2], changes[1::2])) == {fresh: b"new", doomed: None}
+
+
 @pytest.mark.parametrize("rest", [b"", b"\x00\x00\x00\x04" + bytes(4),
                                   b"\x00\x00\x00\x08" + bytes(7),
                                   b"\x00\x00\x00\x08" + bytes(9)],

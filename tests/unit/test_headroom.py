@@ -186,6 +186,12 @@ def test_at_the_reserve_puts_on_disk_dhts_are_refused_and_reads_and_deletes_go_o
     batch = wire.encode_put_many(next(REQUEST_IDS), 7, DHT_ID, [
         (bucket_of(key, "xxh3", BUCKETS), key, b"w") for key in [encode_key("a"), keys[0]]])
     assert handle(batch)[2] == wire.ST_STORAGE_FULL
+    # A put_if_absent fills as a put does; a delete_if frees as a delete does.
+    assert handle(request(wire.OP_PUT_IF_ABSENT, encode_key("new"), b"v"))[2] == \
+        wire.ST_STORAGE_FULL
+    assert status_and_message(handle(request(wire.OP_DELETE_IF, keys[39],
+                                             wire.value_digest(b"v" * 100)))) == \
+        (wire.ST_OK, b"\x01")
     # Nothing of either was stored; what was is read, and deleted.
     assert handle(request(wire.OP_GET, encode_key("new")))[2] == wire.ST_NOT_FOUND
     assert status_and_message(handle(request(wire.OP_GET, keys[0]))) == (wire.ST_OK, b"v" * 100)
@@ -194,14 +200,14 @@ def test_at_the_reserve_puts_on_disk_dhts_are_refused_and_reads_and_deletes_go_o
     assert handle(request(wire.OP_CONTAINS, keys[30]))[2] == wire.ST_OK
     # A RAM DHT on the same service is not held back.
     assert handle(request(wire.OP_PUT, encode_key("r"), b"v", RAM_ID))[2] == wire.ST_OK
-    assert handler.counters["storage_full"] == 2
-    assert handler.stats()["dhts"]["full"]["records"] == 20
+    assert handler.counters["storage_full"] == 3
+    assert handler.stats()["dhts"]["full"]["records"] == 19
     # Space back: writes are taken again without anyone doing anything.
     space.free = 1 << 40
     handler.tend_storage()
     assert handle(request(wire.OP_PUT, encode_key("new"), b"v"))[2] == wire.ST_OK
     assert handle(batch)[2] == wire.ST_OK
-    assert handler.stats()["dhts"]["full"]["records"] == 23      # (keys[0] was deleted)
+    assert handler.stats()["dhts"]["full"]["records"] == 22      # (keys[0], [39] deleted)
 
 
 def test_near_the_reserve_the_c_path_leaves_puts_to_python_which_asks_the_disk(tmp_path):
