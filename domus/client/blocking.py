@@ -685,6 +685,7 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
                 time.sleep(step[1])
             else:
                 self._layout_after(step[1])
+        rounds["mark"] = self._layout_mark()
 
     def put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
         """Store many records, one message per service where they fit in a

@@ -385,6 +385,7 @@ class EventedDht(DirectLookup[Channel]):
                 await self._sleep(step[1])
             else:
                 await self._layout_after(step[1])
+        rounds["mark"] = self._layout_mark()
 
     async def _put_many(self, items: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> int:
         pairs = list(items.items() if isinstance(items, Mapping) else items)

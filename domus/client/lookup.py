@@ -91,10 +91,6 @@ MOVING_PATIENCE = 60.0       # seconds a bucket may answer MOVING before giving 
 # Rounds of a batch answered NOT_OWNER, each after the layout is fetched
 # again (from the fourth on after a pause), before the batch gives up.
 MAX_BATCH_REFRESHES = 12
-# ... and past them, seconds of pauses a batch waits for the services and
-# the supervisor to agree on its buckets' owners (a balancer moving buckets
-# a round at a time, on a loaded machine) before WrongService.
-DISAGREE_PATIENCE = 5.0
 # A request whose course meets a service that is gone is sent again where
 # the supervisor's layout says its bucket is now, at most this many times.
 MAX_REROUTES = 8
@@ -755,13 +751,14 @@ class DirectLookup(Generic[Channel]):
         """What to do before a batch's next round (REFRESH and PAUSE
         instructions), after ``moved`` messages came back NOT_OWNER and some
         MOVING.  Raises once the services keep disagreeing with the
-        supervisor (past MAX_BATCH_REFRESHES and DISAGREE_PATIENCE), or a
-        bucket keeps moving past MOVING_PATIENCE."""
+        supervisor, or a bucket keeps moving past MOVING_PATIENCE.  The
+        driver runs the steps, then notes the layout the next round goes
+        with (``rounds["mark"]``): each round's REFRESH asks for a layout
+        newer than the one that round was sent with."""
         steps: list[tuple[Any, ...]] = []
         if moved:
             rounds["refreshes"] += 1
-            if (rounds["refreshes"] > MAX_BATCH_REFRESHES
-                    and rounds["waited"] >= DISAGREE_PATIENCE):
+            if rounds["refreshes"] > MAX_BATCH_REFRESHES:
                 raise WrongService(f"DHT {self.name!r}: services disagree with the supervisor "
                                    f"about bucket owners; retry shortly", wire.ST_NOT_OWNER)
             if rounds["refreshes"] > 3 and not moving:

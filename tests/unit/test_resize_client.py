@@ -493,3 +493,39 @@ def test_a_client_that_only_sends_batches_learns_of_a_resize_from_their_replies(
     assert stored == [50]
     answer_from_supervisor(tx.reactor, new)
     assert client.bucket_count == 16
+
+
+class ChangingSupervisor(Supervisor):
+    """Answers ``open_dht`` with each of ``layouts`` in turn, then the last."""
+
+    def __init__(self, deployment: Deployment, layouts: list[dict[str, Any]]) -> None:
+        super().__init__(deployment)
+        self.layouts = layouts
+
+    def call(self, op: str, **params: Any) -> Any:
+        super().call(op, **params)
+        return copy.deepcopy(self.layouts.pop(0) if len(self.layouts) > 1 else self.layouts[0])
+
+
+def test_a_batch_fetches_the_layout_again_each_round_it_is_redirected(deployment, monkeypatch):
+    # The buckets move twice while a batch is under way (a balancer's
+    # rounds): the layout the first refresh brings is already stale, and
+    # the next round must fetch again, not keep it (it did until the
+    # batch gave up: "services disagree with the supervisor").
+    from domus.client import blocking
+
+    monkeypatch.setattr(blocking, "exchange", lambda requests, dht="": [
+        channel.request(message, dht) for channel, message in requests])
+    first, middle, last = (descriptor({name: 8}, version=version)
+                           for version, name in ((1, "s1"), (2, "s2"), (3, "s3")))
+    world = deployment(first)
+    records = {encode_key(f"key-{index}"): wire.pack(index) for index in range(50)}
+    world.give(last, ["s1", "s2", "s3"])
+    world.store(records)
+    cluster = Cluster(world)
+    cluster.supervisor = ChangingSupervisor(world, [middle, last])
+    client = Dht(cluster, first)
+    world.handlers["s1"].dhts[DHT_ID].repos.clear()     # (s1 gave its buckets away)
+    assert client.get_many([decoded(key) for key in records]) == \
+        {decoded(key): index for index, key in enumerate(records)}
+    assert world.calls == ["open_dht", "open_dht"]
