@@ -11,11 +11,17 @@ from typing import Any
 
 
 def machine() -> dict[str, Any]:
-    """The date, the commit measured, the machine and its load average
+    """The date, the commit measured (``-dirty`` after it when tracked files
+    differ from it), the machine and its load average
     (this machine is shared by other work: a high load makes slow numbers)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
+        # (run on a tree with changes not committed: the commit alone does
+        # not say what ran)
+        if subprocess.run(["git", "diff-index", "--quiet", "HEAD", "--"],
+                          capture_output=True).returncode == 1:
+            commit += "-dirty"
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit,
