@@ -15,7 +15,7 @@
    writer processes put continuously, noting when each put was sent and
    when it was acknowledged; one service is killed with SIGKILL.  The
    window is from the kill to the first acknowledgement, of a put sent
-   after the kill, on a bucket the dead service was the primary of: the
+   once the killed service was gone, on a bucket it was the primary of: the
    longest any write to it waited.  Every acknowledged put is read back.
 """
 
@@ -116,7 +116,11 @@ def failover(services: int, data_dir: str) -> dict[str, Any]:
         primaries = set(layout.buckets_in(layout.ranges_of(
             layout.owners(cluster.dht_info("window"), "storage"), victim)))
         killed_at = time.time()
-        deployment.kill_service(victim, signal.SIGKILL)
+        deployment.kill_service(victim, signal.SIGKILL)     # (and reaps it)
+        # A put sent after killed_at, before the signal took, may have been
+        # answered by the victim itself: what counts as sent after the kill
+        # is sent once the victim was gone.
+        dead_at = time.time()
         time.sleep(4)
         stop.set()
         results = [out.get(timeout=120) for _ in writers]
@@ -126,7 +130,7 @@ def failover(services: int, data_dir: str) -> dict[str, Any]:
         on_victim = [(key, at, acked) for key, at, acked in acknowledged
                      if bucket_of(encode_key(key), "xxh3", dht.bucket_count) in primaries]
         waited = [acked - max(at, killed_at) for key, at, acked in on_victim if acked >= killed_at]
-        after = [acked for _key, at, acked in on_victim if at >= killed_at]
+        after = [acked for _key, at, acked in on_victim if at >= dead_at]
         got = dht.get_many([key for key, _at, _acked in acknowledged])
         lost = sum(1 for key, _at, _acked in acknowledged if key not in got)
         return {"victim": victim, "buckets_it_was_primary_of": len(primaries),

@@ -45,6 +45,7 @@ from domus.client.lookup import (
     reply_error,
 )
 from domus.client.transport import (
+    REPLICATED_SPIN,
     RequestIds,
     ServiceChannel,
     SupervisorLink,
@@ -450,7 +451,9 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
         else:
             self._counters["messages"] += 1
             try:
-                reply = channel.request(message, self.name, bucket)
+                reply = channel.request(message, self.name, bucket,
+                                        REPLICATED_SPIN if self.replicated
+                                        and op in wire.CHANGING_OPS else None)
             except ServiceUnavailable:
                 if not self._owner_moved(bucket, channel, count):
                     raise

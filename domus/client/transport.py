@@ -70,6 +70,10 @@ WINDOW = 4              # datagrams in flight per service in a pipelined batch
 RECV_BUFFER = 4 * 1024 * 1024
 _roundtrip = codec.roundtrip   # None without the C codec
 DEFAULT_SPIN_US = 30.0
+# A change to a DHT with copies is answered once its backups have it: two
+# round trips, the inner one (primary to backup) often to a backup that was
+# asleep.  Its first try spins this many times as long as a request's.
+REPLICATED_SPIN_FACTOR = 4
 
 
 def next_timeout(timeout: float, elapsed: float, deadline: float) -> float | None:
@@ -101,7 +105,15 @@ def spin_from_environment(environ: Any = os.environ) -> float:
     return microseconds / 1e6
 
 
+def replicated_spin(spin: float) -> float:
+    """How long the first try of a change to a replicated DHT spins for its
+    reply, when a request's spins ``spin`` seconds: REPLICATED_SPIN_FACTOR
+    times as long, within what the C round trip takes (codec.MAX_SPIN)."""
+    return min(spin * REPLICATED_SPIN_FACTOR, codec.MAX_SPIN)
+
+
 SPIN = spin_from_environment()
+REPLICATED_SPIN = replicated_spin(SPIN)
 _wall_clock = time.time
 _STAMP = struct.Struct(">I")   # a sealed request's time (domus.wire.auth)
 _TIMED_OUT = "timed out"       # how a first try made in C ended
@@ -670,15 +682,18 @@ class ServiceChannel:
                     bucket: int | None = None) -> ServiceUnavailable:
         return service_unavailable(self.name, self.address, what, dht, bucket)
 
-    def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
+    def request(self, message: bytes, dht: str = "", bucket: int | None = None,
+                spin: float | None = None) -> bytes:
         """Send one request, return its reply (retrying over UDP, or over TCP
         when it is too big for a datagram).  A BUSY answer is not a reply:
         the same request is sent again after a backoff (busy_backoff), until
-        the deadline since the first send, then ServiceBusy."""
+        the deadline since the first send, then ServiceBusy.  ``spin``: how
+        long the first try spins for its reply before it sleeps (SPIN when
+        None; see "Waiting for a reply" in docs/architecture.md)."""
         started = time.monotonic()
         throttle = self.throttle
         if throttle.allow():
-            reply = self._request(message, dht, bucket, self.deadline)
+            reply = self._request(message, dht, bucket, self.deadline, spin)
             if reply[2] != wire.ST_BUSY:
                 throttle.taken += 1.0
                 return reply
@@ -712,7 +727,7 @@ class ServiceChannel:
             tries += 1
 
     def _request(self, message: bytes, dht: str, bucket: int | None,
-                 deadline: float) -> bytes:
+                 deadline: float, spin: float | None = None) -> bytes:
         if len(message) > wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
             return self._request_tcp(message, dht, bucket)
         if message[2] == wire.OP_GET and self._local.get_over_tcp:
@@ -727,11 +742,13 @@ class ServiceChannel:
         # recv (skipping any datagram whose MAC does not check, and opening
         # the reply), all without the GIL.
         try:
+            if spin is None:
+                spin = SPIN
             if key is None:
-                reply = _roundtrip(self._fd, message, min(self.first_timeout, deadline), SPIN)
+                reply = _roundtrip(self._fd, message, min(self.first_timeout, deadline), spin)
             else:
                 seconds = int(_wall_clock()) & 0xFFFFFFFF     # (auth.now_seconds)
-                reply = _roundtrip(self._fd, message, min(self.first_timeout, deadline), SPIN,
+                reply = _roundtrip(self._fd, message, min(self.first_timeout, deadline), spin,
                                    key, seconds)
         except ConnectionRefusedError:
             return self._request_udp(message, dht, bucket, _REFUSED, deadline=deadline)

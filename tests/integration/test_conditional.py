@@ -213,3 +213,38 @@ def test_the_work_queue_example_computes_every_chunk_once(shared_cluster, shared
     done = dht.get_many([("done", chunk) for chunk in range(30)])
     assert {key[1]: worker for key, worker in claims.items()} == \
         {key[1]: worker for key, worker in done.items()}
+
+
+def test_changes_to_a_replicated_dht_wait_longer_before_they_sleep(shared_cluster,
+                                                                    monkeypatch):
+    """A change to a DHT with copies is answered once its backup has it, so
+    its first try spins REPLICATED_SPIN for the reply (docs/architecture.md,
+    "Waiting for a reply"); a read, or any request to a DHT of one copy,
+    spins the usual SPIN.  Seen on the real requests, which still succeed."""
+    from domus.client import transport
+    spins = []
+    original = transport.ServiceChannel.request
+
+    def noted(self, message, dht="", bucket=None, spin=None):
+        spins.append((dht, message[2], spin))
+        return original(self, message, dht, bucket, spin)
+
+    shared_cluster.create_dht("spin-copies", buckets=16, replicas=2)
+    shared_cluster.create_dht("spin-one", buckets=16)
+    monkeypatch.setattr(transport.ServiceChannel, "request", noted)
+    for name in ("spin-copies", "spin-one"):
+        dht = shared_cluster.open_dht(name)
+        dht["k"] = 1
+        assert dht["k"] == 1
+        assert dht.setdefault("d", 2) == 2
+        assert dht.pop("k") == 1
+        del dht["d"]
+    longer = transport.REPLICATED_SPIN
+    assert longer > transport.SPIN or transport.SPIN == 0
+    by_dht = {name: [(op, spin) for dht, op, spin in spins if dht == name]
+              for name in ("spin-copies", "spin-one")}
+    changes = {wire.OP_PUT, wire.OP_PUT_IF_ABSENT, wire.OP_DELETE_IF, wire.OP_DELETE}
+    assert changes | {wire.OP_GET} == {op for op, _spin in by_dht["spin-copies"]}
+    assert all(spin == (longer if op in changes else None)
+               for op, spin in by_dht["spin-copies"]), by_dht
+    assert by_dht["spin-one"] == [(op, None) for op, _spin in by_dht["spin-copies"]]

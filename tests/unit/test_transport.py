@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from domus.client import transport
+from domus.client import codec, transport
 from domus.client.transport import ServiceChannel
 from domus.errors import ServiceBusy, ServiceUnavailable
 from domus.wire import auth
@@ -250,6 +250,14 @@ def test_the_spin_comes_from_the_environment_in_microseconds():
     assert transport.spin_from_environment({"DOMUS_CLIENT_SPIN_US": "0"}) == 0.0
     assert transport.spin_from_environment({"DOMUS_CLIENT_SPIN_US": "250"}) == 250e-6
     assert transport.spin_from_environment({"DOMUS_CLIENT_SPIN_US": "10000"}) == 0.01
+
+
+def test_a_change_to_a_replicated_dht_spins_longer_unless_spinning_is_off():
+    # (it waits for the backups too: see "Waiting for a reply")
+    assert transport.replicated_spin(30e-6) == pytest.approx(
+        30e-6 * transport.REPLICATED_SPIN_FACTOR)
+    assert transport.replicated_spin(0.0) == 0.0           # DOMUS_CLIENT_SPIN_US=0: never
+    assert transport.replicated_spin(0.01) == codec.MAX_SPIN   # what roundtrip takes
 
 
 @pytest.mark.parametrize("text", ["-1", "10001", "fast", "nan", "1e9"])
