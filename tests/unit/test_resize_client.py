@@ -96,7 +96,8 @@ class HandlerChannel:
         self.sent: list[bytes] = []
         self.retries = self.timeouts = self.busy = 0
 
-    def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> bytes:
+    def request(self, message: bytes, dht: str = "", bucket: int | None = None,
+                spin: float | None = None) -> bytes:
         self.sent.append(message)
         if self.down:
             raise ServiceUnavailable(f"service {self.name} ({self.address}) did not answer",
