@@ -47,20 +47,63 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
-def free_port_block(count: int, host: str = "127.0.0.1", start: int = 40000,
-                    stop: int = 60000) -> int:
+# Where local deployments (tests, benchmarks, ``domus up --port 0``...)
+# take their ports; jobs take theirs above (domus.ops.job), and both stay
+# below the kernel's ephemeral ports.
+LOCAL_FIRST_PORT = 10000
+LOCAL_LAST_PORT = 20000
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_ports(path: str | None = None) -> range:
+    """The ports the kernel hands to sockets that bind none themselves: a
+    client's UDP socket, an outgoing TCP connection.  A port free now in
+    that range can be taken by any such socket before a service binds it,
+    so ports for services are not chosen there.  Linux's default range
+    when the setting cannot be read."""
+    try:
+        with open(path or EPHEMERAL_RANGE_FILE, encoding="ascii") as setting:
+            low, high = (int(field) for field in setting.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def port_block_finder(count: int, host: str, start: int, stop: int,
+                      first: int) -> int | None:
+    """The first block of ``count`` ports free on ``host`` (TCP and UDP),
+    searched from ``first`` through [start, stop), stepping over blocks
+    taken, and over the kernel's ephemeral ports (ephemeral_ports) unless
+    the whole span lies among them; None when there is none."""
+    span = stop - start - count
+    if span <= 0:
+        return None
+    ephemeral = ephemeral_ports()
+    avoid = not (ephemeral.start <= start and stop <= ephemeral.stop)
+    base = start + (first - start) % span
+    for _ in range(2000):
+        clear = not avoid or base + count <= ephemeral.start or base >= ephemeral.stop
+        if clear and all(port_is_free(host, base + offset) for offset in range(count)):
+            return base
+        base = start + (base - start + count + 13) % span
+    return None
+
+
+def free_port_block(count: int, host: str = "127.0.0.1", start: int = LOCAL_FIRST_PORT,
+                    stop: int = LOCAL_LAST_PORT) -> int:
     """A base port P with P .. P+count-1 free for TCP and UDP.  Processes
     start looking at different places (their pid), and so do a process's
     successive calls: a port that a first call returned, and that nothing
-    has bound yet (or any more), is not simply handed out again.  (Above
-    the ports jobs take, domus.ops.job.LAST_PORT: a job starting beside a
-    local deployment never finds the port it chose taken by it.)"""
-    base = start + (os.getpid() * 37 + next(_CALLS) * 7919) % (stop - start - count)
-    for _ in range(2000):
-        if all(port_is_free(host, base + offset) for offset in range(count)):
-            return base
-        base = start + (base - start + count + 13) % (stop - start - count)
-    raise DomusError(f"no block of {count} free ports on {host}")
+    has bound yet (or any more), is not simply handed out again.  (Below
+    the ports jobs take, domus.ops.job.FIRST_PORT: a job starting beside a
+    local deployment never finds the port it chose taken by it; and below
+    the kernel's ephemeral ports, which a client's socket may take at any
+    time.)"""
+    first = start + (os.getpid() * 37 + next(_CALLS) * 7919) % max(stop - start - count, 1)
+    base = port_block_finder(count, host, start, stop, first)
+    if base is None:
+        raise DomusError(f"no block of {count} free ports on {host} in {start}-{stop - 1}")
+    return base
 
 
 class LocalDeployment:

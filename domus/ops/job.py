@@ -29,13 +29,15 @@ from typing import Any
 import psutil
 
 from domus.errors import AuthenticationError, DomusError, SupervisorUnreachable
-from domus.ops.deploy import port_is_free
+from domus.ops.deploy import LOCAL_LAST_PORT, port_block_finder
 
 # Jobs take their ports from here; local deployments (domus.ops.deploy.
-# free_port_block: tests, benchmarks) from 40000 up, so the two never pick
-# the same free port at once on one node.
-FIRST_PORT = 20000
-LAST_PORT = 40000
+# free_port_block: tests, benchmarks) below, so the two never pick the same
+# free port at once on one node; and both stay below the kernel's
+# ephemeral ports (32768 and up by default), which any client's socket may
+# take between the search and the bind (ephemeral_ports).
+FIRST_PORT = LOCAL_LAST_PORT
+LAST_PORT = 32768
 
 
 def job_directory(job_id: str) -> str:
@@ -83,13 +85,13 @@ def free_ports(count: int, seed: int, host: str = "0.0.0.0") -> int:
     """A base port P with P .. P+count-1 free (TCP and UDP) on ``host``,
     searched from a place that the seed (the job id) picks, so that jobs on
     one node start apart and a taken block is stepped over."""
-    span = LAST_PORT - FIRST_PORT - count
-    base = FIRST_PORT + (seed * 97) % span
-    for _ in range(4000):
-        if all(port_is_free(host, base + offset) for offset in range(count)):
-            return base
-        base = FIRST_PORT + (base - FIRST_PORT + count + 7) % span
-    raise SystemExit(f"domus job: no {count} free ports on {host}")
+    span = max(LAST_PORT - FIRST_PORT - count, 1)
+    base = port_block_finder(count, host, FIRST_PORT, LAST_PORT,
+                             FIRST_PORT + (seed * 97) % span)
+    if base is None:
+        raise SystemExit(f"domus job: no {count} free ports on {host} in "
+                         f"{FIRST_PORT}-{LAST_PORT - 1}")
+    return base
 
 
 def _own(cluster: Any, job_id: str) -> dict[str, Any]:

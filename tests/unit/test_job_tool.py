@@ -8,7 +8,7 @@ import sys
 import psutil
 import pytest
 
-from domus.ops import job
+from domus.ops import deploy, job
 
 
 def test_ports_start_where_the_job_id_says_and_step_over_taken_ones():
@@ -22,6 +22,36 @@ def test_ports_start_where_the_job_id_says_and_step_over_taken_ones():
     finally:
         taken.close()
     assert moved != first and first + 1 not in range(moved, moved + 3)
+
+
+def test_the_kernels_ephemeral_ports_are_read_from_its_setting(tmp_path, monkeypatch):
+    setting = tmp_path / "ip_local_port_range"
+    setting.write_text("15000\t16999\n")
+    monkeypatch.setattr(deploy, "EPHEMERAL_RANGE_FILE", str(setting))
+    assert deploy.ephemeral_ports() == range(15000, 17000)
+    setting.write_text("garbage")
+    assert deploy.ephemeral_ports() == range(32768, 61000)     # (Linux's default)
+    monkeypatch.setattr(deploy, "EPHEMERAL_RANGE_FILE", str(tmp_path / "none"))
+    assert deploy.ephemeral_ports() == range(32768, 61000)
+
+
+def test_no_port_is_chosen_where_a_clients_socket_may_take_it(tmp_path, monkeypatch):
+    """A port among the kernel's ephemeral ones, free when chosen, can be
+    given to any client's socket before the service binds it: jobs and
+    local deployments choose theirs elsewhere, unless nowhere else is left."""
+    setting = tmp_path / "ip_local_port_range"
+    monkeypatch.setattr(deploy, "EPHEMERAL_RANGE_FILE", str(setting))
+    setting.write_text(f"{job.FIRST_PORT + 100} 65000\n")
+    for seed in range(0, 4000, 37):
+        base = job.free_ports(4, seed=seed, host="127.0.0.1")
+        assert job.FIRST_PORT <= base and base + 4 <= job.FIRST_PORT + 100, (seed, base)
+    setting.write_text(f"1024 {deploy.LOCAL_FIRST_PORT + 500}\n")
+    for _ in range(50):
+        base = deploy.free_port_block(3)
+        assert deploy.LOCAL_FIRST_PORT + 500 < base < deploy.LOCAL_LAST_PORT - 2, base
+    setting.write_text("1024 65535\n")          # (every port is ephemeral: any will do)
+    base = job.free_ports(2, seed=7, host="127.0.0.1")
+    assert job.FIRST_PORT <= base < job.LAST_PORT
 
 
 def test_address_by_interface_and_by_network():
