@@ -24,7 +24,10 @@ saturated from C, and the latency each gives as load grows.
    ``recvfrom`` and one ``sendto`` per datagram) saturated by
    ``domus-bench --echo``; and, as the issue measures it, the service's CPU
    per request under 4 Python put1 client processes beside the bare loop's
-   under the same clients (benchmarks.put1's floor client).
+   under the same clients (benchmarks.put1's floor client).  The bare
+   loop's own latency curve too, at the same percentages of its own peak:
+   what the machine (loopback, scheduler, the generator) gives a server
+   that does nothing but answer, the floor of every p99 above.
 
 Only requests served count: a request the service refuses with ``BUSY``
 (its reply cache full: more than ``--reply-cache-entries``/2 changes in
@@ -185,8 +188,11 @@ def measure_redis(args: argparse.Namespace, points: list[int],
         server.wait(10)
 
 
-def measure_floor(args: argparse.Namespace) -> dict[str, Any] | None:
-    """domus-udp-echo saturated by domus-bench --echo: its CPU per datagram."""
+def measure_floor(args: argparse.Namespace, points: list[int]) -> dict[str, Any] | None:
+    """domus-udp-echo saturated by domus-bench --echo: its CPU per datagram;
+    then its own latency curve (open loop at ``points`` % of its peak), the
+    same generator and clock: what this machine's loopback and scheduler
+    give a server that does nothing but answer."""
     try:
         echo = program("domus-udp-echo")
     except ProgramMissing as missing:
@@ -197,12 +203,14 @@ def measure_floor(args: argparse.Namespace) -> dict[str, Any] | None:
         address = server.stdout.readline().split()[-1]
         process = psutil.Process(server.pid)
         before = _cpu(process)
-        report = bench(["--echo", "--service", address, "--inflight", str(args.inflight),
-                        "--value-size", str(args.value_size), "--seconds", str(args.seconds)])
+        arguments = ["--echo", "--service", address, "--inflight", str(args.inflight),
+                     "--value-size", str(args.value_size)]
+        report = bench([*arguments, "--seconds", str(args.seconds)])
         cpu = 1e6 * (_cpu(process) - before) / max(1, report["replies"])
         print(f"bare C loop (domus-udp-echo) peak: {report['throughput']:,.0f}/s, CPU "
               f"{cpu:.2f} us/datagram", flush=True)
-        return {"peak": report["throughput"], "cpu_us_per_request": cpu}
+        rows = curve(arguments, report["throughput"], points, args.seconds, "bare loop")
+        return {"peak": report["throughput"], "cpu_us_per_request": cpu, "curve": rows}
     finally:
         server.terminate()
         server.wait(10)
@@ -244,6 +252,11 @@ def plot(results: dict[str, Any], path: str) -> None:
                       label=f"{system} p50")
             axis.plot(throughput, [row["p99_us"] for row in rows], "s-", color=colour,
                       label=f"{system} p99")
+        floor = results.get("bare_loop")
+        if floor and floor.get("curve"):
+            rows = floor["curve"]
+            axis.plot([row["throughput"] for row in rows], [row["p99_us"] for row in rows],
+                      "^:", color="tab:gray", label="bare C loop p99")
         axis.set_yscale("log")
         axis.set_xlabel(f"{name} requests/s (open loop)")
         axis.set_ylabel("latency from intended send (us)")
@@ -270,6 +283,9 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
             line.update(redis_peak=redis["peaks"][name],
                         peak_ratio=domus["peaks"][name] / redis["peaks"][name],
                         redis_p99_at_80_us=at(redis["curves"][name], 80))
+        floor = results.get("bare_loop")
+        if floor and floor.get("curve"):
+            line["bare_loop_p99_at_80_us"] = at(floor["curve"], 80)
         out[name] = line
         print(f"{name}: domus peak {line['domus_peak']:,.0f}/s"
               + (f", redis {line['redis_peak']:,.0f}/s, ratio {line['peak_ratio']:.2f}"
@@ -277,7 +293,9 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
               + (f"; p99 at 80 % of peak: domus {line['domus_p99_at_80_us']:.0f} us"
                  if line["domus_p99_at_80_us"] is not None else "")
               + (f", redis {line['redis_p99_at_80_us']:.0f} us"
-                 if redis and line["redis_p99_at_80_us"] is not None else ""))
+                 if redis and line["redis_p99_at_80_us"] is not None else "")
+              + (f", bare C loop {line['bare_loop_p99_at_80_us']:.0f} us"
+                 if line.get("bare_loop_p99_at_80_us") is not None else ""))
     return out
 
 
@@ -313,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     results["domus"] = measure_domus(args, points)
     results["redis"] = None if args.no_redis else measure_redis(args, points,
                                                                  results["domus"]["peaks"])
-    results["bare_loop"] = measure_floor(args)
+    results["bare_loop"] = measure_floor(args, points)
     if args.put1_seconds > 0:
         results["put1_cpu"] = measure_put1_cpu(args.put1_seconds, args.insecure)
     results["summary"] = summary(results)
