@@ -13,8 +13,11 @@ process's heap behaves differently, its large blocks given back or not).
 Domus: a local deployment (supervisor + one service), secure by default
 (every TCP frame authenticated; ``--insecure`` without the secret), a RAM
 DHT on ``--platform`` with codec ``--codec`` (msgpack, what users get by
-default, or raw).  Redis: a redis-server started here on a free port
-(no persistence), redis-py with hiredis, stopped by PID.
+default, or raw), driven by the blocking client or (``--client aio``) the
+asyncio one, its requests awaited one at a time on an event loop run for
+the while (a latency is the await's own).  Redis: a redis-server started
+here on a free port (no persistence), redis-py with hiredis, stopped by
+PID.
 
 Memory: the service's RSS before the sizes and after each one, and its peak
 (VmHWM, which only grows: sizes run from small to large, so the peak after a
@@ -25,6 +28,7 @@ costs its size; anything above that in the peak is copies in flight.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -33,17 +37,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psutil
 
+import domus.aio
 from benchmarks.provenance import machine
 from domus.ops.deploy import LocalDeployment, free_port_block
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = "64K,256K,1M,4M,10M,16M"
 MSGPACK_BIN32_HEADER = 5    # a msgpack bin 32 header: what the default codec adds
+CLIENTS = ("blocking", "aio")
 ROUNDS = 10                 # Domus and Redis take turns this many times per size
 
 
@@ -86,6 +92,42 @@ def timed(operation: Callable[[], Any], seconds: float, minimum: int,
         if drop:
             result = None
     return latencies
+
+
+async def timed_async(operation: Callable[[], Awaitable[Any]], seconds: float, minimum: int,
+                      check: Callable[[Any], None], drop: bool = False) -> list[float]:
+    """``timed`` of a coroutine function, on the running loop: each latency
+    is that of one ``await operation()``."""
+    latencies = []
+    started = time.perf_counter()
+    while len(latencies) < minimum or time.perf_counter() - started < seconds:
+        begin = time.perf_counter()
+        result = await operation()
+        latencies.append(time.perf_counter() - begin)
+        check(result)
+        if drop:
+            result = None
+    return latencies
+
+
+class AioDomus:
+    """The DHT ``name`` through the asyncio client, on an event loop of its
+    own that runs only while a batch of requests is timed."""
+
+    def __init__(self, address: str, secret_file: str | None, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.cluster = self.loop.run_until_complete(
+            domus.aio.connect(address, timeout=10.0, secret_file=secret_file))
+        self.dht = self.loop.run_until_complete(self.cluster.open_dht(name))
+
+    def timed(self, operation: Callable[[], Awaitable[Any]], seconds: float, minimum: int,
+              check: Callable[[Any], None], drop: bool = False) -> list[float]:
+        return self.loop.run_until_complete(timed_async(operation, seconds, minimum, check,
+                                                        drop))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.cluster.close())
+        self.loop.close()
 
 
 def memory_of(pid: int) -> dict[str, int]:
@@ -138,9 +180,11 @@ class RedisServer:
 
 
 def measure(sizes: list[int], seconds: float, minimum: int, codec: str, platform: str,
-            insecure: bool, with_redis: bool, drop: bool = False) -> dict[str, Any]:
+            insecure: bool, with_redis: bool, drop: bool = False,
+            client: str = "blocking") -> dict[str, Any]:
     data_dir = tempfile.mkdtemp(prefix="domus-large-")
     redis_server = RedisServer() if with_redis else None
+    aio: AioDomus | None = None
     rows = []
     try:
         with LocalDeployment(1, port=free_port_block(2), data_dir=data_dir,
@@ -150,6 +194,9 @@ def measure(sizes: list[int], seconds: float, minimum: int, codec: str, platform
                                      codec=codec)
             service_pid = deployment.services["s1"].pid
             dht.put("warm-up", b"x" * 100_000)      # (opens the TCP connection)
+            if client == "aio":
+                aio = AioDomus(deployment.supervisor_address, deployment.secret_file, "large")
+                aio.timed(lambda: aio.dht.get("warm-up"), 0.0, 1, lambda _r: None)  # (its TCP)
             dht.delete("warm-up")
             before = memory_of(service_pid)
             print(f"service RSS before: {before['rss'] / MIB:.1f} MiB "
@@ -175,9 +222,16 @@ def measure(sizes: list[int], seconds: float, minimum: int, codec: str, platform
                 # machine (it is shared: its load moves).
                 share, least = seconds / ROUNDS, max(1, -(-minimum // ROUNDS))
                 for _round in range(ROUNDS):
-                    domus_put += timed(lambda key=key, value=value: dht.put(key, value),
-                                       share, least, lambda _r: None)
-                    domus_get += timed(lambda key=key: dht[key], share, least, same, drop)
+                    if aio is not None:
+                        domus_put += aio.timed(lambda key=key, value=value, adht=aio.dht:
+                                               adht.put(key, value),
+                                               share, least, lambda _r: None)
+                        domus_get += aio.timed(lambda key=key, adht=aio.dht: adht.getitem(key),
+                                               share, least, same, drop)
+                    else:
+                        domus_put += timed(lambda key=key, value=value: dht.put(key, value),
+                                           share, least, lambda _r: None)
+                        domus_get += timed(lambda key=key: dht[key], share, least, same, drop)
                     if redis_server is not None:
                         redis_client = redis_server.client
                         redis_put += timed(lambda key=key, value=value, client=redis_client:
@@ -195,6 +249,8 @@ def measure(sizes: list[int], seconds: float, minimum: int, codec: str, platform
                 print(line(row), flush=True)
             final = memory_of(service_pid)
     finally:
+        if aio is not None:
+            aio.close()
         if redis_server is not None:
             redis_server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -241,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--insecure", action="store_true",
                         help="Domus without its secret (no frame authentication)")
     parser.add_argument("--no-redis", action="store_true", help="Domus only")
+    parser.add_argument("--client", choices=CLIENTS, default="blocking",
+                        help="the Domus client driven: the blocking one or the asyncio one "
+                             "(aio)")
     parser.add_argument("--drop", action="store_true",
                         help="let each value read go before the next GET (default: hold "
                              "it until the next replaces it, as a loop's variable does)")
@@ -250,12 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     provenance = machine()
     print(f"# {provenance['date']}, commit {provenance['commit']}, load "
           f"{provenance['load_average']} (the machine is shared)", flush=True)
-    print(f"# codec {args.codec}, platform {args.platform}, "
+    print(f"# {args.client} client, codec {args.codec}, platform {args.platform}, "
           f"{'insecure' if args.insecure else 'secure (frames authenticated)'}"
           f"{', each value read dropped before the next GET' if args.drop else ''}", flush=True)
     results = measure(sizes, args.seconds, args.min_ops, args.codec, args.platform,
-                      args.insecure, not args.no_redis, args.drop)
-    results.update(provenance=provenance, codec=args.codec, platform=args.platform,
+                      args.insecure, not args.no_redis, args.drop, args.client)
+    results.update(provenance=provenance, client=args.client, codec=args.codec,
+                   platform=args.platform,
                    secure=not args.insecure, drop=args.drop, seconds=args.seconds,
                    min_ops=args.min_ops,
                    load_average_after=[round(load, 2) for load in os.getloadavg()])
