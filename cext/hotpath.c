@@ -193,6 +193,14 @@ typedef struct {
     PyObject *no_overwrite;     /* the flags that make put refuse a key */
     PyObject *key_exists;       /* what put raises when it refuses */
     PyObject *not_found;        /* what delete raises for an absent key */
+    /* A bytearray shared by the repositories of one cache that cannot
+     * evict (a RAM environment's), or NULL: its first byte is set when a
+     * put found the cache full (it raised MemoryError or `no_memory`), and
+     * cleared when a delete gives room back.  While it is set, puts fail
+     * at once rather than have Berkeley DB search its cache for room for
+     * four seconds, each time, to fail anyway. */
+    PyObject *room;
+    PyObject *no_memory;
     Py_ssize_t record_count;
 } DatabaseRepository;
 
@@ -539,6 +547,28 @@ database_contains(DatabaseRepository *db, PyObject *key)
     return present;
 }
 
+/* Whether the repository's cache was found full (see `room`). */
+static inline int
+database_full(const DatabaseRepository *db)
+{
+    return db->room != NULL && PyByteArray_GET_SIZE(db->room) > 0
+           && PyByteArray_AS_STRING(db->room)[0] != 0;
+}
+
+/* A put failed with the exception set: if for lack of room in the cache,
+ * the cache is noted full (see `room`).  Keeps the exception. */
+static void
+database_note_failure(DatabaseRepository *db)
+{
+    if (db->room == NULL || PyByteArray_GET_SIZE(db->room) == 0) {
+        return;
+    }
+    if (PyErr_ExceptionMatches(PyExc_MemoryError)
+            || (db->no_memory != NULL && PyErr_ExceptionMatches(db->no_memory))) {
+        PyByteArray_AS_STRING(db->room)[0] = 1;
+    }
+}
+
 /* BerkeleyRepository.put: a put that refuses an existing key, then, if it
  * did, one that overwrites it.  1 if the key was new (counted), 0 if its
  * value was replaced, FAILED (nothing changed).  With `previous`, a
@@ -548,6 +578,9 @@ static int
 database_put(DatabaseRepository *db, PyObject *key, PyObject *value,
              PyObject **previous)
 {
+    if (database_full(db)) {
+        return FAILED;      /* (Python refuses it, saying why, at once) */
+    }
     PyObject *args[4] = {key, value, Py_None, db->no_overwrite};
     PyObject *done = database_call(db->put, args, 4);
     if (done != NULL) {
@@ -556,6 +589,9 @@ database_put(DatabaseRepository *db, PyObject *key, PyObject *value,
         return 1;
     }
     int refused = PyErr_ExceptionMatches(db->key_exists);
+    if (!refused) {
+        database_note_failure(db);
+    }
     PyErr_Clear();
     if (!refused) {
         return FAILED;
@@ -566,6 +602,7 @@ database_put(DatabaseRepository *db, PyObject *key, PyObject *value,
     }
     done = database_call(db->put, args, 2);
     if (done == NULL) {
+        database_note_failure(db);
         PyErr_Clear();
         Py_XDECREF(old);
         return FAILED;
@@ -585,6 +622,9 @@ database_remove(DatabaseRepository *db, PyObject *key)
     if (done != NULL) {
         Py_DECREF(done);
         db->record_count--;
+        if (database_full(db)) {
+            PyByteArray_AS_STRING(db->room)[0] = 0;     /* (room given back) */
+        }
         return 1;
     }
     int absent = PyErr_ExceptionMatches(db->not_found);
@@ -2100,7 +2140,13 @@ undo_puts(Entry *entries, Py_ssize_t applied)
             continue;
         }
         if (entry->created) {
+            /* (room an undo gives back was only just taken: a cache found
+             * full stays so) */
+            int full = database_full(db);
             (void)database_remove(db, key);
+            if (full) {
+                PyByteArray_AS_STRING(db->room)[0] = 1;
+            }
         }
         else if (entry->previous != NULL) {
             PyObject *args[2] = {key, entry->previous};
@@ -2538,13 +2584,23 @@ DatabaseRepository_init(DatabaseRepository *self, PyObject *args,
                         PyObject *kwds)
 {
     static char *kwlist[] = {"database", "no_overwrite", "key_exists",
-                             "not_found", NULL};
+                             "not_found", "room", "no_memory", NULL};
     PyObject *database, *no_overwrite = NULL;
     PyObject *key_exists = NULL, *not_found = NULL;
+    PyObject *room = Py_None, *no_memory = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwds,
-                                     "O|$O!OO:DatabaseRepository", kwlist,
+                                     "O|$O!OOOO:DatabaseRepository", kwlist,
                                      &database, &PyLong_Type, &no_overwrite,
-                                     &key_exists, &not_found)) {
+                                     &key_exists, &not_found, &room, &no_memory)) {
+        return -1;
+    }
+    if (room != Py_None && (!PyByteArray_Check(room) || PyByteArray_GET_SIZE(room) < 1)) {
+        PyErr_SetString(PyExc_TypeError, "room must be a bytearray of at least one byte, "
+                        "or None");
+        return -1;
+    }
+    if (no_memory != Py_None && !is_exception_class(no_memory)) {
+        PyErr_SetString(PyExc_TypeError, "no_memory must be an exception class or None");
         return -1;
     }
     if (no_overwrite == NULL || key_exists == NULL || not_found == NULL) {
@@ -2578,6 +2634,8 @@ DatabaseRepository_init(DatabaseRepository *self, PyObject *args,
     Py_XSETREF(self->key_exists, key_exists);
     Py_INCREF(not_found);
     Py_XSETREF(self->not_found, not_found);
+    Py_XSETREF(self->room, room != Py_None ? Py_NewRef(room) : NULL);
+    Py_XSETREF(self->no_memory, no_memory != Py_None ? Py_NewRef(no_memory) : NULL);
     self->record_count = 0;
     return 0;
 }
@@ -2593,6 +2651,8 @@ DatabaseRepository_traverse(DatabaseRepository *self, visitproc visit,
     Py_VISIT(self->no_overwrite);
     Py_VISIT(self->key_exists);
     Py_VISIT(self->not_found);
+    Py_VISIT(self->room);
+    Py_VISIT(self->no_memory);
     return 0;
 }
 
@@ -2606,6 +2666,8 @@ DatabaseRepository_clear(DatabaseRepository *self)
     Py_CLEAR(self->no_overwrite);
     Py_CLEAR(self->key_exists);
     Py_CLEAR(self->not_found);
+    Py_CLEAR(self->room);
+    Py_CLEAR(self->no_memory);
     return 0;
 }
 
@@ -2625,7 +2687,8 @@ static PyMemberDef DatabaseRepository_members[] = {
 };
 
 PyDoc_STRVAR(DatabaseRepository_doc,
-"DatabaseRepository(database, *, no_overwrite, key_exists, not_found)\n\n"
+"DatabaseRepository(database, *, no_overwrite, key_exists, not_found,\n"
+"                   room=None, no_memory=None)\n\n"
 "Base of a repository whose records are in `database`, an object with\n"
 "Berkeley DB's calling conventions whose methods are written in C:\n"
 "get(key) -> bytes or None; put(key, value, txn, flags), which with\n"
@@ -2635,7 +2698,12 @@ PyDoc_STRVAR(DatabaseRepository_doc,
 "methods directly, not the subclass's put/get/delete/contains, which must\n"
 "therefore mean exactly that (BerkeleyRepository's do).  A failed call\n"
 "makes FastPath undo the request's changes and decline it.\n"
-"`record_count` starts at 0; whoever changes the database keeps it.");
+"`record_count` starts at 0; whoever changes the database keeps it.\n"
+"`room`, a bytearray shared by the repositories of a cache that cannot\n"
+"evict (a RAM environment's): its first byte is set when a put raises\n"
+"MemoryError or `no_memory` (the cache is full), and cleared when a\n"
+"delete succeeds; while it is set, FastPath tries no put (it declines\n"
+"them at once) and the subclass must refuse them as at once.");
 
 static PyTypeObject DatabaseRepositoryType = {
     PyVarObject_HEAD_INIT(NULL, 0)

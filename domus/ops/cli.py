@@ -71,6 +71,7 @@ _MOVES = _number(int, 1, 1_000_000, "moves per round")
 _PERCENT = _number(float, 0.0, 1e6, "percentages")
 _CORES = _number(float, 0.01, 1e6, "cores")
 _BYTES = _number(int, 1, 2 ** 62, "sizes in bytes")
+_CACHE_BYTES = _number(int, 0, 2 ** 62, "cache sizes in bytes")
 _CONNECTIONS = _number(int, 1, 1_000_000, "connection counts")
 _SCANS = _number(int, 1, 100_000_000, "scan counts")
 _KEYS = _number(int, 1, 2 ** 40, "key counts")
@@ -937,6 +938,10 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="N", help="replies of changes kept so that a retry is applied "
                         "once; N/2 changes per 15 s at most, past that BUSY (about 30 bytes "
                         "each with the C path, 155 without; default %(default)s)")
+    bounds.add_argument("--bdb-ram-cache", type=_CACHE_BYTES, default=limits.BDB_RAM_CACHE,
+                        metavar="BYTES", help="the Berkeley DB cache of each RAM DHT stored "
+                        "in Berkeley DB: the most this service holds of it (0: half the "
+                        "machine's memory, at most 4 GiB; default %(default)s)")
     bounds.add_argument("--spin", type=_SPIN, default=limits.SPIN, metavar="SECONDS",
                         help="once its socket is empty, the serving thread reads it again "
                         "for this long, yielding the CPU, before it sleeps (0: sleep at "

@@ -38,6 +38,7 @@ from typing import Any
 
 from twisted.logger import Logger
 
+import domus.storage
 from domus.errors import ProtocolError
 from domus.service import holdings, hotpath
 from domus.service.hosted import MAX_NUMBERING, HostedDht
@@ -224,6 +225,8 @@ class RequestHandler:
                                          "shed": 0, "scans_forgotten": 0,
                                          "storage_full": 0}
         self.limits = limits
+        # (one service a process: its RAM Berkeley DB DHTs' cache is its own)
+        domus.storage.bdb_ram_cache_bytes = limits.bdb_ram_cache
         # Open scans, least recently used first; their number per client
         # id; the shared snapshots by (DHT id, bucket); the keys held by
         # all snapshots in use.

@@ -45,6 +45,11 @@ SHED_AFTER = 0.1
 # the development VM a sleep and a wakeup cost more CPU than a request
 # (benchmarks.capacity, put1 CPU: docs/operations.md, Bounds).
 SPIN = 20e-6
+# The Berkeley DB cache of each RAM DHT stored in Berkeley DB, in bytes:
+# the most this service holds of such a DHT (0: half the machine's memory,
+# at most 4 GiB; domus.storage.bsddb.ram_cache_bytes).
+BDB_RAM_CACHE = 0
+BDB_RAM_CACHE_MIN = 1 << 20
 
 
 def descriptor_headroom() -> int:
@@ -71,6 +76,7 @@ class Limits:
     shed_after: float = SHED_AFTER
     reply_cache_entries: int = REPLY_CACHE_ENTRIES
     spin: float = SPIN
+    bdb_ram_cache: int = BDB_RAM_CACHE
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -85,6 +91,9 @@ class Limits:
         for name in ("idle_timeout", "write_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"limit {name} must be more than 0 seconds")
+        if 0 < self.bdb_ram_cache < BDB_RAM_CACHE_MIN:
+            raise ValueError(f"limit bdb_ram_cache must be 0 (automatic) or at least "
+                             f"{BDB_RAM_CACHE_MIN} bytes, not {self.bdb_ram_cache}")
 
     @property
     def connections(self) -> int:
@@ -104,7 +113,7 @@ FLAGS = {
     "input_budget": "--input-budget", "max_scans": "--max-scans",
     "max_scan_keys": "--max-scan-keys", "udp_reply_factor": "--udp-reply-factor",
     "shed_after": "--shed-after", "reply_cache_entries": "--reply-cache-entries",
-    "spin": "--spin",
+    "spin": "--spin", "bdb_ram_cache": "--bdb-ram-cache",
 }
 
 

@@ -42,7 +42,8 @@ class _DatabaseRepository:
     methods from C, so nothing else is kept)."""
 
     def __init__(self, database: Any, *, no_overwrite: int, key_exists: type[BaseException],
-                 not_found: type[BaseException]) -> None:
+                 not_found: type[BaseException], room: bytearray | None = None,
+                 no_memory: type[BaseException] | None = None) -> None:
         self.record_count = 0
 
 
@@ -63,7 +64,10 @@ if os.environ.get("DOMUS_PURE_PYTHON") != "1":
 # smaller.  A private environment's cache is reserved, not touched, until
 # pages fill it; what it costs up front is its bookkeeping (measured: 28 MiB
 # of RSS for 4 GiB, 92 MiB for 12 GiB).  A RAM DHT fuller than that gets
-# MemoryError from Berkeley DB.
+# MemoryError from Berkeley DB, which first looks for room for four seconds
+# (it cannot evict a RAM database's pages; it sleeps a second four times):
+# so once a put has found the cache full, its store says so (``room``) and
+# refuses puts at once, in C and in Python, until a delete gives room back.
 DISK_CACHE_BYTES = 32 * 1024 * 1024
 RAM_CACHE_MAX = 4 << 30
 _GIGABYTE = 1 << 30
@@ -112,6 +116,14 @@ def fault(label: str, exc: BaseException, where: str, cache_bytes: int,
 
 
 def ram_cache_bytes() -> int:
+    """A RAM environment's cache: the service's --bdb-ram-cache
+    (domus.storage.bdb_ram_cache_bytes), else RAM_CACHE_MAX or half the
+    machine's memory, whichever is smaller, but not under 256 MiB."""
+    import domus.storage
+
+    configured = domus.storage.bdb_ram_cache_bytes
+    if configured:
+        return int(configured)
     return max(256 << 20, min(RAM_CACHE_MAX, psutil.virtual_memory().total // 2))
 
 
@@ -142,9 +154,13 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
 
     def __init__(self, database: db.DB, ordered: bool, name: str, label: str,
                  environment: db.DBEnv | None = None, where: str = "in memory",
-                 cache_bytes: int = 0) -> None:
+                 cache_bytes: int = 0, room: bytearray | None = None) -> None:
         super().__init__(database, no_overwrite=db.DB_NOOVERWRITE,
-                         key_exists=db.DBKeyExistError, not_found=db.DBNotFoundError)
+                         key_exists=db.DBKeyExistError, not_found=db.DBNotFoundError,
+                         room=room, no_memory=db.DBNoMemoryError)
+        # Its store's: the first byte set while its cache is full (see
+        # RAM_CACHE_MAX), shared with the C path; None for a disk store.
+        self._room = room
         self._db = database
         self._env = environment      # a transactional one, or None
         self.ordered = ordered
@@ -176,6 +192,13 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
                                 f"({self.where}): free space there or delete records")
 
     def put(self, key: bytes, value: bytes) -> bool:
+        room = self._room
+        if room is not None and room[0]:
+            raise StorageFullFault(
+                f"{self.label}: its Berkeley DB cache ({self.cache_bytes >> 20} MiB, "
+                f"{self.where}) is full: a put found no room in it (Cannot allocate memory), "
+                f"and none is tried until records are deleted; nothing was stored; delete "
+                f"records, or store the DHT on disk")
         try:
             try:
                 self._db.put(key, value, flags=db.DB_NOOVERWRITE)
@@ -183,6 +206,8 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
                 self._db.put(key, value)
                 return False
         except (db.DBError, MemoryError) as exc:
+            if room is not None and isinstance(exc, (MemoryError, db.DBNoMemoryError)):
+                room[0] = 1
             raise self._fault(exc) from exc
         self.record_count += 1
         return True
@@ -201,6 +226,8 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
         except (db.DBError, MemoryError) as exc:
             raise self._fault(exc) from exc
         self.record_count -= 1
+        if self._room is not None:
+            self._room[0] = 0           # (room given back: puts are tried again)
         return True
 
     def apply(self, changes: list[tuple[bytes, bytes | None]], durable: bool = True) -> int:
@@ -374,6 +401,8 @@ class BerkeleyRepository(DatabaseRepository, Repository):  # type: ignore[misc]
         except (db.DBError, MemoryError) as exc:
             raise self._fault(exc) from exc
         self.record_count = 0
+        if self._room is not None:
+            self._room[0] = 0
 
     def close(self) -> None:
         if self._db is not None:
@@ -402,6 +431,9 @@ class BerkeleyStore(Store):
         self._type = db.DB_BTREE if method == "btree" else db.DB_HASH
         self._repos: RBTree = RBTree()
         self.cache_bytes = ram_cache_bytes() if medium == "ram" else DISK_CACHE_BYTES
+        # A RAM cache cannot evict: its first byte is set while it is full
+        # (BerkeleyRepository.put), shared by every bucket's repository.
+        self.room: bytearray | None = bytearray(1) if medium == "ram" else None
         self.base_count = base_count
         self._open_flags = db.DB_CREATE | (db.DB_AUTO_COMMIT if self.transactional else 0)
         self._env = self._open_environment()
@@ -502,7 +534,7 @@ class BerkeleyStore(Store):
         try:
             repo = BerkeleyRepository(database, self.method == "btree", name, label,
                                       self._env if self.transactional else None, where,
-                                      self.cache_bytes)
+                                      self.cache_bytes, self.room)
         except StorageFault:
             database.close()
             raise

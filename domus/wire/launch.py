@@ -125,7 +125,7 @@ OPTIONS: dict[str, dict[str, Callable[[Any, str], Any] | None]] = {
         "--input-budget": _whole(1, 1 << 62), "--max-scans": _whole(1, 100_000_000),
         "--max-scan-keys": _whole(1, 1 << 40), "--udp-reply-factor": _whole(0, 65_507),
         "--shed-after": _wait, "--reply-cache-entries": _whole(2, 1 << 32),
-        "--spin": _wait,
+        "--spin": _wait, "--bdb-ram-cache": _whole(0, 1 << 62),
     },
 }
 

@@ -782,6 +782,48 @@ def test_database_repositories_need_c_methods_and_their_conventions():
         environment.close()
 
 
+def test_a_cache_found_full_makes_c_try_no_put_until_a_delete_gives_room_back():
+    """A RAM Berkeley DB cache that a put found full (``room``, shared by
+    its store's repositories) is not searched again by every put, four
+    seconds each: C declines puts at once (Python refuses them, saying
+    why), and a delete clears it."""
+    from berkeleydb import db
+
+    conventions = {"no_overwrite": db.DB_NOOVERWRITE, "key_exists": db.DBKeyExistError,
+                   "not_found": db.DBNotFoundError}
+    environment = db.DBEnv()
+    environment.open(None, db.DB_CREATE | db.DB_INIT_MPOOL | db.DB_PRIVATE)
+    database = db.DB(environment)
+    database.open(None, None, db.DB_BTREE, db.DB_CREATE)
+    try:
+        with pytest.raises(TypeError, match="room must be a bytearray"):
+            _hotpath.DatabaseRepository(database, **conventions, room=b"\x00")
+        with pytest.raises(TypeError, match="room must be a bytearray"):
+            _hotpath.DatabaseRepository(database, **conventions, room=bytearray())
+        with pytest.raises(TypeError, match="no_memory must be an exception class"):
+            _hotpath.DatabaseRepository(database, **conventions, no_memory="oops")
+        room = bytearray(1)
+        repo = _hotpath.DatabaseRepository(database, **conventions, room=room,
+                                           no_memory=db.DBNoMemoryError)
+        fast = _hotpath.FastPath({DHT_ID: ({0: repo}, 0)}, new_cache())
+        assert fast.handle(keyed(wire.OP_PUT, b"k", b"v", request_id=1)) == \
+            wire.reply(wire.ST_OK, 1, b"\x01")
+        room[0] = 1
+        assert fast.handle(keyed(wire.OP_PUT, b"k2", b"v", request_id=2)) is None
+        assert fast.handle(keyed(wire.OP_PUT, b"k", b"w", request_id=3)) is None
+        assert database.get(b"k2") is None and database.get(b"k") == b"v"
+        assert fast.handle(keyed(wire.OP_GET, b"k")) == wire.reply(wire.ST_OK, 1, b"v")
+        assert repo.record_count == 1 and room[0] == 1
+        assert fast.handle(keyed(wire.OP_DELETE, b"k", request_id=4)) == \
+            wire.reply(wire.ST_OK, 4)
+        assert room[0] == 0
+        assert fast.handle(keyed(wire.OP_PUT, b"k2", b"v", request_id=5)) == \
+            wire.reply(wire.ST_OK, 5, b"\x01")
+    finally:
+        database.close()
+        environment.close()
+
+
 # ------------------------------------------------------------ random requests
 
 KEYS = [b"\x03a", b"\x03b", b"\x04\x00", b"\x01" + bytes(8), b"k" * 300]
