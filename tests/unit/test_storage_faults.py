@@ -128,7 +128,8 @@ def test_a_full_disk_gives_a_storage_error_and_keeps_what_was_stored(small_disk)
 
 def test_a_full_ram_cache_gives_a_storage_error_and_keeps_what_was_stored(monkeypatch):
     # (Berkeley DB looks for room for 4 s before it fails a put; the C path
-    # declines such a put, and the Python handler tries it again.)
+    # declines such a put, noting the cache full, and the Python handler
+    # refuses it, and every later put, at once: test_full_ram_cache.py.)
     monkeypatch.setattr(bsddb, "ram_cache_bytes", lambda: 1 << 20)
     handler = RequestHandler("s1")
     handler.assign(descriptor(storage="ram"))
