@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import heapq
+import io
 import ipaddress
 import itertools
 import math
@@ -84,34 +85,324 @@ __all__ = ["connect", "AioCluster", "AioDht", "AioChannel", "DatagramRequests", 
 
 # ------------------------------------------------------------ framed TCP
 
-async def _read_frame(reader: asyncio.StreamReader, limit: int = wire.MAX_FRAME_BYTES,
-                      session: auth.Session | None = None, value_reply: bool = False) -> bytes:
-    """The next frame's message (its tag checked and dropped); with
-    ``value_reply`` (the reply to a GET) a large one whose value is msgpack
-    bin 32 is a transport.ValueReply, its value read apart (not copied out
-    of the frame once more to decode it)."""
-    (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-    if size > limit + auth.TAG_BYTES:
-        raise ProtocolError(f"peer sent a {size}-byte frame, over the {limit}-byte limit")
-    split = transport.value_reply_split(size, session) if value_reply else 0
-    if split:
-        body = size - (auth.TAG_BYTES if session is not None else 0)
-        head = await reader.readexactly(split)
-        rest = await reader.readexactly(body - split)
-        transport.checked(session, head, rest, await reader.readexactly(auth.TAG_BYTES)
-                          if session is not None else b"")
-        return transport.value_reply(head, rest)
-    if session is None:
-        return await reader.readexactly(size)
-    if size < auth.TAG_BYTES:
-        return session.open(await reader.readexactly(size))     # (raises)
-    # (The frame and its tag apart: the frame is not copied to drop its tag.)
-    frame = await reader.readexactly(size - auth.TAG_BYTES)
-    session.check(frame, await reader.readexactly(auth.TAG_BYTES))
-    return frame
+# A _Link reads its connection with a BufferedProtocol (_FrameReader), not a
+# StreamReader, so that a large frame is copied once on its way in: by the
+# kernel, into the bytes handed on.  asyncio's StreamReader copied each byte
+# three times (the transport's chunk, its buffer, readexactly's slice).
+# Once a frame's length prefix has come, each part of the frame (its
+# message; or a GET reply's head and value, split as the blocking client
+# splits them, transport.value_reply_split; then its tag, when sealed) gets
+# a buffer of its own at its exact size (_Part), and the socket is read
+# straight into a part of INPUT_BYTES or more.  Length prefixes, small
+# parts and small frames go through one input buffer, many frames a read;
+# it never reads past the start of a large part, and while a GET's reply is
+# awaited it reads no further than the reply's head, so that the first
+# bytes of a large value are not copied out of it.
+INPUT_BYTES = 16 * 1024
 
 
-def _write_frame(writer: asyncio.StreamWriter, message: bytes,
+class _Part:
+    """``size`` bytes of a frame, written where they land (``view``), then
+    taken (``take``) as bytes with no copy: the bytes object is made
+    first, zeroed, and written through a BytesIO that holds it, whose
+    ``getvalue`` gives back that very object once no view of it is left.
+    (Were a view left, ``getvalue`` would copy: slower, never wrong.)"""
+
+    __slots__ = ("size", "filled", "view", "_file")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.filled = 0
+        self._file = io.BytesIO(bytes(size))
+        self.view = self._file.getbuffer()
+
+    def take(self) -> bytes:
+        self.view.release()
+        return self._file.getvalue()
+
+
+class _Incoming:
+    """A frame whose length prefix has come, ``size`` bytes (its tag
+    included when ``session``), split after ``split`` bytes of its message
+    when not 0: its parts, filled in order as bytes come; when sealed, the
+    message's bytes hashed for the tag as they come (auth.Session.receiving)."""
+
+    __slots__ = ("parts", "index", "split", "sealed", "hashed")
+
+    def __init__(self, size: int, session: auth.Session | None, split: int) -> None:
+        self.hashed = session.receiving() if session is not None and \
+            size >= auth.TAG_BYTES else None
+        self.sealed = self.hashed is not None
+        body = size - auth.TAG_BYTES if self.sealed else size
+        sizes = [split, body - split] if split else [body]
+        if self.sealed:
+            sizes.append(auth.TAG_BYTES)
+        self.parts = [_Part(part_size) for part_size in sizes]
+        self.split = split
+        self.index = 0              # (the part under way)
+        self._advance()
+
+    @property
+    def done(self) -> bool:
+        return self.index == len(self.parts)
+
+    def fill(self, data: memoryview) -> int:
+        """Copy the frame's next bytes from ``data``; how many it took."""
+        taken = 0
+        while not self.done and taken < len(data):
+            part = self.parts[self.index]
+            count = min(part.size - part.filled, len(data) - taken)
+            part.view[part.filled:part.filled + count] = data[taken:taken + count]
+            self.filled(count)
+            taken += count
+        return taken
+
+    def lend(self) -> memoryview | None:
+        """Where the socket may write the rest of the part under way, when
+        it is large; None: it goes through the input buffer."""
+        part = self.parts[self.index]
+        return part.view[part.filled:] if part.size >= INPUT_BYTES else None
+
+    def ahead(self) -> int | None:
+        """How many bytes may go through the input buffer before a large
+        part begins (None: no large part is left)."""
+        count = 0
+        for part in self.parts[self.index:]:
+            if part.size >= INPUT_BYTES:
+                return count
+            count += part.size - part.filled
+        return None
+
+    def filled(self, count: int) -> None:
+        """The part under way has ``count`` bytes more."""
+        part = self.parts[self.index]
+        if self.hashed is not None and self.index < len(self.parts) - 1:
+            self.hashed.update(part.view[part.filled:part.filled + count])
+        part.filled += count
+        self._advance()
+
+    def _advance(self) -> None:
+        while self.index < len(self.parts) and self.parts[self.index].filled == \
+                self.parts[self.index].size:
+            self.index += 1
+
+    def tag(self) -> bytes:
+        return self.parts[-1].take()
+
+    def message(self) -> bytes:
+        """The frame without its tag: a GET reply split in two is
+        transport.value_reply's (a ValueReply, or the two parts joined)."""
+        body = self.parts[:-1] if self.sealed else self.parts
+        if self.split:
+            return transport.value_reply(body[0].take(), body[1].take())
+        return body[0].take()
+
+
+class _FrameReader(asyncio.BufferedProtocol):
+    """A _Link's protocol: the frames of the connection, in order
+    (``read``), each checked against the limit (``limit``, by its length
+    prefix, before any of it is read) and, once the handshake has given a
+    session, against its tag; the error that ends the reading (a frame over
+    the limit, a tag that does not check, the peer's close: ConnectionError)
+    closes the connection and comes after the frames before it.  The
+    handshake (``connecting``, domus.wire.auth) is answered as its frames
+    come, so the session is known before any byte after the verdict is
+    read.  ``value_reply``: a GET's reply is awaited (its frame read as
+    transport.value_reply_split says).  Writes are paused past the
+    transport's high-water mark (``drain``)."""
+
+    def __init__(self, connecting: auth.Connecting | None = None,
+                 session: auth.Session | None = None) -> None:
+        self.transport: asyncio.BaseTransport | None = None
+        self.connecting = connecting
+        self.session = session
+        self.limit = 4096 if connecting is not None else wire.MAX_FRAME_BYTES
+        self.value_reply = False
+        self.frames: deque[bytes | _Incoming] = deque()
+        self.failure: BaseException | None = None
+        self._input = bytearray(INPUT_BYTES)
+        self._input_view = memoryview(self._input)
+        self._start = self._end = 0         # (what of the input is not taken yet)
+        self._incoming: _Incoming | None = None
+        self._lent = False                  # (the last buffer given is a large part's)
+        self._waiter: asyncio.Future | None = None
+        self._paused = False
+        self._drained: asyncio.Future | None = None
+
+    # -- the frames
+    async def read(self) -> bytes:
+        """The next frame's message (its tag checked and dropped); once
+        every frame that came is read, the error that ended the reading."""
+        if not self.frames and self.failure is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self.frames:
+            item = self.frames.popleft()
+            return item if isinstance(item, bytes) else item.message()
+        raise self.failure.with_traceback(None)     # type: ignore[union-attr]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        incoming = self._incoming
+        ahead: int | None = None
+        if incoming is not None and self.failure is None:
+            lent = incoming.lend()
+            if lent is not None:
+                self._lent = True
+                return lent
+            ahead = incoming.ahead()
+        elif self.value_reply:
+            ahead = FRAME.size + transport.VALUE_HEAD
+        self._lent = False
+        start, end = self._start, self._end
+        if start:       # (part of a length prefix: to the front)
+            self._input[:end - start] = self._input[start:end]
+            self._start, self._end = 0, end - start
+        stop = len(self._input) if ahead is None else min(len(self._input), ahead)
+        return self._input_view[self._end:stop]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.failure is not None:
+            return
+        try:
+            incoming = self._incoming
+            if self._lent and incoming is not None:
+                self._lent = False
+                incoming.filled(nbytes)
+                if incoming.done:
+                    self._incoming = None
+                    self._complete(incoming)
+            else:
+                self._end += nbytes
+                self._parse()
+        except (AuthenticationError, ProtocolError) as exc:
+            self._fail(exc)
+
+    def _parse(self) -> None:
+        """Take every frame the input completes, and what it holds of the
+        frame under way."""
+        view, start, end = self._input_view, self._start, self._end
+        while True:
+            incoming = self._incoming
+            if incoming is None:
+                if end - start < FRAME.size:
+                    break
+                (size,) = FRAME.unpack_from(view, start)
+                start += FRAME.size
+                if size > self.limit + auth.TAG_BYTES:
+                    raise ProtocolError(f"peer sent a {size}-byte frame, over the "
+                                        f"{self.limit}-byte limit")
+                split = transport.value_reply_split(size, self.session) \
+                    if self.value_reply else 0
+                if not split and end - start >= size:
+                    self._deliver(self._whole(view[start:start + size]))
+                    start += size
+                    continue
+                incoming = self._incoming = _Incoming(size, self.session, split)
+            start += incoming.fill(view[start:end])
+            if not incoming.done:
+                break
+            self._incoming = None
+            self._complete(incoming)
+        self._start, self._end = (0, 0) if start == end else (start, end)
+
+    def _whole(self, data: memoryview) -> bytes:
+        """The message of a frame that came whole into the input, its tag
+        checked."""
+        session = self.session
+        if session is None:
+            return bytes(data)
+        if len(data) < auth.TAG_BYTES:
+            return session.open(bytes(data))        # (raises)
+        # (The frame and its tag apart: the frame is not copied to drop its tag.)
+        frame = bytes(data[:-auth.TAG_BYTES])
+        session.check(frame, bytes(data[-auth.TAG_BYTES:]))
+        return frame
+
+    def _complete(self, incoming: _Incoming) -> None:
+        if incoming.hashed is not None:
+            self.session.check_received(incoming.hashed, incoming.tag())  # type: ignore
+        elif self.session is not None:
+            self.session.open(incoming.message())   # (shorter than a tag: raises)
+        self._deliver(incoming)
+
+    def _deliver(self, item: bytes | _Incoming) -> None:
+        if self.connecting is not None:
+            item = item if isinstance(item, bytes) else item.message()
+            self._shake(item)
+        self.frames.append(item)
+        self._wake()
+
+    def _shake(self, frame: bytes) -> None:
+        """A frame of the handshake: the peer's HELLO, answered; then its
+        verdict, which gives the session (the frame stays in ``frames``
+        for the caller, who waits on each)."""
+        connecting = self.connecting
+        assert connecting is not None
+        if not connecting.proved:
+            _write_frame(self.transport, connecting.hello(frame))  # type: ignore[arg-type]
+            return
+        self.session = connecting.verdict(frame)
+        self.connecting = None
+        self.limit = wire.MAX_FRAME_BYTES
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+        self._incoming = None
+        self._start = self._end = 0
+        if self.transport is not None:
+            self.transport.close()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # -- the connection
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def eof_received(self) -> None:
+        if self.failure is None:
+            cut = self._incoming is not None or self._end > self._start
+            self.failure = ConnectionError(
+                f"the peer closed the connection{' mid-frame' if cut else ''}")
+        self._wake()            # (and the transport closes)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.failure is None:
+            self.failure = exc if exc is not None else ConnectionError("connection closed")
+        self._wake()
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    # -- writes
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait until the transport holds no more than its high-water mark
+        (StreamWriter.drain); the reading's error if it has ended."""
+        if self._paused and self.failure is None:
+            self._drained = asyncio.get_running_loop().create_future()
+            try:
+                await self._drained
+            finally:
+                self._drained = None
+        if self.failure is not None:
+            raise self.failure.with_traceback(None)
+
+
+def _write_frame(writer: asyncio.WriteTransport, message: bytes,
                  session: auth.Session | None = None) -> None:
     tag = session.tag(message) if session is not None else b""
     # (One copy of a large message, where the transport joins the pieces.)
@@ -122,11 +413,10 @@ class _Link:
     """One TCP connection that has passed domus.wire.auth's handshake; one
     exchange at a time (``lock``)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 session: auth.Session | None) -> None:
+    def __init__(self, transport: asyncio.Transport, reader: _FrameReader) -> None:
+        self.transport = transport
         self.reader = reader
-        self.writer = writer
-        self.session = session
+        self.session = reader.session
         self.lock = asyncio.Lock()
 
     @classmethod
@@ -135,33 +425,33 @@ class _Link:
         """Connect and shake hands within ``timeout`` seconds: OSError or
         TimeoutError when the peer cannot be reached or stays silent,
         AuthenticationError when either side refuses the other."""
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        connecting = auth.Connecting(keys, peer)
+        transport, reader = await asyncio.wait_for(asyncio.get_running_loop().create_connection(
+            lambda: _FrameReader(connecting), host, port), timeout)
         try:
-            sock = writer.get_extra_info("socket")
+            sock = transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            connecting = auth.Connecting(keys, peer)
-            _write_frame(writer, connecting.hello(
-                await asyncio.wait_for(_read_frame(reader, 4096), timeout)))
-            session = connecting.verdict(await asyncio.wait_for(_read_frame(reader, 4096),
-                                                                timeout))
+            for _frame in ("hello", "verdict"):     # (each answered by the reader as it came)
+                await asyncio.wait_for(reader.read(), timeout)
         except BaseException:
-            writer.close()
+            transport.close()
             raise
-        return cls(reader, writer, session)
+        return cls(transport, reader)
 
     async def exchange(self, message: bytes, timeout: float) -> bytes:
         """Send ``message``, return the frame answering it (same request id);
         a connection cut or timed out mid-way is closed, so the next
         exchange never reads this one's reply."""
         async with self.lock:
+            reader = self.reader
             try:
-                _write_frame(self.writer, message, self.session)
-                await self.writer.drain()
+                reader.value_reply = message[2] == wire.OP_GET
+                _write_frame(self.transport, message, self.session)
+                await reader.drain()
                 while True:
-                    frame = await asyncio.wait_for(
-                        _read_frame(self.reader, session=self.session,
-                                    value_reply=message[2] == wire.OP_GET), timeout)
+                    async with asyncio.timeout(timeout):
+                        frame = await reader.read()
                     if frame[4:8] == message[4:8]:
                         return frame
             except BaseException:
@@ -169,11 +459,11 @@ class _Link:
                 raise
 
     def close(self) -> None:
-        self.writer.close()
+        self.transport.close()
 
     @property
     def closed(self) -> bool:
-        return self.writer.is_closing()
+        return self.transport.is_closing()
 
 
 # ------------------------------------------------------------ datagrams
@@ -670,7 +960,7 @@ class AioChannel(EventedChannel):
                 raise self.unavailable(f"failed over TCP (no answer within "
                                        f"{self.deadline:.1f}s{': ' if str(exc) else ''}{exc})",
                                        dht, bucket) from None
-            except (OSError, ConnectionError, asyncio.IncompleteReadError, ProtocolError) as exc:
+            except (OSError, ConnectionError, ProtocolError) as exc:
                 # One reconnect (the service may have restarted); a retry of
                 # a change is answered from the service's reply cache.
                 if link is not None and link is self._tcp:
@@ -802,8 +1092,7 @@ class AioCluster:
                     f"the Domus supervisor at {self.address} did not answer within "
                     f"{self.timeout:.1f}s; is it running (`domus up` or `domus supervisor`) "
                     f"and not overloaded?") from None
-            except (OSError, ConnectionError, asyncio.IncompleteReadError,
-                    ProtocolError) as exc:
+            except (OSError, ConnectionError, ProtocolError) as exc:
                 raise SupervisorUnreachable(
                     f"cannot reach the Domus supervisor at {self.address}: "
                     f"{getattr(exc, 'strerror', None) or exc}; is it running (`domus up` or "
@@ -829,7 +1118,7 @@ class AioCluster:
                     raise SupervisorUnreachable(
                         f"the Domus supervisor at {self.address} did not answer {op!r} within "
                         f"{wait:.1f}s; check that it is running and not overloaded") from None
-                except (OSError, ConnectionError, asyncio.IncompleteReadError, ProtocolError):
+                except (OSError, ConnectionError, ProtocolError):
                     if attempt == 2:
                         raise SupervisorUnreachable(
                             f"lost the connection to the Domus supervisor at {self.address} "

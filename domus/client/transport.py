@@ -216,7 +216,7 @@ def _recv_whole(sock: socket.socket, size: int) -> bytes:
 # gives back a freed block at the top of its heap once twice the largest
 # block freed lies free there, so the next GET's blocks were fresh pages.
 _BIN32 = 0xC6
-_VALUE_HEAD = wire.REPLY_HEADER_SIZE + 5        # reply header, msgpack bin 32 header
+VALUE_HEAD = wire.REPLY_HEADER_SIZE + 5        # reply header, msgpack bin 32 header
 
 
 class ValueReply(bytes):
@@ -268,7 +268,7 @@ def value_reply_split(size: int, session: auth.Session | None) -> int:
     that answers a GET: where to split it, reading its first bytes and the
     rest apart (``value_reply``); 0 if it is not large enough to."""
     body = size - (auth.TAG_BYTES if session is not None else 0)
-    return _VALUE_HEAD if body >= LARGE_FRAME else 0
+    return VALUE_HEAD if body >= LARGE_FRAME else 0
 
 
 def value_reply(head: bytes, rest: bytes) -> bytes:
@@ -297,8 +297,8 @@ def _recv_value_reply(sock: socket.socket, size: int, session: auth.Session | No
     """The rest of a large frame of ``size`` bytes that answers a GET (see
     ``value_reply``)."""
     body = size - (auth.TAG_BYTES if session is not None else 0)
-    head = _recv_exactly(sock, _VALUE_HEAD)
-    rest = _recv_exactly(sock, body - _VALUE_HEAD)
+    head = _recv_exactly(sock, VALUE_HEAD)
+    rest = _recv_exactly(sock, body - VALUE_HEAD)
     checked(session, head, rest,
             _recv_exactly(sock, auth.TAG_BYTES) if session is not None else b"")
     return value_reply(head, rest)

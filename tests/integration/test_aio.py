@@ -12,7 +12,9 @@ import socket
 import pytest
 
 import domus.aio
+from domus.client.aio import INPUT_BYTES
 from domus.client.evented import WINDOW
+from domus.client.transport import LARGE_FRAME
 from domus.errors import (
     KeyTypeError,
     RemoteError,
@@ -192,30 +194,40 @@ def test_errors_are_domus_errors(shared_cluster, shared_deployment):
     asyncio.run(job())
 
 
-def test_large_values_of_every_kind_come_back_as_they_were(shared_cluster, shared_deployment):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_large_values_of_every_kind_come_back_as_they_were(shared_cluster, shared_deployment,
+                                                           loop):
     # A large GET reply whose value is msgpack bin 32 is read with the value
-    # apart (transport.ValueReply); a str, a list or a raw DHT's value is
-    # decoded from the whole frame.
-    shared_cluster.create_dht("aio-large")
-    shared_cluster.create_dht("aio-large-raw", codec="raw")
+    # apart, into bytes of its own (transport.ValueReply); a str, a list or a
+    # raw DHT's value is decoded from the whole frame.  Sizes about the
+    # reader's thresholds: a datagram, its input buffer, a large frame.
+    shared_cluster.create_dht(f"aio-large-{loop}")
+    shared_cluster.create_dht(f"aio-large-raw-{loop}", codec="raw")
     values = {"str": "é" * 100_000, "list": list(range(40_000)), "bytes": os.urandom(300_000),
-              "nested": [os.urandom(70_000), "x"]}
+              "nested": [os.urandom(70_000), "x"], "4 MiB": os.urandom(4 << 20)}
+    values |= {f"bytes {size}": os.urandom(size) for size in (
+        wire.DEFAULT_MAX_DATAGRAM, INPUT_BYTES * 4 + 1, LARGE_FRAME - 13, LARGE_FRAME)}
     tricky = b"\xc6" + (100_000).to_bytes(4, "big") + os.urandom(100_000)
+    raw_values = {"tricky": tricky, "raw": os.urandom(1 << 20)}
 
     async def job() -> None:
         async with domus.aio.connect(shared_deployment.supervisor_address) as cluster:
-            dht = await cluster.open_dht("aio-large")
+            dht = await cluster.open_dht(f"aio-large-{loop}")
             for key, value in values.items():
                 await dht.put(key, value)
             for key, value in values.items():
                 got = await dht.get(key)
                 assert got == value and type(got) is type(value)
                 assert await dht.getitem(key) == value
-            raw = await cluster.open_dht("aio-large-raw")
-            await raw.put("tricky", tricky)
-            assert await raw.get("tricky") == tricky
+            assert await asyncio.gather(*(dht.get(key) for key in values)) == list(
+                values.values())
+            raw = await cluster.open_dht(f"aio-large-raw-{loop}")
+            for key, value in raw_values.items():
+                await raw.put(key, value)
+                got = await raw.get(key)
+                assert got == value and type(got) is bytes
 
-    asyncio.run(job())
+    run(loop, job())
 
 
 def test_a_silent_service_and_an_absent_supervisor_are_clear_errors(shared_deployment):

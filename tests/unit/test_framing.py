@@ -2,11 +2,11 @@
 service, the supervisor and the Twisted client read with it) against
 Twisted's Int32StringReceiver, the reference it replaces, and the blocking
 client's gathered sends and whole receives (domus.client.transport), sealed
-and not, on real sockets."""
+and not, on real sockets.  (The asyncio client's frame reader is
+test_aiolink.py's.)"""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import socket
 import struct
@@ -293,28 +293,6 @@ def test_a_large_get_reply_gets_its_value_in_bytes_of_its_own(pair, sealed, size
 def test_any_other_reply_to_a_get_is_the_frame_as_it_came(pair, sealed, message):
     reply = received(pair, message, sealed, value_reply=True)
     assert type(reply) is bytes and reply == message
-
-
-@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "insecure"])
-def test_the_asyncio_client_reads_a_large_get_reply_as_the_blocking_one_does(sealed):
-    from domus.client import aio
-
-    value = random.Random(5).randbytes(200_000)
-    messages = [get_reply(value), get_reply(bytes(100_000), status=wire.ST_MOVING)]
-
-    async def read() -> list[bytes]:
-        sending, receiving = sessions() if sealed else (None, None)
-        reader = asyncio.StreamReader()
-        for message in messages:
-            tag = sending.tag(message) if sealed else b""
-            reader.feed_data(struct.pack(">I", len(message) + len(tag)) + message + tag)
-        return [await aio._read_frame(reader, session=receiving, value_reply=True)
-                for _ in messages]
-
-    first, second = asyncio.run(read())
-    assert type(first) is transport.ValueReply and first.value == value
-    assert first.whole() == messages[0]
-    assert type(second) is bytes and second == messages[1]
 
 
 def test_a_large_get_reply_changed_in_its_value_does_not_check(pair):
