@@ -6,8 +6,9 @@ storage platform, with UDP and TCP reply limits, and over a real UDP
 socket), a secure service's sealed datagrams (the C trailer check against
 the Python path's) and ``open_request``/``open_reply``, each reply decoder
 of the clients (C against Python where both exist), the client's round
-trip, the control plane's TCP framing, and the TCP handshake (HELLO, PROOF,
-ACCEPT, REFUSE and the sealed frames after it).
+trip, the control plane's TCP framing, the asyncio client's TCP frame
+reader (against the blocking client's), and the TCP handshake (HELLO,
+PROOF, ACCEPT, REFUSE and the sealed frames after it).
 Every input goes through three checks: no crash and no sanitizer report,
 only the documented rejection errors, and the same answer from the C code
 and its pure-Python twin (see fuzz/harness.py).

@@ -19,11 +19,28 @@ piece as it comes, as a large frame is, against the whole frame's check).
 client (domus.client.transport) and the Twisted side (domus.wire.control)
 read it: its result, or the domus.errors class the reply names, or
 ProtocolError.
+
+``aio_stream``: the bytes a service sends on the asyncio client's TCP link
+(domus.client.aio._FrameReader, past its handshake), as the blocking
+client's reader (transport._recv_frame, on a socket) is their twin.  An
+input is a settings byte (bit 0: a secure connection, whose every whole
+frame the harness seals; bit 1: the replies to a GET, split as
+transport.value_reply_split says), then the stream, which ends with the
+peer's close.  Both readers give the same frames (a GET reply's value in
+bytes of its own, a ValueReply, alike), then the same error (ProtocolError
+and AuthenticationError with the same message; ConnectionError at the
+close), whether the stream comes in one read, cut in two or a few bytes a
+read.  The readers' size thresholds are made small for the while
+(transport.LARGE_FRAME, aio.INPUT_BYTES), so that short inputs take the
+paths of large frames.
 """
 
 from __future__ import annotations
 
+import itertools
+import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -33,8 +50,9 @@ from twisted.internet.testing import StringTransport
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from domus.client import aio
 from domus.client import transport as client_transport
-from domus.errors import DomusError, ProtocolError, SupervisorError
+from domus.errors import AuthenticationError, DomusError, ProtocolError, SupervisorError
 from domus.service.handler import RequestHandler
 from domus.wire import auth, control
 from domus.wire import protocol as wire
@@ -293,4 +311,158 @@ def fuzz_control_reply(data: bytes) -> None:
                    ProtocolError)
 
 
-__all__ = ["fuzz_control_stream", "fuzz_control_reply"]
+# ------------------------------------------------------------ the asyncio client's link
+
+SMALL_LARGE_FRAME = 48      # transport.LARGE_FRAME while aio_stream runs
+SMALL_INPUT = 24            # aio.INPUT_BYTES while aio_stream runs
+
+
+def aio_seeds() -> list[bytes]:
+    """Replies as a service sends them on the TCP link, in each setting."""
+    return [bytes((settings,)) + stream for stream in aio_streams() for settings in range(4)]
+
+
+def aio_sweep_seeds() -> list[bytes]:
+    """Each stream sealed and read as GET replies, the first two in the
+    three other settings too."""
+    streams = aio_streams()
+    return [bytes((3,)) + stream for stream in streams] + [
+        bytes((settings,)) + stream for stream in streams[:2] for settings in range(3)]
+
+
+def aio_streams() -> list[bytes]:
+    reply = wire.reply
+    value = bytes(range(SMALL_LARGE_FRAME + 12))
+    streams = [
+        framed(reply(wire.ST_OK, 7, b"\xc6" + len(value).to_bytes(4, "big") + value),
+               reply(wire.ST_OK, 8, b"\xc6" + (3).to_bytes(4, "big") + b"abc")),
+        framed(reply(wire.ST_MOVING, 9, b"\xc6" + len(value).to_bytes(4, "big") + value),
+               reply(wire.ST_OK, 10, b"\xdb" + len(value).to_bytes(4, "big") + value)),
+        framed(b"", b"x" * 15, b"y" * 16, b"z" * 17, bytes(SMALL_INPUT + auth.TAG_BYTES)),
+        framed(reply(wire.ST_OK, 11, wire.pack({"records": 3}))) + FRAME.pack(100) + b"cut",
+        FRAME.pack(wire.MAX_FRAME_BYTES + auth.TAG_BYTES + 1) + b"\x00" * 8,
+    ]
+    return streams
+
+
+def _blocking_frames(stream: bytes, session: auth.Session | None,
+                     value_reply: bool) -> list[Any]:
+    """What transport._recv_frame reads of ``stream`` (then the peer's
+    close): its frames, then ("error", type, message)."""
+    ours, theirs = socket.socketpair()
+    try:
+        theirs.sendall(stream)
+        theirs.shutdown(socket.SHUT_WR)
+        ours.settimeout(5.0)
+        read: list[Any] = []
+        while True:
+            frame = outcome(client_transport._recv_frame, ours, wire.MAX_FRAME_BYTES, session,
+                            value_reply)
+            if frame[0] == "error":
+                return read + [frame]
+            read.append(frame[1])
+    finally:
+        ours.close()
+        theirs.close()
+
+
+def _aio_frames(stream: bytes, session: auth.Session | None, value_reply: bool,
+                most: Callable[[], int]) -> list[Any]:
+    """What aio._FrameReader reads of ``stream``, at most ``most()`` bytes a
+    read (then the peer's close), as ``_blocking_frames`` says it."""
+    reader = aio._FrameReader(session=session)
+
+    class Transport:
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    reader.connection_made(Transport())     # type: ignore[arg-type]
+    reader.value_reply = value_reply
+    view = memoryview(stream)
+    while view and not reader.transport.closed:  # type: ignore[union-attr]
+        buffer = reader.get_buffer(-1)
+        check(len(buffer) > 0, "get_buffer handed out an empty buffer")
+        count = min(len(buffer), len(view), most())
+        buffer[:count] = view[:count]
+        del buffer
+        reader.buffer_updated(count)
+        view = view[count:]
+    if not reader.transport.closed:         # type: ignore[union-attr]
+        reader.eof_received()
+    read: list[Any] = []
+    while True:
+        frame = outcome(_read_at_once, reader)
+        if frame[0] == "error":
+            return read + [frame]
+        read.append(frame[1])
+
+
+def _read_at_once(reader: aio._FrameReader) -> bytes:
+    """``reader.read()`` once the stream has ended (it never waits then)."""
+    reading = reader.read()
+    try:
+        reading.send(None)
+    except StopIteration as done:
+        return done.value
+    reading.close()
+    raise Finding("the reader waited for more after the peer's close")
+
+
+def _shown(frames: list[Any]) -> list[Any]:
+    """Frames and the error after them, as compared: a ValueReply as its
+    head and value; ConnectionError without its message (each reader says
+    the close its own way)."""
+    shown = []
+    for frame in frames:
+        if type(frame) is client_transport.ValueReply:
+            shown.append(("ValueReply", bytes(frame), frame.value, type(frame.value)))
+        elif type(frame) is tuple:
+            shown.append(frame[:2] if issubclass(frame[1], ConnectionError) else frame)
+        else:
+            shown.append((type(frame), frame))
+    return shown
+
+
+@target("aio_stream", seeds=aio_seeds, sweep_seeds=aio_sweep_seeds, fixed=1, smoke=1000,
+        max_len=2048)
+def fuzz_aio_stream(data: bytes) -> None:
+    """A TCP stream into the asyncio client's frame reader (sealed or not,
+    GET replies or not): the frames and then the error that the blocking
+    client's reader gives, however the stream is cut."""
+    if not data:
+        return
+    secure, value_reply, data = bool(data[0] & 1), bool(data[0] & 2), data[1:]
+    large, chunk = client_transport.LARGE_FRAME, aio.INPUT_BYTES
+    client_transport.LARGE_FRAME, aio.INPUT_BYTES = SMALL_LARGE_FRAME, SMALL_INPUT
+    try:
+        stream = data
+        if secure:
+            whole = frames(data)
+            sealer = auth.Session(bytes(range(32)), sends=0, receives=1)
+            stream = b"".join(FRAME.pack(len(frame) + auth.TAG_BYTES) + sealer.seal(frame)
+                              for frame in whole) + data[len(framed(*whole)):]
+
+        def session() -> auth.Session | None:
+            return auth.Session(bytes(range(32)), sends=1, receives=0) if secure else None
+
+        expected = _shown(_blocking_frames(stream, session(), value_reply))
+        ending = expected[-1]
+        check(ending[0] == "error" and issubclass(
+            ending[1], (ProtocolError, AuthenticationError, ConnectionError)),
+              f"the blocking client's reader ended with {ending!r}")
+        sizes = itertools.cycle((1, 2, 3, 7, 1, 13))
+        cuts: dict[str, Callable[[], int]] = {
+            "one read": lambda: 1 << 30, "cut in two": lambda: max(1, len(stream) // 2),
+            "reads of 1 to 13 bytes": lambda: next(sizes)}
+        for how, most in cuts.items():
+            got = _shown(_aio_frames(stream, session(), value_reply, most))
+            if got != expected:
+                raise Finding(f"the asyncio client's reader ({how}) read {got!r:.600}, the "
+                              f"blocking client's {expected!r:.600}")
+    finally:
+        client_transport.LARGE_FRAME, aio.INPUT_BYTES = large, chunk
+
+
+__all__ = ["fuzz_control_stream", "fuzz_control_reply", "fuzz_aio_stream"]

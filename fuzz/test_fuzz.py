@@ -68,7 +68,7 @@ def test_the_targets_cover_every_entry_point():
         "service", "service_udp", "sealed_udp", "open_datagram", "handshake",
         "unpack_value", "get_many_take", "decode_get_many_reply", "decode_scan_reply",
         "decode_range_reply", "lookup_reply", "decode_key", "client_roundtrip",
-        "sealed_roundtrip", "control_stream", "control_reply"])
+        "sealed_roundtrip", "control_stream", "control_reply", "aio_stream"])
     for target in TARGETS.values():
         assert target.doc, f"{target.name} says nothing of what it checks"
         assert target.seeds(), f"{target.name} has no seeds"
