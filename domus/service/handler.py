@@ -38,7 +38,6 @@ from typing import Any
 
 from twisted.logger import Logger
 
-import domus.storage
 from domus.errors import ProtocolError
 from domus.service import holdings, hotpath
 from domus.service.hosted import MAX_NUMBERING, HostedDht
@@ -46,7 +45,7 @@ from domus.service.limits import DEFAULT as DEFAULT_LIMITS
 from domus.service.limits import Limits
 from domus.service.replycache import ReplyCache, new_reply_cache
 from domus.storage import PLATFORMS, Repository, StorageFault, StorageFullFault
-from domus.storage.base import apply_batch
+from domus.storage.base import apply_batch, set_bdb_ram_cache
 from domus.storage.headroom import OK as ROOM_OK
 from domus.storage.headroom import SAMPLE_INTERVAL, Headroom, describe_bytes
 from domus.wire import auth, identities
@@ -226,7 +225,7 @@ class RequestHandler:
                                          "storage_full": 0}
         self.limits = limits
         # (one service a process: its RAM Berkeley DB DHTs' cache is its own)
-        domus.storage.bdb_ram_cache_bytes = limits.bdb_ram_cache
+        set_bdb_ram_cache(limits.bdb_ram_cache)
         # Open scans, least recently used first; their number per client
         # id; the shared snapshots by (DHT id, bucket); the keys held by
         # all snapshots in use.

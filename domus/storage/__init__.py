@@ -38,12 +38,6 @@ class Platform:
     open_store: Callable[..., Store]
 
 
-# The Berkeley DB cache of a RAM DHT kept in Berkeley DB, in bytes (0: half
-# the machine's memory, at most 4 GiB: domus.storage.bsddb.ram_cache_bytes);
-# a service sets it from its limits (--bdb-ram-cache).
-bdb_ram_cache_bytes = 0
-
-
 def _ram_store(factory: Callable[[], Repository], _medium: str, _home: str | None,
                _label: str = "", _durability: str = "none",
                base_count: int | None = None) -> Store:

@@ -145,6 +145,24 @@ class TrackedRepository(Repository):
         return flat
 
 
+# The Berkeley DB cache of each RAM DHT kept in Berkeley DB, in bytes (0:
+# the default, domus.storage.bsddb.ram_cache_bytes): one service a process,
+# which sets it from its limits (--bdb-ram-cache).
+_bdb_ram_cache = 0
+
+
+def set_bdb_ram_cache(size: int) -> None:
+    """Set the cache of the RAM Berkeley DB stores opened from now on
+    (0: the default)."""
+    global _bdb_ram_cache
+    _bdb_ram_cache = int(size)
+
+
+def bdb_ram_cache() -> int:
+    """What set_bdb_ram_cache set (0: the default)."""
+    return _bdb_ram_cache
+
+
 def apply_batch(groups: list[tuple[Repository, list[tuple[bytes, bytes | None]]]]) -> int:
     """Apply each repository's changes (puts, and deletes as value None),
     all or nothing: one transaction where the repositories share one

@@ -32,7 +32,13 @@ import psutil
 from berkeleydb import db
 
 from domus.rbtree import RBTree
-from domus.storage.base import Repository, StorageFault, StorageFullFault, Store
+from domus.storage.base import (
+    Repository,
+    StorageFault,
+    StorageFullFault,
+    Store,
+    bdb_ram_cache,
+)
 from domus.storage.headroom import describe_bytes, filesystem_space
 
 
@@ -117,13 +123,11 @@ def fault(label: str, exc: BaseException, where: str, cache_bytes: int,
 
 def ram_cache_bytes() -> int:
     """A RAM environment's cache: the service's --bdb-ram-cache
-    (domus.storage.bdb_ram_cache_bytes), else RAM_CACHE_MAX or half the
+    (domus.storage.base.set_bdb_ram_cache), else RAM_CACHE_MAX or half the
     machine's memory, whichever is smaller, but not under 256 MiB."""
-    import domus.storage
-
-    configured = domus.storage.bdb_ram_cache_bytes
+    configured = bdb_ram_cache()
     if configured:
-        return int(configured)
+        return configured
     return max(256 << 20, min(RAM_CACHE_MAX, psutil.virtual_memory().total // 2))
 
 
