@@ -246,6 +246,14 @@ def test_the_metrics_of_a_deployment_match_what_was_done(tmp_path, request):
         with pytest.raises(UnknownDht):
             cluster.open_dht("no-such-dht")
 
+        # (the datagrams sent without a reply to wait for -- s1's junk, s2's
+        # unsealed PUT -- may still be on their way: wait until they are
+        # counted, then compare everything)
+        wait_until(lambda: delta(scrape(where["s1"]), before["s1"],
+                                 "domus_service_malformed_requests_total", service="s1") >= 2
+                   and delta(scrape(where["s2"]), before["s2"],
+                             "domus_service_unauthenticated_total", service="s2") >= 1,
+                   timeout=10, what="s1 to count its junk and s2 the unsealed PUT")
         after = {name: scrape(address) for name, address in where.items()}
         held = {entry["name"]: entry["buckets"]["m"] for entry in cluster.services()}
         for name in names:
