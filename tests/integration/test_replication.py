@@ -150,7 +150,9 @@ def test_pops_hand_each_record_to_one_client_across_a_failover(tmp_path):
     try:
         with domus.connect(deployment.supervisor_address, timeout=CLIENT_TIMEOUT) as cluster:
             dht = cluster.create_dht("queue", buckets=16, replicas=2)
-            records = {number: f"item-{number}" for number in range(3_000)}
+            # (enough that popping goes on well past the kill: three clients
+            # pop a few thousand a second)
+            records = {number: f"item-{number}" for number in range(12_000)}
             dht.put_many(records)
             popped: list[list[tuple[int, str]]] = [[], [], []]
             errors: list[BaseException] = []
@@ -178,9 +180,9 @@ def test_pops_hand_each_record_to_one_client_across_a_failover(tmp_path):
                 thread.start()
             try:
                 wait_until(lambda: sum(map(len, popped)) >= 600, timeout=60,
-                           what="pops before the kill")
-                deployment.kill_service("s2", signal.SIGKILL)
+                           what="pops before the kill", interval=0.005)
                 at_kill = sum(map(len, popped))
+                deployment.kill_service("s2", signal.SIGKILL)
             finally:
                 for thread in threads:
                     thread.join(120)
@@ -193,7 +195,7 @@ def test_pops_hand_each_record_to_one_client_across_a_failover(tmp_path):
                 left = fresh.open_dht("queue").get_many(list(records))
             assert not {key for key, _value in taken} & set(left)
             assert len(taken) + len(left) == len(records), "a record was lost"
-            assert len(taken) >= at_kill + 1000        # (popping went on past the kill)
+            assert len(taken) >= at_kill + 1000, (at_kill, len(taken))  # (popping went on)
         with open(deployment.log_path("supervisor"), encoding="utf-8") as log:
             said = log.read()
         assert "failover: service" in said, said[-3000:]
