@@ -143,7 +143,10 @@ def test_a_stall_is_charged_to_every_request_it_delays(
         os.kill(pid, signal.SIGCONT)
     output, _ = run.communicate(timeout=30)
     report = json.loads(output)
-    assert abs(report["requests"] - 1500) <= 2 and report["timeouts"] == 0
+    # (every request intended in the 1.5 s, the ~400 the stall delayed too;
+    # a thread that starts its clock a few ms late on a loaded machine
+    # intends a few fewer: a gate at 9e4923c counted 1,497)
+    assert abs(report["requests"] - 1500) <= 15 and report["timeouts"] == 0
     # ~400 of 1,500 requests were delayed by up to 0.4 s: the slowest tenth
     # waited over 0.1 s (with coordinated omission only the 4 in flight would)
     assert report["latency_us"]["p90"] >= 100_000
