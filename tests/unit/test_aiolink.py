@@ -374,6 +374,7 @@ class TcpService:
     def __init__(self, answer: Callable[[int, bytes], tuple[bytes, bool]]) -> None:
         self.answer = answer
         self.connections = 0
+        self.received: list[bytes] = []
         self.server: asyncio.AbstractServer | None = None
 
     async def start(self) -> str:
@@ -389,7 +390,9 @@ class TcpService:
             answer, _session = accepting.proof(await self._frame(reader))
             writer.write(framed(answer))
             while True:
-                sent, close = self.answer(number, await self._frame(reader))
+                message = await self._frame(reader)
+                self.received.append(message)
+                sent, close = self.answer(number, message)
                 writer.write(sent)
                 await writer.drain()
                 if close:
@@ -459,6 +462,36 @@ def test_replies_to_other_requests_are_passed_over_and_a_timeout_closes_the_link
             assert (await link.exchange(get_request(7), 5.0)).endswith(b"mine")
             with pytest.raises(TimeoutError):
                 await link.exchange(get_request(9), 0.2)
+            assert link.closed
+        finally:
+            link.close()
+            service.close()
+
+    run(loop, job())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_cancelled_exchange_closes_the_link(loop):
+
+    def answer(_connection: int, message: bytes) -> tuple[bytes, bool]:
+        request_id = int.from_bytes(message[4:8], "big")
+        return (b"" if request_id == 9 else framed(wire.reply(wire.ST_OK, request_id))), False
+
+    async def job() -> None:
+        service = TcpService(answer)
+        address = await service.start()
+        host, port = address.split(":")
+        link = await _Link.open(host, int(port), None, "the test service", 5.0)
+        try:
+            assert (await link.exchange(get_request(7), 5.0))[4:8] == get_request(7)[4:8]
+            exchange = asyncio.ensure_future(link.exchange(get_request(9), 30.0))
+            deadline = time.monotonic() + 10
+            while len(service.received) < 2:        # (the request is out: the reply awaited)
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.005)
+            exchange.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await exchange
             assert link.closed
         finally:
             link.close()
