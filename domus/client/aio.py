@@ -61,6 +61,7 @@ from domus.client.transport import (
     control_result,
     held_back,
     next_timeout,
+    reply_size,
     service_busy,
 )
 from domus.errors import (
@@ -875,6 +876,9 @@ class DatagramRequests:
             if not isinstance(exc, Exception):
                 raise
         else:
+            if entry.message[2] == wire.OP_GET \
+                    and reply_size(reply) > wire.DEFAULT_MAX_DATAGRAM:
+                entry.channel.get_over_tcp = True
             if not entry.future.done():
                 entry.future.set_result(reply)
 
@@ -922,6 +926,22 @@ class AioChannel(EventedChannel):
         self._resolving = False
         self._tcp: _Link | None = None
         self._tcp_opening: asyncio.Lock | None = None
+        # A GET whose reply was past a datagram (REPLY_TOO_LARGE over UDP,
+        # then TCP): the next GETs go over TCP at once, until one's reply
+        # would have fitted a datagram (as the blocking client's do).
+        self.get_over_tcp = False
+
+    def request(self, message: bytes, dht: str = "", bucket: int | None = None) -> Any:
+        if message[2] == wire.OP_GET and self.get_over_tcp \
+                and len(message) <= wire.DEFAULT_MAX_DATAGRAM - auth.REQUEST_TRAILER:
+            return self._get_over_tcp(message, dht, bucket)
+        return super().request(message, dht, bucket)
+
+    async def _get_over_tcp(self, message: bytes, dht: str, bucket: int | None) -> bytes:
+        reply = await self.request_tcp(message, dht, bucket)
+        if reply_size(reply) <= wire.DEFAULT_MAX_DATAGRAM:
+            self.get_over_tcp = False
+        return reply
 
     def resolve(self) -> None:
         """Find the service host's IPv4 address, then send what waits."""

@@ -25,7 +25,7 @@ from domus.errors import (
 )
 from domus.wire import protocol as wire
 
-from .support import CLIENT_TIMEOUT
+from .support import CLIENT_TIMEOUT, service_stats
 
 try:
     import uvloop
@@ -228,6 +228,36 @@ def test_large_values_of_every_kind_come_back_as_they_were(shared_cluster, share
                 assert got == value and type(got) is bytes
 
     run(loop, job())
+
+
+def test_gets_of_large_values_go_over_tcp_at_once_until_one_is_small(shared_cluster,
+                                                                     shared_deployment):
+    """After a GET whose reply was past a datagram (asked over UDP, answered
+    REPLY_TOO_LARGE, asked again over TCP), the next GETs to that service go
+    over TCP at once, as the blocking client's do, until one's reply would
+    have fitted a datagram: the service answers REPLY_TOO_LARGE once."""
+    shared_cluster.create_dht("aio-tcp-gets", buckets=1)
+    (service,) = {entry["name"]: entry["address"] for entry in shared_cluster.services()
+                  if entry["buckets"].get("aio-tcp-gets", {}).get("storage")}.values()
+    big = os.urandom(100_000)
+
+    def too_large() -> int:
+        return service_stats(service)["by_status"].get("reply_too_large", 0)
+
+    async def job() -> None:
+        async with domus.aio.connect(shared_deployment.supervisor_address) as cluster:
+            dht = await cluster.open_dht("aio-tcp-gets")
+            await dht.put_many({"big": big, "big2": big, "small": 1})
+            before = too_large()
+            for key in ("big", "big2", "big", "small"):
+                await dht.get(key)
+            assert too_large() == before + 1      # (the first GET only)
+            assert await dht.get("big") == big    # over UDP again: REPLY_TOO_LARGE
+            assert too_large() == before + 2
+            assert await asyncio.gather(dht.get("big"), dht.get("big2")) == [big, big]
+            assert too_large() == before + 2
+
+    asyncio.run(job())
 
 
 def test_a_silent_service_and_an_absent_supervisor_are_clear_errors(shared_deployment):
