@@ -54,6 +54,7 @@ from domus.client.lookup import MISSING
 from domus.client.transport import (
     FIRST_TIMEOUT,
     FRAME,
+    LARGE_FRAME,
     READ_ONLY_CONTROL,
     RECV_BUFFER,
     RequestIds,
@@ -406,8 +407,18 @@ class _FrameReader(asyncio.BufferedProtocol):
 def _write_frame(writer: asyncio.WriteTransport, message: bytes,
                  session: auth.Session | None = None) -> None:
     tag = session.tag(message) if session is not None else b""
-    # (One copy of a large message, where the transport joins the pieces.)
-    writer.writelines((FRAME.pack(len(message) + len(tag)), message, tag))
+    prefix = FRAME.pack(len(message) + len(tag))
+    if len(message) < LARGE_FRAME:
+        writer.writelines((prefix, message, tag))
+        return
+    # A large message is not joined to its prefix and tag (writelines joins
+    # them, a copy into a fresh block): each piece is handed over as it is,
+    # and the transport sends it at once, keeping a copy of what the socket
+    # did not take.
+    writer.write(prefix)
+    writer.write(message)
+    if tag:
+        writer.write(tag)
 
 
 class _Link:
