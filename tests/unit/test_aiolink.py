@@ -381,6 +381,11 @@ class TcpService:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
+    async def link(self) -> _Link:
+        """Start serving and open a link to it (insecure)."""
+        host, port = (await self.start()).split(":")
+        return await _Link.open(host, int(port), None, "the test service", 5.0)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         number = self.connections
@@ -455,9 +460,7 @@ def test_replies_to_other_requests_are_passed_over_and_a_timeout_closes_the_link
 
     async def job() -> None:
         service = TcpService(answer)
-        address = await service.start()
-        host, port = address.split(":")
-        link = await _Link.open(host, int(port), None, "the test service", 5.0)
+        link = await service.link()
         try:
             assert (await link.exchange(get_request(7), 5.0)).endswith(b"mine")
             with pytest.raises(TimeoutError):
@@ -479,9 +482,7 @@ def test_a_cancelled_exchange_closes_the_link(loop):
 
     async def job() -> None:
         service = TcpService(answer)
-        address = await service.start()
-        host, port = address.split(":")
-        link = await _Link.open(host, int(port), None, "the test service", 5.0)
+        link = await service.link()
         try:
             assert (await link.exchange(get_request(7), 5.0))[4:8] == get_request(7)[4:8]
             exchange = asyncio.ensure_future(link.exchange(get_request(9), 30.0))

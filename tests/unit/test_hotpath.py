@@ -13,6 +13,7 @@ C cache that FastPath fills itself, so the two caches are held to each other
 too.
 """
 
+import contextlib
 import errno
 import gc
 import importlib
@@ -748,18 +749,28 @@ class NotCDatabase:
     put = exists = delete = get
 
 
-def test_database_repositories_need_c_methods_and_their_conventions():
+@contextlib.contextmanager
+def memory_database():
+    """A Berkeley DB btree in memory, in an environment of its own, and the
+    conventions a DatabaseRepository of it takes; both closed after."""
     from berkeleydb import db
 
-    conventions = {"no_overwrite": db.DB_NOOVERWRITE, "key_exists": db.DBKeyExistError,
-                   "not_found": db.DBNotFoundError}
-    with pytest.raises(TypeError, match="NotCDatabase.get to be a method written in C"):
-        _hotpath.DatabaseRepository(NotCDatabase(), **conventions)
     environment = db.DBEnv()
     environment.open(None, db.DB_CREATE | db.DB_INIT_MPOOL | db.DB_PRIVATE)
     database = db.DB(environment)
     database.open(None, None, db.DB_BTREE, db.DB_CREATE)
     try:
+        yield database, {"no_overwrite": db.DB_NOOVERWRITE, "key_exists": db.DBKeyExistError,
+                         "not_found": db.DBNotFoundError}
+    finally:
+        database.close()
+        environment.close()
+
+
+def test_database_repositories_need_c_methods_and_their_conventions():
+    with memory_database() as (database, conventions):
+        with pytest.raises(TypeError, match="NotCDatabase.get to be a method written in C"):
+            _hotpath.DatabaseRepository(NotCDatabase(), **conventions)
         with pytest.raises(TypeError, match="keyword arguments"):
             _hotpath.DatabaseRepository(database)
         with pytest.raises(TypeError, match="exception classes"):
@@ -777,9 +788,6 @@ def test_database_repositories_need_c_methods_and_their_conventions():
         assert fast.handle(keyed(wire.OP_PUT, b"k", b"v", bucket=1, request_id=2)) is None
         referents = gc.get_referents(repo)
         assert any(getattr(r, "__self__", None) is database for r in referents)
-    finally:
-        database.close()
-        environment.close()
 
 
 def test_a_cache_found_full_makes_c_try_no_put_until_a_delete_gives_room_back():
@@ -789,13 +797,7 @@ def test_a_cache_found_full_makes_c_try_no_put_until_a_delete_gives_room_back():
     why), and a delete clears it."""
     from berkeleydb import db
 
-    conventions = {"no_overwrite": db.DB_NOOVERWRITE, "key_exists": db.DBKeyExistError,
-                   "not_found": db.DBNotFoundError}
-    environment = db.DBEnv()
-    environment.open(None, db.DB_CREATE | db.DB_INIT_MPOOL | db.DB_PRIVATE)
-    database = db.DB(environment)
-    database.open(None, None, db.DB_BTREE, db.DB_CREATE)
-    try:
+    with memory_database() as (database, conventions):
         with pytest.raises(TypeError, match="room must be a bytearray"):
             _hotpath.DatabaseRepository(database, **conventions, room=b"\x00")
         with pytest.raises(TypeError, match="room must be a bytearray"):
@@ -819,9 +821,6 @@ def test_a_cache_found_full_makes_c_try_no_put_until_a_delete_gives_room_back():
         assert room[0] == 0
         assert fast.handle(keyed(wire.OP_PUT, b"k2", b"v", request_id=5)) == \
             wire.reply(wire.ST_OK, 5, b"\x01")
-    finally:
-        database.close()
-        environment.close()
 
 
 # ------------------------------------------------------------ random requests
