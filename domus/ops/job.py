@@ -3,7 +3,8 @@ shell does badly: an address other nodes reach, free ports, a bounded wait
 for the job's own deployment, and a shutdown that stops only the job's own.
 
     python -m domus.ops.job address [--interface IF | --network CIDR]
-    python -m domus.ops.job ports COUNT [--seed JOBID] [--host ADDRESS]
+    python -m domus.ops.job ports COUNT [--seed JOBID] [--for supervisor|services]
+                                  [--host ADDRESS]
     python -m domus.ops.job wait --job-id ID --services N [--timeout S] [--watch PID]
     python -m domus.ops.job shutdown --job-id ID [--timeout S]
 
@@ -81,13 +82,27 @@ def address(interface: str | None = None, network: str | None = None) -> str:
     return "127.0.0.1"
 
 
-def free_ports(count: int, seed: int, host: str = "0.0.0.0") -> int:
-    """A base port P with P .. P+count-1 free (TCP and UDP) on ``host``,
-    searched from a place that the seed (the job id) picks, so that jobs on
-    one node start apart and a taken block is stepped over."""
+ROLES = ("supervisor", "services")
+ROLE_STRIDE = 97      # ports between the places two searches start from
+
+
+def search_start(seed: int, role: str, count: int) -> int:
+    """Where the search for ``role``'s ports of job ``seed`` starts: each
+    (job, role) its own place, so that a job's service step never starts
+    where the next job's supervisor does (as seeds JOBID and JOBID + 1 did:
+    two jobs started side by side could both find the port free, and the
+    one that bound it second could not start)."""
     span = max(LAST_PORT - FIRST_PORT - count, 1)
+    return FIRST_PORT + ((seed * len(ROLES) + ROLES.index(role)) * ROLE_STRIDE) % span
+
+
+def free_ports(count: int, seed: int, host: str = "0.0.0.0", role: str = "supervisor") -> int:
+    """A base port P with P .. P+count-1 free (TCP and UDP) on ``host``,
+    searched from a place that the seed (the job id) and the role
+    (search_start) pick, so that jobs on one node, and a job's supervisor
+    and services, start apart; a taken block is stepped over."""
     base = port_block_finder(count, host, FIRST_PORT, LAST_PORT,
-                             FIRST_PORT + (seed * 97) % span)
+                             search_start(seed, role, count))
     if base is None:
         raise SystemExit(f"domus job: no {count} free ports on {host} in "
                          f"{FIRST_PORT}-{LAST_PORT - 1}")
@@ -184,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ports = actions.add_parser("ports", help="the first of COUNT free ports")
     ports.add_argument("count", type=int)
     ports.add_argument("--seed", type=int, default=os.getpid())
+    ports.add_argument("--for", dest="role", choices=ROLES, default="supervisor",
+                       help="whose ports: the job's supervisor or a node's services")
     ports.add_argument("--host", default="0.0.0.0")
     for name in ("wait", "shutdown"):
         sub = actions.add_parser(name)
@@ -198,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         print(address(args.interface, args.network))
         return 0
     if args.action == "ports":
-        print(free_ports(args.count, args.seed, args.host))
+        print(free_ports(args.count, args.seed, args.host, args.role))
         return 0
     if args.action == "wait":
         return wait(args.job_id, args.services, args.timeout, args.watch)

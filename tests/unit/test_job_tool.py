@@ -24,6 +24,23 @@ def test_ports_start_where_the_job_id_says_and_step_over_taken_ones():
     assert moved != first and first + 1 not in range(moved, moved + 3)
 
 
+def test_jobs_started_side_by_side_search_for_their_ports_apart():
+    """Each job's supervisor and each job's services search from a place of
+    their own: a CI run had job 1's services start where job 2's supervisor
+    did (seeds JOBID + 1 and JOBID), both found port 20194 free, and job 1's
+    service could not listen.  Sixty jobs submitted together, each with
+    services of up to 16 instances, start their searches further apart than
+    the ports each takes, and the command line asks by role."""
+    starts = sorted(job.search_start(seed, role, 16) for seed in range(1000, 1060)
+                    for role in job.ROLES)
+    assert all(later - earlier >= 16 for earlier, later in zip(starts, starts[1:])), starts
+    picked = subprocess.run([sys.executable, "-m", "domus.ops.job", "ports", "4", "--seed",
+                             "77", "--for", "services", "--host", "127.0.0.1"],
+                            capture_output=True, text=True, check=True)
+    assert int(picked.stdout) == job.free_ports(4, seed=77, host="127.0.0.1", role="services")
+    assert int(picked.stdout) != job.free_ports(4, seed=78, host="127.0.0.1")
+
+
 def test_the_kernels_ephemeral_ports_are_read_from_its_setting(tmp_path, monkeypatch):
     setting = tmp_path / "ip_local_port_range"
     setting.write_text("15000\t16999\n")
