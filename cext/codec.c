@@ -81,6 +81,7 @@ typedef struct {
     PyObject *ValueDecodeError;
     PyObject *pack_value;     /* domus.wire.values.pack_value: msgpack, for the rest */
     PyObject *unpack_value;   /* domus.wire.values.unpack_value */
+    PyTypeObject *Filling;    /* bytes_to_fill's writable buffers */
 } codec_state;
 
 static inline codec_state *
@@ -2855,6 +2856,78 @@ codec_roundtrip(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return reply;
 }
 
+/* ------------------------------------------------------- bytes to fill */
+
+/* A writable buffer over a new bytes object's own storage, holding the
+ * bytes: what bytes_to_fill hands out for a receive to fill in place. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *bytes;
+} Filling;
+
+static int
+filling_getbuffer(PyObject *self, Py_buffer *view, int flags)
+{
+    PyObject *bytes = ((Filling *)self)->bytes;
+    return PyBuffer_FillInfo(view, self, PyBytes_AS_STRING(bytes), PyBytes_GET_SIZE(bytes),
+                             0, flags);
+}
+
+static void
+filling_dealloc(PyObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    Py_CLEAR(((Filling *)self)->bytes);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+static PyType_Slot filling_slots[] = {
+    {Py_bf_getbuffer, filling_getbuffer},
+    {Py_tp_dealloc, filling_dealloc},
+    {Py_tp_doc, "A writable buffer over the bytes bytes_to_fill made (see there)."},
+    {0, NULL}
+};
+
+static PyType_Spec filling_spec = {
+    .name = "domus._codec.Filling",
+    .basicsize = sizeof(Filling),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = filling_slots,
+};
+
+PyDoc_STRVAR(bytes_to_fill_doc,
+"bytes_to_fill(size) -> (bytes, buffer)\n\n"
+"A new bytes object of `size` bytes, not yet written, and a writable buffer\n"
+"over those same bytes (it keeps them alive): a large value received piece\n"
+"by piece (recv_into) lands in the bytes object handed to the caller, with\n"
+"no copy after, and each piece can be hashed as it comes.  The bytes must\n"
+"not be used, nor hashed (hash() caches), before they are all written.");
+
+static PyObject *
+codec_bytes_to_fill(PyObject *module, PyObject *arg)
+{
+    Py_ssize_t size = PyLong_AsSsize_t(arg);
+    if (size < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "bytes_to_fill: size must be >= 0");
+        }
+        return NULL;
+    }
+    PyObject *bytes = PyBytes_FromStringAndSize(NULL, size);
+    if (bytes == NULL) {
+        return NULL;
+    }
+    PyTypeObject *type = get_state(module)->Filling;
+    Filling *filling = PyObject_New(Filling, type);
+    if (filling == NULL) {
+        Py_DECREF(bytes);
+        return NULL;
+    }
+    filling->bytes = Py_NewRef(bytes);
+    return Py_BuildValue("(NN)", bytes, (PyObject *)filling);
+}
+
 /* ------------------------------------------------------------ the module */
 
 static PyMethodDef codec_methods[] = {
@@ -2884,6 +2957,7 @@ static PyMethodDef codec_methods[] = {
      open_reply_doc},
     {"open_reply_to", (PyCFunction)(void (*)(void))codec_open_reply_to, METH_FASTCALL,
      open_reply_to_doc},
+    {"bytes_to_fill", (PyCFunction)codec_bytes_to_fill, METH_O, bytes_to_fill_doc},
     {NULL, NULL, 0, NULL}
 };
 
@@ -2914,6 +2988,10 @@ codec_exec(PyObject *module)
     if (state->pack_value == NULL || state->unpack_value == NULL) {
         return -1;
     }
+    state->Filling = (PyTypeObject *)PyType_FromModuleAndSpec(module, &filling_spec, NULL);
+    if (state->Filling == NULL) {
+        return -1;
+    }
     if (PyModule_AddIntConstant(module, "HASH_XXH3", HASH_XXH3) < 0
         || PyModule_AddIntConstant(module, "HASH_XXH64", HASH_XXH64) < 0
         || PyModule_AddIntConstant(module, "MAX_KEY_BYTES", MAX_KEY_BYTES) < 0) {
@@ -2932,6 +3010,7 @@ codec_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state->ValueDecodeError);
     Py_VISIT(state->pack_value);
     Py_VISIT(state->unpack_value);
+    Py_VISIT(state->Filling);
     return 0;
 }
 
@@ -2945,6 +3024,7 @@ codec_clear(PyObject *module)
     Py_CLEAR(state->ValueDecodeError);
     Py_CLEAR(state->pack_value);
     Py_CLEAR(state->unpack_value);
+    Py_CLEAR(state->Filling);
     return 0;
 }
 

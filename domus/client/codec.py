@@ -349,9 +349,21 @@ roundtrip: Callable[..., bytes | None] | None = None
 
 # ------------------------------------------------------------ selection
 
+def bytes_to_fill(size: int) -> tuple[Any, Any]:
+    """(a value of ``size`` bytes not yet written, a writable buffer over
+    it): what a receive fills piece by piece.  This reference's value is a
+    bytearray, which the caller makes bytes once filled (a copy); the C
+    function's is a bytes object filled in place."""
+    if size < 0:
+        raise ValueError("bytes_to_fill: size must be >= 0")
+    buffer = bytearray(size)
+    return buffer, buffer
+
+
 _ACCELERATED_NAMES = ("encode_key", "encode_keys", "bucket_of", "keyed", "put_many_requests",
                       "get_many_requests", "decode_get_many_reply", "decode_scan_reply",
-                      "get_many_take", "pack_value", "pack_values", "unpack_value", "roundtrip")
+                      "get_many_take", "pack_value", "pack_values", "unpack_value", "roundtrip",
+                      "bytes_to_fill")
 reference = SimpleNamespace(hasher=_keys.HASH_FUNCTIONS.__getitem__,
                             **{name: globals()[name] for name in _ACCELERATED_NAMES})
 reference.roundtrip = roundtrip_reference
@@ -368,6 +380,7 @@ if not PURE_PYTHON:
 if accelerated is not None:
     from domus._codec import (  # noqa: F811  (the C functions replace the references)
         bucket_of,
+        bytes_to_fill,
         decode_get_many_reply,
         decode_scan_reply,
         encode_key,
@@ -429,6 +442,7 @@ def value_codec(name: str | None) -> ValueCodec:
 
 
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON", "reference", "accelerated", "hasher", "chunks",
+           "bytes_to_fill",
            "group", "encode_key", "encode_keys", "bucket_of", "keyed", "keyed_message",
            "put_many_requests",
            "get_many_requests", "decode_get_many_reply", "decode_scan_reply", "get_many_take",

@@ -164,6 +164,7 @@ class RequestIds:
 # body and its tag, none copied) and received whole (one recv with
 # MSG_WAITALL into the bytes returned: the kernel's copy is the only one).
 LARGE_FRAME = 64 * 1024
+HASH_PIECE = 256 * 1024     # the most of a sealed large frame received before it is hashed
 _TIMEVAL = struct.Struct("@ll")
 
 
@@ -296,12 +297,34 @@ def checked(session: auth.Session | None, head: bytes, rest: bytes, tag: bytes) 
 def _recv_value_reply(sock: socket.socket, size: int, session: auth.Session | None) -> bytes:
     """The rest of a large frame of ``size`` bytes that answers a GET (see
     ``value_reply``)."""
-    body = size - (auth.TAG_BYTES if session is not None else 0)
+    if session is None:
+        head = _recv_exactly(sock, VALUE_HEAD)
+        return value_reply(head, _recv_exactly(sock, size - VALUE_HEAD))
     head = _recv_exactly(sock, VALUE_HEAD)
-    rest = _recv_exactly(sock, body - VALUE_HEAD)
-    checked(session, head, rest,
-            _recv_exactly(sock, auth.TAG_BYTES) if session is not None else b"")
+    hashed = session.receiving()
+    hashed.update(head)
+    rest = _recv_hashing(sock, size - auth.TAG_BYTES - VALUE_HEAD, hashed)
+    session.check_received(hashed, _recv_exactly(sock, auth.TAG_BYTES))
     return value_reply(head, rest)
+
+
+def _recv_hashing(sock: socket.socket, size: int, hashed: Any) -> bytes:
+    """The next ``size`` bytes of ``sock``, each piece fed to ``hashed`` as
+    it comes: the service hashes a large frame after sending it, so this
+    side's hash runs beside the service's and is all but done when the tag
+    comes, instead of starting then.  The pieces land in the bytes returned
+    (codec.bytes_to_fill), not copied after (TimeoutError, after the
+    socket's timeout without data; ConnectionError if it closes first)."""
+    value, buffer = codec.bytes_to_fill(size)
+    with memoryview(buffer) as view:
+        done = 0
+        while done < size:
+            got = sock.recv_into(view[done:], min(size - done, HASH_PIECE))
+            if not got:
+                raise ConnectionError("connection closed mid-message")
+            hashed.update(view[done:done + got])
+            done += got
+    return value if type(value) is bytes else bytes(value)
 
 
 def _send_frame(sock: socket.socket, message: bytes,
@@ -348,9 +371,8 @@ def _recv_frame(sock: socket.socket, limit: int = wire.MAX_FRAME_BYTES,
     # before its tag and hashes it meanwhile.)
     if size < auth.TAG_BYTES:
         session.check(b"", b"")         # (raises)
-    frame = _recv_exactly(sock, size - auth.TAG_BYTES)
     hashed = session.receiving()
-    hashed.update(frame)
+    frame = _recv_hashing(sock, size - auth.TAG_BYTES, hashed)
     session.check_received(hashed, _recv_exactly(sock, auth.TAG_BYTES))
     return frame
 

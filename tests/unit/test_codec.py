@@ -1129,6 +1129,31 @@ def _blocks_after(function, rounds):
 @pytest.mark.skipif(os.environ.get("PYTHONMALLOC", "").startswith("malloc")
                     or sys.getallocatedblocks() == 0,
                     reason="allocated blocks are only counted by pymalloc")
+@pytest.mark.parametrize("fill", ["c", "reference"])
+def test_bytes_to_fill_are_filled_through_their_buffer(fill):
+    """What a receive writes through the buffer is the value's, whichever
+    function made the two; the C value is bytes filled in place (the
+    reference's a bytearray, made bytes by the caller), and its buffer keeps
+    it alive on its own."""
+    made = (C if fill == "c" else P).bytes_to_fill
+    value, buffer = made(5)
+    with memoryview(buffer) as view:
+        assert not view.readonly and view.nbytes == 5
+        view[:] = b"abcde"
+    assert value == b"abcde"
+    assert type(value) is (bytes if fill == "c" else bytearray)
+    value, buffer = made(3)
+    del value
+    with memoryview(buffer) as view:
+        view[:] = b"xyz"
+        assert view.tobytes() == b"xyz"
+    assert made(0)[0] == b""
+    with pytest.raises(ValueError, match="size must be >= 0"):
+        made(-1)
+    with pytest.raises(TypeError):
+        made("3")
+
+
 def test_no_references_leak():
     owners = [Channel("a"), Channel("b")] * 8
     encoded = [keys.encode_key(index) for index in range(300)]
@@ -1188,6 +1213,8 @@ def test_no_references_leak():
         lambda: C.open_reply_to(DATA_KEY, sealed_answer(1), request(1),
                                 [b"\0\0\0\0", b"\x5e\xed\0\0"]),
         lambda: catch(C.open_reply_to, DATA_KEY, sealed_answer(1), request(1), [None]),
+        lambda: memoryview(C.bytes_to_fill(300)[1])[:3].tobytes(),
+        lambda: catch(C.bytes_to_fill, -1),
     ]
     with service, client:
         service.setblocking(False)

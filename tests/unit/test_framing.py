@@ -11,13 +11,14 @@ import random
 import socket
 import struct
 import threading
+import time
 
 import pytest
 from twisted.internet.testing import StringTransport
 from twisted.protocols.basic import Int32StringReceiver
 from twisted.test import iosim
 
-from domus.client import transport
+from domus.client import codec, transport
 from domus.errors import AuthenticationError, ProtocolError
 from domus.wire import auth
 from domus.wire import protocol as wire
@@ -293,6 +294,40 @@ def test_a_large_get_reply_gets_its_value_in_bytes_of_its_own(pair, sealed, size
 def test_any_other_reply_to_a_get_is_the_frame_as_it_came(pair, sealed, message):
     reply = received(pair, message, sealed, value_reply=True)
     assert type(reply) is bytes and reply == message
+
+
+@pytest.mark.parametrize("fill", ["c", "reference"])
+def test_a_sealed_large_reply_that_trickles_in_is_hashed_piece_by_piece(pair, monkeypatch,
+                                                                       fill):
+    """The value of a sealed large reply is hashed as its pieces come (each
+    piece as the socket has it: here a few bytes to 300 KiB, with pauses)
+    and lands whole in bytes of its own, with either bytes_to_fill; the
+    tag, sent last, still decides."""
+    if fill == "reference":
+        monkeypatch.setattr(codec, "bytes_to_fill", codec.reference.bytes_to_fill)
+    elif codec.accelerated is None:
+        pytest.skip("the C codec is not built")
+    ours, theirs = pair
+    sending, receiving = sessions()
+    value = random.Random(3).randbytes((1 << 20) + 3)
+    sealed = struct.pack(">I", len(get_reply(value)) + auth.TAG_BYTES) + sending.seal(
+        get_reply(value))
+    cuts = [0, 1, 7, 30, 70_000, 70_001, 400_000, 700_000, len(sealed) - 20,
+            len(sealed) - 1, len(sealed)]
+
+    def trickle():
+        for start, end in zip(cuts, cuts[1:]):
+            ours.sendall(sealed[start:end])
+            time.sleep(0.01)
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    try:
+        reply = transport._recv_frame(theirs, session=receiving, value_reply=True)
+    finally:
+        sender.join()
+    assert type(reply) is transport.ValueReply
+    assert type(reply.value) is bytes and reply.value == value
 
 
 def test_a_large_get_reply_changed_in_its_value_does_not_check(pair):
