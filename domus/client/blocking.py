@@ -59,14 +59,12 @@ from domus.errors import (
     ServiceUnavailable,
     UnknownDht,
     ValueDecodeError,
-    ValueTooLarge,
 )
 from domus.wire import address as addresses
 from domus.wire import protocol as wire
 from domus.wire import secret
 from domus.wire.attributes import check_strategy, create_request
 from domus.wire.keys import decode_key
-from domus.wire.values import msgpack_bin_header
 
 DEFAULT_TIMEOUT = 5.0
 FAILOVER_POLL = 0.1      # seconds between asking the supervisor who took over a bucket
@@ -89,9 +87,6 @@ _NOT_OWNER = wire.ST_NOT_OWNER
 _MAX_VALUE_BYTES = wire.MAX_VALUE_BYTES
 _HEADER = wire.REPLY_HEADER_SIZE
 _keyed = codec.keyed_message
-# A bytes value at least this long is put as (msgpack header, value), joined
-# into the message, not packed first (domus.client.codec.keyed_message).
-_LARGE_VALUE = 64 * 1024
 _pack_value = codec.pack_value
 _unpack_value = codec.unpack_value
 _value_of = codec.value_of
@@ -578,22 +573,6 @@ class Dht(DirectLookup[ServiceChannel], MutableMapping):
             if time.monotonic() - started >= patience:
                 return False
             time.sleep(FAILOVER_POLL)
-
-    def _packed(self, value: Any) -> Any:
-        """``value`` packed by this DHT's codec (a large bytes value with
-        msgpack: its header and itself, joined into the message once);
-        ValueTooLarge past the limit."""
-        packed: Any
-        if type(value) is bytes and len(value) >= _LARGE_VALUE and self._values.name == "msgpack":
-            packed = (msgpack_bin_header(len(value)), value)
-            size = len(packed[0]) + len(value)
-        else:
-            packed = self._values.pack(value)
-            size = len(packed)
-        if size > _MAX_VALUE_BYTES:
-            raise ValueTooLarge(f"value is {size} bytes encoded, over the "
-                                f"{_MAX_VALUE_BYTES}-byte limit; split it")
-        return packed
 
     def put(self, key: Any, value: Any) -> bool:
         """Store ``value`` under ``key``; True if the key was new."""

@@ -54,7 +54,6 @@ from domus.errors import (
     ServiceUnavailable,
     UnknownDht,
     ValueDecodeError,
-    ValueTooLarge,
 )
 from domus.wire import address as addresses
 from domus.wire import auth
@@ -172,15 +171,16 @@ class EventedDht(DirectLookup[Channel]):
         await self.refresh()
 
     # ------------------------------------------------------------ single keys
-    async def _request(self, op: int, key: Any, value: bytes | None = None) -> bytes:
-        """One keyed request (``value``: a PUT's packed value); returns its
-        reply.  As the synchronous client: the first method of the strategy
+    async def _request(self, op: int, key: Any, value: Any = None) -> bytes:
+        """One keyed request (``value``: a PUT's packed value, as
+        DirectLookup._packed makes it); returns its reply.  As the
+        synchronous client: the first method of the strategy
         answers at once when it can, anything else takes the course that
         domus.client.lookup lays out."""
         ids = self.cluster.ids
         count = self.bucket_count
-        message, bucket = codec.keyed(op, ids.next(), ids.client_id, self.id, self._hasher,
-                                      self._shift, key, value)
+        message, bucket = codec.keyed_message(op, ids.next(), ids.client_id, self.id,
+                                              self._hasher, self._shift, key, value)
         first = None
         skip = 0
         unsent = None
@@ -279,13 +279,6 @@ class EventedDht(DirectLookup[Channel]):
                 return False
             mark = self._fetches
             await self._sleep(0.1)
-
-    def _packed(self, value: Any) -> bytes:
-        packed = self._values.pack(value)
-        if len(packed) > wire.MAX_VALUE_BYTES:
-            raise ValueTooLarge(f"value is {len(packed)} bytes encoded, over the "
-                                f"{wire.MAX_VALUE_BYTES}-byte limit; split it")
-        return packed
 
     async def _put(self, key: Any, value: Any) -> bool:
         reply = await self._request(wire.OP_PUT, key, self._packed(value))

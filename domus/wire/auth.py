@@ -278,6 +278,19 @@ class Session:
         self._sent += 1
         return tag
 
+    def sending(self) -> Any:
+        """A hash of the next frame sent, to be fed its bytes as they go
+        (``update``) and finished with ``sent_tag``: ``tag`` of a large
+        frame sent piece by piece, each piece hashed as it is handed over
+        rather than the whole frame before its first byte goes."""
+        return blake3(_SEQUENCE.pack(self._sends, self._sent), key=self._key)
+
+    def sent_tag(self, hashed: Any) -> bytes:
+        """The tag of the next frame sent, whose bytes ``hashed`` (from
+        ``sending``, made after the frame before was tagged) has been fed."""
+        self._sent += 1
+        return hashed.digest(TAG_BYTES)
+
     def seal(self, frame: bytes) -> bytes:
         return frame + self.tag(frame)
 

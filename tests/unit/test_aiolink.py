@@ -335,6 +335,45 @@ def test_the_peer_closing_fails_the_read_at_once(pair, loop, between):
     assert run(loop, job()) < 5.0
 
 
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "insecure"])
+@pytest.mark.parametrize("size", [transport.LARGE_FRAME, aio.SEND_PIECE + 1, 3 << 20])
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_large_frame_sent_a_piece_at_a_time_is_the_frame_whole(pair, loop, sealed, size):
+    """A large message goes a piece at a time, each hashed as it is handed
+    over and let drain before the next: the bytes on the wire are those of
+    the frame sealed whole, the peer reading slowly (a small socket buffer,
+    the transport past its high-water mark), and the frames after it are
+    numbered on."""
+    ours, theirs = pair
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    message = random.Random(size).randbytes(size)
+    ends = sessions() if sealed else (None, None)
+    expected = framed(message, ends[0]) + framed(b"after", ends[0])
+    sending = sessions()[0] if sealed else None
+    received = bytearray()
+
+    def drain() -> None:
+        theirs.settimeout(10)
+        while len(received) < len(expected):
+            received.extend(theirs.recv(65536))
+            time.sleep(0.0005)
+
+    async def job() -> None:
+        reader = await connected(ours)
+        await aio._send_large(reader.transport, reader, message, sending)
+        aio._write_frame(reader.transport, b"after", sending)
+        while reader.transport.get_write_buffer_size():     # (all sent before the loop ends)
+            await asyncio.sleep(0.001)
+
+    taker = threading.Thread(target=drain)
+    taker.start()
+    try:
+        run(loop, job())
+    finally:
+        taker.join()
+    assert bytes(received) == expected
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_large_value_is_copied_once_on_its_way_in(pair, loop):
     """The value handed on is the buffer the socket was read into: reading

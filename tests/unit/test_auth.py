@@ -775,3 +775,23 @@ def test_domus_secret_new_makes_a_private_secret_and_never_overwrites_one(tmp_pa
     with pytest.raises(SystemExit, match="never overwritten"):
         cli.main(["secret", "new", path])
     assert secret.load(path) == made
+
+
+def test_a_frame_hashed_as_it_goes_has_the_tag_of_the_frame_whole():
+    """Session.sending/sent_tag, fed a frame piece by piece, give the tag
+    that ``tag`` gives the frame whole, and number the frames after it on:
+    the peer checks either the same way."""
+    key = bytes(range(32))
+    whole, pieces, peer = (auth.Session(key, sends=1, receives=0),
+                           auth.Session(key, sends=1, receives=0),
+                           auth.Session(key, sends=0, receives=1))
+    frame = bytes(range(256)) * 4000
+    hashed = pieces.sending()
+    for start in range(0, len(frame), 70_001):
+        hashed.update(memoryview(frame)[start:start + 70_001])
+    tag = pieces.sent_tag(hashed)
+    assert tag == whole.tag(frame) and len(tag) == auth.TAG_BYTES
+    peer.check(frame, tag)
+    following = pieces.tag(b"next")
+    assert following == whole.tag(b"next")
+    peer.check(b"next", following)
