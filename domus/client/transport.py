@@ -165,6 +165,7 @@ class RequestIds:
 # MSG_WAITALL into the bytes returned: the kernel's copy is the only one).
 LARGE_FRAME = 64 * 1024
 HASH_PIECE = 256 * 1024     # the most of a sealed large frame received before it is hashed
+SEND_PIECE = 512 * 1024     # the most of a sealed large frame sent before it is hashed
 _TIMEVAL = struct.Struct("@ll")
 
 
@@ -335,11 +336,18 @@ def _send_frame(sock: socket.socket, message: bytes,
     elif session is None:
         _send_gathered(sock, [_FRAME.pack(len(message)), message])
     else:
-        # The message first, its tag once hashed: the service hashes what
-        # it has of the message while this side does (its decoder hashes a
-        # large frame piece by piece as it comes).
-        _send_gathered(sock, [_FRAME.pack(len(message) + auth.TAG_BYTES), message])
-        sock.sendall(session.tag(message))
+        # A piece at a time, each hashed for the tag once sent, the tag
+        # last: the service hashes each piece as it comes (its decoder
+        # hashes a large frame as it comes) while this side sends and
+        # hashes the next, and the tag is ready soon after the last byte.
+        hashed = session.sending()
+        with memoryview(message) as view:
+            for start in range(0, len(view), SEND_PIECE):
+                piece = view[start:start + SEND_PIECE]
+                _send_gathered(sock, [_FRAME.pack(len(message) + auth.TAG_BYTES), piece]
+                               if not start else [piece])
+                hashed.update(piece)
+        sock.sendall(session.sent_tag(hashed))
 
 
 def _send_gathered(sock: socket.socket, parts: list[bytes]) -> None:
