@@ -188,6 +188,10 @@ def test_errors_are_domus_errors(shared_cluster, shared_deployment):
             # a value that needs TCP both ways
             assert await dht.put("large", b"y" * 200_000) is True
             assert await dht.get("large") == b"y" * 200_000
+            # (a large bytes value goes as its msgpack header and itself,
+            # joined into the message: PUT_IF_ABSENT's too)
+            assert await dht.setdefault("large default", b"z" * 300_000) == b"z" * 300_000
+            assert await dht.setdefault("large default", b"w" * 300_000) == b"z" * 300_000
         with pytest.raises(Exception, match="closed"):
             await dht.put("after close", 1)
 
