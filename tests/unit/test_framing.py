@@ -20,7 +20,7 @@ from twisted.test import iosim
 
 from domus.client import codec, transport
 from domus.errors import AuthenticationError, ProtocolError
-from domus.wire import auth
+from domus.wire import auth, control
 from domus.wire import protocol as wire
 from domus.wire.control import MessageProtocol
 from domus.wire.secret import Keys
@@ -157,6 +157,48 @@ def test_large_sealed_frames_hashed_as_they_come_check_however_the_bytes_are_cut
     assert ours.frames == frames
     assert ours.hashed == [len(frame) + auth.TAG_BYTES >= 65_536 for frame in frames]
     assert ours.input_held() == 0
+
+
+class SocketTransport(StringTransport):
+    """A StringTransport with a real socket under it, as Twisted's TCP
+    transport has (``socket``): what the decoder asks of the socket itself
+    is done to a real one."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self.socket = sock
+
+
+def test_a_large_frame_wakes_the_reader_once_whole_and_the_next_at_every_byte():
+    """While a frame of up to WAIT_WHOLE bytes lacks 64 KiB or more, the
+    socket is told to wake the reactor only once the rest has come
+    (SO_RCVLOWAT: the bytes missing); for a larger frame, for a small rest
+    and once a frame is whole, at every byte again, so that the next frame,
+    however small, is read as it comes.  Every frame is delivered as sent."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener, socket.create_connection(listener.getsockname()):
+        receiving, _ = listener.accept()
+    decoder = Recorder()
+    decoder.makeConnection(SocketTransport(receiving))
+
+    def fed(data: bytes) -> int:
+        decoder.dataReceived(data)
+        return receiving.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+
+    with receiving:
+        frames = [random.Random(1).randbytes(1 << 20), b"small",
+                  random.Random(2).randbytes(control.WAIT_WHOLE + 1), b"after"]
+        first, small, larger, after = (struct.pack(">I", len(frame)) + frame
+                                       for frame in frames)
+        assert fed(first[:40_000]) == (1 << 20) - (40_000 - 4)
+        assert fed(first[40_000:-30_000]) == 1         # (less than 64 KiB missing)
+        assert fed(first[-30_000:]) == 1
+        assert fed(small) == 1
+        assert fed(larger[:40_000]) == 1               # (a frame past WAIT_WHOLE)
+        assert fed(larger[40_000:]) == 1
+        assert fed(after[:3]) == 1
+        assert fed(after[3:]) == 1
+    assert decoder.frames == frames
 
 
 @pytest.mark.parametrize("where", ["first byte", "middle", "last byte", "tag"])
