@@ -182,6 +182,26 @@ def test_partial_frames_are_bounded_by_the_caps_the_budget_and_the_idle_timeout(
     still_serves(cluster, "after-partial-frames")
 
 
+def test_a_partial_frame_the_kernel_holds_is_closed_once_idle(bounded, cluster):
+    """A frame of up to 2 MiB is read once it has all come (SO_RCVLOWAT),
+    so a peer that sends part of one and stops leaves its bytes in the
+    kernel, not in the service: the service, never woken by them, still
+    closes the connection once idle, and serves meanwhile."""
+    closed = stat(bounded, "tcp_idle_closed")
+    host, port = address(bounded).split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10,
+                                    source_address=(HOSTILE, 0))
+    try:
+        sock.sendall(FRAME.pack(2 * MiB) + os.urandom(MiB))    # half a frame
+        still_serves(cluster, "beside-a-half-frame")
+        wait_until(lambda: closed_by_peer(sock, 0.05), timeout=IDLE * 4 + 10,
+                   what="the connection holding half a frame closed")
+    finally:
+        sock.close()
+    assert stat(bounded, "tcp_idle_closed") > closed
+    still_serves(cluster, "after-a-half-frame")
+
+
 def test_an_idle_client_connection_is_closed_and_the_client_reconnects(bounded, cluster):
     dht = cluster.open_dht("bounded")
     dht["large"] = b"y" * 100_000                         # over TCP: past a datagram
