@@ -434,10 +434,15 @@ async def _send_large(writer: asyncio.WriteTransport, reader: _FrameReader, mess
     send (Python 3.11's buffer is one bytearray), and was hashed before its
     first byte went.  The bytes on the wire are _write_frame's."""
     hashed = session.sending() if session is not None else None
-    writer.write(FRAME.pack(len(message) + (auth.TAG_BYTES if hashed is not None else 0)))
+    size = len(message) + (auth.TAG_BYTES if hashed is not None else 0)
+    writer.write(FRAME.pack(size))
+    # (A frame the service reads whole goes whole: in pieces, a 1 MiB PUT
+    # read 0.51 ms, whole 0.43-0.44; a 4 MiB one 1.75 ms in pieces, 1.9-2.3
+    # whole.)
+    step = len(message) if size <= wire.READ_WHOLE_BYTES else SEND_PIECE
     with memoryview(message) as view:
-        for start in range(0, len(view), SEND_PIECE):
-            piece = view[start:start + SEND_PIECE]
+        for start in range(0, len(view), step):
+            piece = view[start:start + step]
             writer.write(piece)
             if hashed is not None:
                 hashed.update(piece)

@@ -341,11 +341,14 @@ def _send_frame(sock: socket.socket, message: bytes,
         # hashes a large frame as it comes) while this side sends and
         # hashes the next, and the tag is ready soon after the last byte.
         hashed = session.sending()
+        size = len(message) + auth.TAG_BYTES
+        # (A frame the service reads whole, it hashes once it has come:
+        # that frame goes whole, and this side hashes it meanwhile.)
+        step = len(message) if size <= wire.READ_WHOLE_BYTES else SEND_PIECE
         with memoryview(message) as view:
-            for start in range(0, len(view), SEND_PIECE):
-                piece = view[start:start + SEND_PIECE]
-                _send_gathered(sock, [_FRAME.pack(len(message) + auth.TAG_BYTES), piece]
-                               if not start else [piece])
+            for start in range(0, len(view), step):
+                piece = view[start:start + step]
+                _send_gathered(sock, [_FRAME.pack(size), piece] if not start else [piece])
                 hashed.update(piece)
         sock.sendall(session.sent_tag(hashed))
 

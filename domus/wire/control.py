@@ -69,7 +69,7 @@ PULL_LIMIT = 4 * 1024 * 1024
 # ms, 0.28-0.30 so; 2 MiB 0.66-0.67 and 0.57-0.61 ms (three runs each,
 # alternated).  A larger frame is read as it comes: waiting for the last
 # few MiB of a 4 MiB frame made its PUT slower, not faster.
-WAIT_WHOLE = 2 * 1024 * 1024 + 64 * 1024
+WAIT_WHOLE = wire.READ_WHOLE_BYTES
 
 
 class ControlError(Exception):

@@ -184,6 +184,10 @@ def layout_newer(tag: int, mine: int) -> bool:
 MAX_KEY_BYTES = 8192
 MAX_VALUE_BYTES = 16 * 1024 * 1024
 MAX_FRAME_BYTES = MAX_VALUE_BYTES + 64 * 1024   # one TCP message
+# A TCP frame of at most this many bytes is read whole by its receiver, not
+# piece by piece as it comes (domus.wire.control.MessageProtocol._wake_at),
+# and so is best sent whole (domus.client.aio._send_large).
+READ_WHOLE_BYTES = 2 * 1024 * 1024 + 64 * 1024
 MAX_UDP_PAYLOAD = 65507                          # what IPv4 UDP can carry
 DEFAULT_MAX_DATAGRAM = 60000                     # what clients put in one
 MAX_BATCH = 0xFFFF                               # entries in one *_MANY
