@@ -426,13 +426,14 @@ SEND_PIECE = 256 * 1024     # a large frame's bytes handed to the transport at a
 
 async def _send_large(writer: asyncio.WriteTransport, reader: _FrameReader, message: bytes,
                       session: auth.Session | None) -> None:
-    """Send a large ``message`` (its link's lock held) a piece at a time,
-    each piece hashed for the tag as it is handed over, and each let drain
-    before the next: the transport sends what the socket takes at once and
-    keeps a copy of the rest, so a frame written whole had most of its
-    bytes copied into the transport's buffer, then moved down it send by
-    send (Python 3.11's buffer is one bytearray), and was hashed before its
-    first byte went.  The bytes on the wire are _write_frame's."""
+    """Send a large ``message`` (its link's lock held), hashed for the tag
+    as it is handed over, then the tag.  A frame larger than the service
+    reads whole goes a piece at a time, each let drain before the next: the
+    transport sends what the socket takes at once and keeps a copy of the
+    rest, so a frame written whole had most of its bytes copied into the
+    transport's buffer, then moved down it send by send (Python 3.11's
+    buffer is one bytearray), and was hashed before its first byte went.
+    The bytes on the wire are _write_frame's."""
     hashed = session.sending() if session is not None else None
     size = len(message) + (auth.TAG_BYTES if hashed is not None else 0)
     writer.write(FRAME.pack(size))

@@ -286,22 +286,12 @@ def value_reply(head: bytes, rest: bytes) -> bytes:
     return head + rest
 
 
-def checked(session: auth.Session | None, head: bytes, rest: bytes, tag: bytes) -> None:
-    """Check the tag of a frame received as ``head`` and ``rest``."""
-    if session is not None:
-        hashed = session.receiving()
-        hashed.update(head)
-        hashed.update(rest)
-        session.check_received(hashed, tag)
-
-
 def _recv_value_reply(sock: socket.socket, size: int, session: auth.Session | None) -> bytes:
     """The rest of a large frame of ``size`` bytes that answers a GET (see
     ``value_reply``)."""
-    if session is None:
-        head = _recv_exactly(sock, VALUE_HEAD)
-        return value_reply(head, _recv_exactly(sock, size - VALUE_HEAD))
     head = _recv_exactly(sock, VALUE_HEAD)
+    if session is None:
+        return value_reply(head, _recv_exactly(sock, size - VALUE_HEAD))
     hashed = session.receiving()
     hashed.update(head)
     rest = _recv_hashing(sock, size - auth.TAG_BYTES - VALUE_HEAD, hashed)
@@ -336,14 +326,13 @@ def _send_frame(sock: socket.socket, message: bytes,
     elif session is None:
         _send_gathered(sock, [_FRAME.pack(len(message)), message])
     else:
-        # A piece at a time, each hashed for the tag once sent, the tag
-        # last: the service hashes each piece as it comes (its decoder
-        # hashes a large frame as it comes) while this side sends and
-        # hashes the next, and the tag is ready soon after the last byte.
+        # The tag last, each piece hashed for it once sent.  A frame the
+        # service reads whole (wire.READ_WHOLE_BYTES) it hashes once it has
+        # come: that frame goes whole, and this side hashes it meanwhile.
+        # A larger one goes a piece at a time: the service hashes each
+        # piece as it comes while this side sends and hashes the next.
         hashed = session.sending()
         size = len(message) + auth.TAG_BYTES
-        # (A frame the service reads whole, it hashes once it has come:
-        # that frame goes whole, and this side hashes it meanwhile.)
         step = len(message) if size <= wire.READ_WHOLE_BYTES else SEND_PIECE
         with memoryview(message) as view:
             for start in range(0, len(view), step):
