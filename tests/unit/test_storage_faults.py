@@ -185,3 +185,30 @@ def test_deactivating_a_ram_dht_onto_a_full_disk_keeps_it_active_and_whole(small
     for key in keys:
         reply = handler.handle(request(wire.OP_GET, key), 1 << 20)
         assert status_and_message(reply) == (wire.ST_OK, value)
+
+
+def test_a_ram_store_found_full_refuses_puts_at_once_until_a_delete_or_a_dropped_bucket():
+    """The Python repository's side of a cache found full (``room``, shared
+    with C and by every bucket of the store): a put is StorageFull at once,
+    untried (Berkeley DB would search four seconds), until a delete or a
+    bucket dropped gives room back."""
+    store = bsddb.BerkeleyStore("btree", "ram", None, "DHT 'full'", "none", 4)
+    try:
+        first, second = store.open(0), store.open(1)
+        first.put(b"a", b"1")
+        first.put(b"b", b"2")
+        second.put(b"c", b"3")
+        for undo in (lambda: first.delete(b"a"), lambda: store.remove(1)):
+            store.room[0] = 1
+            for repo in (first, second):
+                with pytest.raises(bsddb.StorageFullFault,
+                                   match="none is tried until records are deleted"):
+                    repo.put(b"new", b"x")
+            assert first.get(b"b") == b"2" and first.get(b"new") is None
+            undo()
+            assert store.room[0] == 0
+            assert first.put(b"new", b"x") is True
+            first.delete(b"new")
+    finally:
+        store.close()
+
