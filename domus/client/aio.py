@@ -406,19 +406,9 @@ class _FrameReader(asyncio.BufferedProtocol):
 
 def _write_frame(writer: asyncio.WriteTransport, message: bytes,
                  session: auth.Session | None = None) -> None:
+    """Write a frame under LARGE_FRAME (``_send_large`` sends the others)."""
     tag = session.tag(message) if session is not None else b""
-    prefix = FRAME.pack(len(message) + len(tag))
-    if len(message) < LARGE_FRAME:
-        writer.writelines((prefix, message, tag))
-        return
-    # A large message is not joined to its prefix and tag (writelines joins
-    # them, a copy into a fresh block): each piece is handed over as it is,
-    # and the transport sends it at once, keeping a copy of what the socket
-    # did not take.
-    writer.write(prefix)
-    writer.write(message)
-    if tag:
-        writer.write(tag)
+    writer.writelines((FRAME.pack(len(message) + len(tag)), message, tag))
 
 
 SEND_PIECE = 256 * 1024     # a large frame's bytes handed to the transport at a time
@@ -433,7 +423,7 @@ async def _send_large(writer: asyncio.WriteTransport, reader: _FrameReader, mess
     rest, so a frame written whole had most of its bytes copied into the
     transport's buffer, then moved down it send by send (Python 3.11's
     buffer is one bytearray), and was hashed before its first byte went.
-    The bytes on the wire are _write_frame's."""
+    The bytes on the wire are those of the frame sealed whole."""
     hashed = session.sending() if session is not None else None
     size = len(message) + (auth.TAG_BYTES if hashed is not None else 0)
     writer.write(FRAME.pack(size))
