@@ -60,16 +60,6 @@ SEND_LIMIT = 4 * 1024 * 1024
 HASH_AS_IT_COMES = GATHER_WRITE
 # At most this much is read from the socket at once by ``pull``.
 PULL_LIMIT = 4 * 1024 * 1024
-# A frame of at most this many bytes, while it lacks GATHER_WRITE or more,
-# has the socket wake the reactor only once all of it has come
-# (SO_RCVLOWAT), not at each segment (``_wake_at``).  Read as it came, a 1
-# MiB frame woke the receiver a dozen times, and each wake-up was the
-# sender's work too (on loopback the sender delivers into the receiver's
-# socket, and the two contend for it): an insecure 1 MiB PUT took 0.38-0.39
-# ms, 0.28-0.30 so; 2 MiB 0.66-0.67 and 0.57-0.61 ms (three runs each,
-# alternated).  A larger frame is read as it comes: waiting for the last
-# few MiB of a 4 MiB frame made its PUT slower, not faster.
-WAIT_WHOLE = wire.READ_WHOLE_BYTES
 
 
 class ControlError(Exception):
@@ -265,7 +255,8 @@ class MessageProtocol(Int32StringReceiver):
             if self._input_bytes < length:
                 self._wake_at(length - self._input_bytes)
                 return
-            self._wake_at(0)
+            if self._low_water != 1:
+                self._wake_at(0)
             self._frame_length = -1
             if (self._session is not None and self._handshake is None
                     and length >= auth.TAG_BYTES):
@@ -282,11 +273,18 @@ class MessageProtocol(Int32StringReceiver):
     def _wake_at(self, missing: int) -> None:
         """Have the socket wake the reactor once ``missing`` more bytes
         have come (SO_RCVLOWAT), when they are GATHER_WRITE or more, all
-        that a frame of at most WAIT_WHOLE bytes lacks; else at every byte.
-        (A peer closing, or an error, wakes it whatever is missing; the
-        kernel bounds the mark by its socket buffer's, and wakes the
-        reactor at that.)"""
-        wanted = missing if missing >= GATHER_WRITE and self._frame_length <= WAIT_WHOLE else 1
+        that a frame of at most wire.READ_WHOLE_BYTES lacks; else at every
+        byte.  (A peer closing, or an error, wakes it whatever is missing;
+        the kernel bounds the mark by its socket buffer's, and wakes the
+        reactor at that.)  Read as it came, a 1 MiB frame woke the receiver
+        a dozen times, and each wake-up was the sender's work too (on
+        loopback the sender delivers into the receiver's socket, and the
+        two contend for it): an insecure 1 MiB PUT took 0.38-0.39 ms,
+        0.28-0.30 so; 2 MiB 0.66-0.67 and 0.57-0.61 ms (three runs each,
+        alternated).  A larger frame is read as it comes: waiting for the
+        last few MiB of a 4 MiB frame made its PUT slower, not faster."""
+        wanted = missing if (missing >= GATHER_WRITE
+                             and self._frame_length <= wire.READ_WHOLE_BYTES) else 1
         if wanted == self._low_water:
             return
         sock = getattr(self.transport, "socket", None)

@@ -20,7 +20,7 @@ from twisted.test import iosim
 
 from domus.client import codec, transport
 from domus.errors import AuthenticationError, ProtocolError
-from domus.wire import auth, control
+from domus.wire import auth
 from domus.wire import protocol as wire
 from domus.wire.control import MessageProtocol
 from domus.wire.secret import Keys
@@ -170,7 +170,7 @@ class SocketTransport(StringTransport):
 
 
 def test_a_large_frame_wakes_the_reader_once_whole_and_the_next_at_every_byte():
-    """While a frame of up to WAIT_WHOLE bytes lacks 64 KiB or more, the
+    """While a frame of up to wire.READ_WHOLE_BYTES lacks 64 KiB or more, the
     socket is told to wake the reactor only once the rest has come
     (SO_RCVLOWAT: the bytes missing); for a larger frame, for a small rest
     and once a frame is whole, at every byte again, so that the next frame,
@@ -187,14 +187,14 @@ def test_a_large_frame_wakes_the_reader_once_whole_and_the_next_at_every_byte():
 
     with receiving:
         frames = [random.Random(1).randbytes(1 << 20), b"small",
-                  random.Random(2).randbytes(control.WAIT_WHOLE + 1), b"after"]
+                  random.Random(2).randbytes(wire.READ_WHOLE_BYTES + 1), b"after"]
         first, small, larger, after = (struct.pack(">I", len(frame)) + frame
                                        for frame in frames)
         assert fed(first[:40_000]) == (1 << 20) - (40_000 - 4)
         assert fed(first[40_000:-30_000]) == 1         # (less than 64 KiB missing)
         assert fed(first[-30_000:]) == 1
         assert fed(small) == 1
-        assert fed(larger[:40_000]) == 1               # (a frame past WAIT_WHOLE)
+        assert fed(larger[:40_000]) == 1               # (a frame past READ_WHOLE_BYTES)
         assert fed(larger[40_000:]) == 1
         assert fed(after[:3]) == 1
         assert fed(after[3:]) == 1
