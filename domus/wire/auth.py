@@ -263,27 +263,25 @@ class Session:
         self._sends, self._receives = sends, receives
         self._sent = self._received = 0
 
-    def _tag(self, direction: int, number: int, frame: Any) -> bytes:
-        # (Fed in two parts: the frame, however large, is hashed where it
-        # lies, never copied behind the direction and number.)
-        tag = blake3(_SEQUENCE.pack(direction, number), key=self._key)
-        tag.update(frame)
-        return tag.digest(TAG_BYTES)
+    def _hash(self, direction: int, number: int) -> Any:
+        # (The frame is fed after the direction and number, however large,
+        # where it lies: never copied behind them.)
+        return blake3(_SEQUENCE.pack(direction, number), key=self._key)
 
     def tag(self, frame: Any) -> bytes:
         """The tag of the next frame sent, ``frame`` (bytes or any buffer):
         it goes on the wire right after the frame (``seal`` without the
         copy of the frame)."""
-        tag = self._tag(self._sends, self._sent, frame)
-        self._sent += 1
-        return tag
+        hashed = self.sending()
+        hashed.update(frame)
+        return self.sent_tag(hashed)
 
     def sending(self) -> Any:
         """A hash of the next frame sent, to be fed its bytes as they go
         (``update``) and finished with ``sent_tag``: ``tag`` of a large
         frame sent piece by piece, each piece hashed as it is handed over
         rather than the whole frame before its first byte goes."""
-        return blake3(_SEQUENCE.pack(self._sends, self._sent), key=self._key)
+        return self._hash(self._sends, self._sent)
 
     def sent_tag(self, hashed: Any) -> bytes:
         """The tag of the next frame sent, whose bytes ``hashed`` (from
@@ -299,11 +297,9 @@ class Session:
         or any buffer) against ``tag``, the 16 bytes that followed it on
         the wire; AuthenticationError if it does not check (``open``
         without the copy of the frame)."""
-        if len(tag) != TAG_BYTES or not hmac.compare_digest(
-                tag, self._tag(self._receives, self._received, frame)):
-            raise AuthenticationError("a frame from the peer did not check (changed, replayed "
-                                      "or forged); closing the connection")
-        self._received += 1
+        hashed = self.receiving()
+        hashed.update(frame)
+        self.check_received(hashed, tag)
 
     def receiving(self) -> Any:
         """A hash of the next frame received, to be fed its bytes as they
@@ -311,7 +307,7 @@ class Session:
         ``check_received``: ``check`` without holding the whole frame first,
         so that a large frame is hashed while the rest of it is still on the
         way."""
-        return blake3(_SEQUENCE.pack(self._receives, self._received), key=self._key)
+        return self._hash(self._receives, self._received)
 
     def check_received(self, hashed: Any, tag: Any) -> None:
         """``check`` of the next frame received, whose bytes (without its
