@@ -62,6 +62,7 @@ from domus.client.transport import (
     held_back,
     next_timeout,
     reply_size,
+    sendings,
     service_busy,
 )
 from domus.errors import (
@@ -414,7 +415,8 @@ def _write_frame(writer: asyncio.WriteTransport, message: bytes,
 SEND_PIECE = 256 * 1024     # a large frame's bytes handed to the transport at a time
 
 
-async def _send_large(writer: asyncio.WriteTransport, reader: _FrameReader, message: bytes,
+async def _send_large(writer: asyncio.WriteTransport, reader: _FrameReader,
+                      message: bytes | wire.Gathered,
                       session: auth.Session | None) -> None:
     """Send a large ``message`` (its link's lock held), hashed for the tag
     as it is handed over, then the tag.  A frame larger than the service
@@ -426,18 +428,23 @@ async def _send_large(writer: asyncio.WriteTransport, reader: _FrameReader, mess
     The bytes on the wire are those of the frame sealed whole."""
     hashed = session.sending() if session is not None else None
     size = len(message) + (auth.TAG_BYTES if hashed is not None else 0)
-    writer.write(FRAME.pack(size))
+    prefix = FRAME.pack(size)
     # (A frame the service reads whole goes whole: in pieces, a 1 MiB PUT
     # read 0.51 ms, whole 0.43-0.44; a 4 MiB one 1.75 ms in pieces, 1.9-2.3
     # whole.)
     step = len(message) if size <= wire.READ_WHOLE_BYTES else SEND_PIECE
-    with memoryview(message) as view:
-        for start in range(0, len(view), step):
-            piece = view[start:start + step]
-            writer.write(piece)
-            if hashed is not None:
+    for pieces in sendings(message, step):
+        # (Each large piece written as it is: this Python's writelines
+        # joins what it is given.  The prefix and a Gathered's head, a
+        # few bytes, go together.)
+        if prefix or len(pieces) > 1:
+            writer.write(b"".join((prefix, *pieces[:-1])))
+        writer.write(pieces[-1])
+        prefix = b""
+        if hashed is not None:
+            for piece in pieces:
                 hashed.update(piece)
-            await reader.drain()
+        await reader.drain()
     if hashed is not None:
         writer.write(session.sent_tag(hashed))  # type: ignore[union-attr]
 

@@ -107,18 +107,19 @@ def keyed(op: int, request_id: int, client_id: int, dht_id: int, hasher: Hasher,
 
 def keyed_message(op: int, request_id: int, client_id: int, dht_id: int, hasher: Hasher,
                   shift: int, key: Any, value: bytes | tuple[bytes, bytes] | None,
-                  ) -> tuple[bytes, int]:
+                  ) -> tuple[bytes | wire.Gathered, int]:
     """``keyed``, where a PUT's packed value may also be given in two
-    pieces, (header, payload), as a client packs a large value: they are
-    joined into the message, so the payload is copied once (packing it
-    first, then building the message, copied it twice)."""
+    pieces, (header, payload), as a client packs a large value: the
+    message is then a wire.Gathered, the payload never copied into it (the
+    clients send its parts as they are)."""
     if type(value) is not tuple:
         return keyed(op, request_id, client_id, dht_id, hasher, shift, key, value)
     header, payload = value
     message, bucket = keyed(op, request_id, client_id, dht_id, hasher, shift, key, b"")
     # (A PUT's value is last, after its u32 length: 0 in ``message``.)
-    return b"".join((memoryview(message)[:-4],
-                     (len(header) + len(payload)).to_bytes(4, "big"), header, payload)), bucket
+    return wire.Gathered(b"".join((memoryview(message)[:-4],
+                                   (len(header) + len(payload)).to_bytes(4, "big"), header)),
+                         payload), bucket
 
 
 def numbered(shift: int) -> int:

@@ -40,7 +40,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from domus.client import codec
@@ -318,13 +318,13 @@ def _recv_hashing(sock: socket.socket, size: int, hashed: Any) -> bytes:
     return value if type(value) is bytes else bytes(value)
 
 
-def _send_frame(sock: socket.socket, message: bytes,
+def _send_frame(sock: socket.socket, message: bytes | wire.Gathered,
                 session: auth.Session | None = None) -> None:
-    if len(message) < LARGE_FRAME:
+    if len(message) < LARGE_FRAME and type(message) is bytes:
         tag = session.tag(message) if session is not None else b""
         sock.sendall(_FRAME.pack(len(message) + len(tag)) + message + tag)
     elif session is None:
-        _send_gathered(sock, [_FRAME.pack(len(message)), message])
+        _send_gathered(sock, [_FRAME.pack(len(message)), *wire.parts_of(message)])
     else:
         # The tag last, each piece hashed for it once sent.  A frame the
         # service reads whole (wire.READ_WHOLE_BYTES) it hashes once it has
@@ -333,13 +333,41 @@ def _send_frame(sock: socket.socket, message: bytes,
         # piece as it comes while this side sends and hashes the next.
         hashed = session.sending()
         size = len(message) + auth.TAG_BYTES
-        step = len(message) if size <= wire.READ_WHOLE_BYTES else SEND_PIECE
-        with memoryview(message) as view:
-            for start in range(0, len(view), step):
-                piece = view[start:start + step]
-                _send_gathered(sock, [_FRAME.pack(size), piece] if not start else [piece])
-                hashed.update(piece)
+        if size <= wire.READ_WHOLE_BYTES:
+            parts = wire.parts_of(message)
+            _send_gathered(sock, [_FRAME.pack(size), *parts])
+            for part in parts:
+                hashed.update(part)
+        else:
+            prefix = _FRAME.pack(size)
+            for pieces in sendings(message, SEND_PIECE):
+                _send_gathered(sock, [prefix, *pieces] if prefix else pieces)
+                prefix = b""
+                for piece in pieces:
+                    hashed.update(piece)
         sock.sendall(session.sent_tag(hashed))
+
+
+def sendings(message: bytes | wire.Gathered, step: int) -> Iterator[list[memoryview]]:
+    """``message``'s bytes in order, in sends of ``step`` bytes (the last
+    one less), each the views of the bytes of its parts it holds: only the
+    first of a Gathered's holds more than one (its head, its payload's
+    first bytes)."""
+    pending: list[memoryview] = []
+    room = step
+    for part in wire.parts_of(message):
+        with memoryview(part) as view:
+            start = 0
+            while start < len(view):
+                piece = view[start:start + room]
+                pending.append(piece)
+                start += len(piece)
+                room -= len(piece)
+                if not room:
+                    yield pending
+                    pending, room = [], step
+    if pending:
+        yield pending
 
 
 def _send_gathered(sock: socket.socket, parts: list[bytes]) -> None:

@@ -423,7 +423,7 @@ class TxChannel(EventedChannel):
                                 lambda seconds: task.deferLater(reactor, seconds, lambda: None))
 
     async def _request_tcp_once(self, message: bytes, dht: str, bucket: int | None) -> bytes:
-        request_id = wire.U32.unpack_from(message, 4)[0]
+        request_id = int.from_bytes(message[4:8], "big")
         for attempt in (1, 2):
             link: MessageProtocol | None = None
             try:

@@ -148,14 +148,14 @@ class MessageProtocol(Int32StringReceiver):
         else:
             self._handshake = auth.Connecting(self.keys, self._peer())
 
-    def sendString(self, string: bytes) -> None:  # noqa: N802 (Twisted's name)
+    def sendString(self, string: bytes | wire.Gathered) -> None:  # noqa: N802 (Twisted's)
         if self._held is not None:
             self._held.append(string)           # (sent once the handshake ends)
             return
         session = self._session
         if session is None:
             self._write_frame(string)
-        elif len(string) < HASH_AS_IT_COMES:
+        elif len(string) < HASH_AS_IT_COMES and type(string) is bytes:
             self._write_frame(string, session.tag(string))
         else:
             # The frame first, its tag once hashed: the peer hashes what it
@@ -163,19 +163,24 @@ class MessageProtocol(Int32StringReceiver):
             size = len(string) + auth.TAG_BYTES
             if size >= 1 << 32:
                 raise StringTooLongError(f"a {size}-byte frame does not fit its 4-byte prefix")
-            self._send([_PREFIX.pack(size), string])
-            self._send([session.tag(string)])
+            parts = wire.parts_of(string)
+            self._send([_PREFIX.pack(size), *parts])
+            hashed = session.sending()
+            for part in parts:
+                hashed.update(part)
+            self._send([session.sent_tag(hashed)])
 
-    def _write_frame(self, frame: bytes, tag: bytes = b"") -> None:
+    def _write_frame(self, frame: bytes | wire.Gathered, tag: bytes = b"") -> None:
         """Write ``frame`` (and its ``tag``) behind its length prefix; a
         large frame is never copied into one string first."""
         size = len(frame) + len(tag)
         if size >= 1 << 32:
             raise StringTooLongError(f"a {size}-byte frame does not fit its 4-byte prefix")
-        if size < GATHER_WRITE:
+        if size < GATHER_WRITE and type(frame) is bytes:
             self._send([_PREFIX.pack(size) + frame + tag])
         else:
-            self._send([_PREFIX.pack(size), frame, tag] if tag else [_PREFIX.pack(size), frame])
+            parts = [_PREFIX.pack(size), *wire.parts_of(frame)]
+            self._send([*parts, tag] if tag else parts)
 
     def _send(self, parts: list[Any]) -> None:
         """Write ``parts`` (bytes or buffers) one after the other.  When

@@ -256,6 +256,62 @@ def encode_keyed(op: int, request_id: int, client_id: int, dht_id: int,
     return message
 
 
+class Gathered:
+    """A message kept as the two pieces it is made of, never joined: its
+    ``head`` (every byte up to a large value's payload) and the
+    ``payload`` (the caller's own bytes).  Joining them copied the payload
+    before the first byte could be sent, 35 us a MiB here.  It reads like
+    bytes where a client reads a message (its length, a byte, a slice);
+    it is not a buffer, so a sender that is not written for it fails
+    loudly, and those written for it send ``parts`` (``parts_of``)."""
+
+    __slots__ = ("head", "payload")
+
+    def __init__(self, head: bytes, payload: bytes) -> None:
+        self.head = head
+        self.payload = payload
+
+    @property
+    def parts(self) -> tuple[bytes, bytes]:
+        return self.head, self.payload
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.payload)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        head = self.head
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step == 1 and stop <= len(head):
+                return head[start:stop]
+            if step == 1 and start >= len(head):
+                return self.payload[start - len(head):stop - len(head)]
+            return bytes(self)[index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("index out of range")
+        return head[index] if index < len(head) else self.payload[index - len(head)]
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Gathered):
+            return self.parts == other.parts or bytes(self) == bytes(other)
+        if isinstance(other, (bytes, bytearray, memoryview)):
+            return len(other) == len(self) and bytes(self) == other
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Gathered({self.head!r}, <{len(self.payload)} bytes>)"
+
+
+def parts_of(message: Any) -> tuple[Any, ...]:
+    """The buffers ``message`` (bytes, or a Gathered) is made of, in order."""
+    return message.parts if type(message) is Gathered else (message,)
+
+
 def value_digest(*pieces: Any) -> bytes:
     """What DELETE_IF carries for a value stored as the bytes ``pieces``
     make in order: XXH64 of them, seed 0, big-endian."""

@@ -337,18 +337,21 @@ def test_the_peer_closing_fails_the_read_at_once(pair, loop, between):
 
 @pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "insecure"])
 @pytest.mark.parametrize("size", [transport.LARGE_FRAME, aio.SEND_PIECE + 1, 3 << 20])
+@pytest.mark.parametrize("gathered", [False, True], ids=["bytes", "gathered"])
 @pytest.mark.parametrize("loop", LOOPS)
-def test_a_large_frame_sent_a_piece_at_a_time_is_the_frame_whole(pair, loop, sealed, size):
-    """A large message goes a piece at a time, each hashed as it is handed
-    over and let drain before the next: the bytes on the wire are those of
-    the frame sealed whole, the peer reading slowly (a small socket buffer,
-    the transport past its high-water mark), and the frames after it are
-    numbered on."""
+def test_a_large_frame_sent_a_piece_at_a_time_is_the_frame_whole(pair, loop, sealed, size,
+                                                                  gathered):
+    """A large message (bytes, or a head and a payload never joined) goes
+    a piece at a time, each hashed as it is handed over and let drain
+    before the next: the bytes on the wire are those of the frame sealed
+    whole, the peer reading slowly (a small socket buffer, the transport
+    past its high-water mark), and the frames after it are numbered on."""
     ours, theirs = pair
     theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
-    message = random.Random(size).randbytes(size)
+    whole = random.Random(size).randbytes(size)
+    message = wire.Gathered(whole[:29], whole[29:]) if gathered else whole
     ends = sessions() if sealed else (None, None)
-    expected = framed(message, ends[0]) + framed(b"after", ends[0])
+    expected = framed(whole, ends[0]) + framed(b"after", ends[0])
     sending = sessions()[0] if sealed else None
     received = bytearray()
 

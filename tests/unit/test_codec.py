@@ -1262,5 +1262,8 @@ def test_a_value_in_pieces_makes_the_message_the_packed_value_makes(length):
     pieces = codec.keyed_message(wire.OP_PUT, 7, 8, 9, hasher, 60, "key",
                                  (msgpack_bin_header(length), value))
     assert pieces == whole
+    message = pieces[0]
+    assert type(message) is wire.Gathered and message.payload is value     # (not copied)
+    assert bytes(message) == whole[0] and len(message) == len(whole[0])
     assert codec.keyed_message(wire.OP_GET, 7, 8, 9, hasher, 60, "key", None) == \
         codec.keyed(wire.OP_GET, 7, 8, 9, hasher, 60, "key", None)

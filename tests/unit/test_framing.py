@@ -249,6 +249,19 @@ def test_large_frames_cross_a_connection_both_ways(keys):
     assert reply == [(wire.ST_OK, wire.reply(wire.ST_OK, 9, blob))]
 
 
+@pytest.mark.parametrize("keys", [KEYS, None], ids=["sealed", "insecure"])
+@pytest.mark.parametrize("size", [70_000, 5 << 20])
+def test_a_gathered_request_crosses_a_connection_as_its_bytes_joined(keys, size):
+    """A request kept in two pieces (a large PUT's head and its payload)
+    arrives as the bytes the two make, and checks when sealed."""
+    server, client, pump = linked(keys)
+    blob = random.Random(size).randbytes(size)
+    request = wire.Gathered(wire.request_header(wire.OP_GET, 9, 1) + b"head", blob)
+    reply = outcome(client.request(request, 9))
+    pump.flush()
+    assert reply == [(wire.ST_OK, wire.reply(wire.ST_OK, 9, b"head" + blob))]
+
+
 def test_a_large_sealed_frame_changed_in_flight_closes_the_connection():
     server, client, pump = linked(KEYS)
     refusals = []
@@ -293,6 +306,34 @@ def test_a_frame_sent_is_the_frame_received(pair, sealed, size):
     finally:
         sender.join()
     assert theirs.gettimeout() == 5.0
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "insecure"])
+@pytest.mark.parametrize("size", [transport.LARGE_FRAME, wire.READ_WHOLE_BYTES,
+                                  transport.SEND_PIECE * 5 - 7])
+def test_a_gathered_message_sent_is_its_bytes_joined_received(pair, sealed, size):
+    """A message in two pieces goes as the one its bytes make, whole or a
+    piece at a time, the head and the payload's first bytes together."""
+    ours, theirs = pair
+    sending, receiving = sessions() if sealed else (None, None)
+    payload = random.Random(size).randbytes(size)
+    message = wire.Gathered(b"the head of a large put", payload)
+    sender = threading.Thread(target=transport._send_frame, args=(ours, message, sending))
+    sender.start()
+    try:
+        assert transport._recv_frame(theirs, session=receiving) == bytes(message)
+    finally:
+        sender.join()
+
+
+@pytest.mark.parametrize("step", [1, 5, 23, 24, 1000])
+def test_sendings_cut_a_message_into_sends_of_a_step_in_order(step):
+    head, payload = b"h" * 23, bytes(range(256)) * 4
+    for message in (head + payload, wire.Gathered(head, payload)):
+        sends = list(transport.sendings(message, step))
+        assert b"".join(b"".join(map(bytes, pieces)) for pieces in sends) == head + payload
+        assert all(sum(map(len, pieces)) == step for pieces in sends[:-1])
+        assert 0 < sum(map(len, sends[-1])) <= step
 
 
 def get_reply(value: bytes, status: int = wire.ST_OK) -> bytes:

@@ -461,3 +461,36 @@ def test_decoders_raise_only_protocol_error_on_20000_seeded_mutations():
     rng = random.Random(20240601)
     for _ in range(20_000):
         decode_everything(random_mutation(rng, random_valid_message(rng)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=40), st.binary(max_size=40),
+       st.one_of(st.integers(-100, 100),
+                 st.tuples(st.none() | st.integers(-100, 100), st.none() | st.integers(-100, 100),
+                           st.none() | st.integers(-3, 3).filter(bool))))
+def test_a_gathered_message_reads_as_its_bytes_joined(head, payload, index):
+    """A message kept as (head, payload) answers its length, a byte and
+    a slice as the joined bytes do (and IndexError where they do)."""
+    message, joined = wire.Gathered(head, payload), head + payload
+    assert len(message) == len(joined) and bytes(message) == joined
+    assert message == joined and message == wire.Gathered(b"", joined)
+    assert message != joined + b"!"
+    if isinstance(index, tuple):
+        assert message[slice(*index)] == joined[slice(*index)]
+        return
+    try:
+        expected = joined[index]
+    except IndexError:
+        with pytest.raises(IndexError):
+            message[index]
+    else:
+        assert message[index] == expected
+
+
+def test_a_gathered_message_is_not_a_buffer():
+    """Code not written for one fails loudly, never sends its head alone."""
+    message = wire.Gathered(b"head", b"payload")
+    with pytest.raises(TypeError):
+        memoryview(message)
+    assert wire.parts_of(message) == (b"head", b"payload")
+    assert wire.parts_of(b"whole") == (b"whole",)
